@@ -1,0 +1,91 @@
+"""The attention backend interface and the per-step metadata every backend starts from.
+
+The KV cache of one layer is one tensor, `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0: keys, 1: values). Token t of request r lives in slot
+`block_table[r, pos // block_size] * block_size + pos % block_size`.
+
+One step's batch is flat: the query tokens of all scheduled requests, request after request.
+
+    request r:  |<------------- seq_lens[r] ------------->|
+                |<--- context (already in the cache) --->|<-- query -->|
+                                                          query_start_loc[r] .. query_start_loc[r+1]
+
+A decode is a request whose query length is 1; a prefill chunk attends causally to its
+own tokens and to the whole context before it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """What the model runner builds once per step, before any backend-specific work."""
+
+    num_reqs: int
+    num_actual_tokens: int  # tokens in the flat batch (inputs may be padded beyond this)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_reqs] int32, context + query, on the device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, on the device
+    query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32
+    seq_lens_cpu: np.ndarray  # [num_reqs] int32
+
+
+class AttentionBackend(ABC):
+    """One attention implementation. Build metadata once per step, then run every layer.
+
+    Invariants: `forward` first writes this step's K/V into the cache at `slot_mapping`,
+    then attends each query token to all tokens of its request up to and including itself.
+    """
+
+    name: str = "base"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Per-step work shared by all layers (index tensors, masks, splits)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: Any,  # what build_metadata returned
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write k/v into the cache, then attend."""
+
+
+def get_attn_backend_cls(device: torch.device | str) -> type[AttentionBackend]:
+    """The torch backend on CPU; the Triton backend on CUDA (imported lazily)."""
+    if torch.device(device).type == "cuda":
+        try:
+            from pagellm.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend
+        except ImportError:
+            pass
+    from pagellm.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend

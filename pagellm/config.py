@@ -1,0 +1,217 @@
+"""Engine configuration: EngineArgs (what a user passes) and the small configs derived from it.
+
+`LLM(**kwargs)` and the CLI both build an `EngineArgs`; `create_engine_config()` resolves the
+model (embedded default, HF folder, GGUF file or a shipped config for dummy weights) and
+returns an `EngineConfig`, the one object handed to the engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's engine arguments, by the same names. Unknown names raise TypeError."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    kv_cache_memory_bytes: int | None = None  # KV cache size; CPU default 2 GiB
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None
+    disable_log_stats: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unexpected engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        model_config = ModelConfig.from_args(self, device)
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_len,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device=str(device),
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            log_stats=not self.disable_log_stats,
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # what the user named (a path, a shipped config name or the default's file)
+    source: Any  # pagellm.loader.ModelSource: where weights and tokenizer come from
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
+        from pagellm import loader
+
+        source = loader.resolve_model_source(args.model, args.load_format, args.tokenizer)
+        hf_config = loader.load_hf_config(source)
+        max_len = _resolve_max_model_len(hf_config, args.max_model_len)
+        dtype = _resolve_dtype(args.dtype, hf_config, device)
+        return cls(
+            model=source.name,
+            source=source,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_len,
+            served_model_name=args.served_model_name or source.name,
+            seed=args.seed,
+        )
+
+    @property
+    def architecture(self) -> str:
+        return (self.hf_config.architectures or ["LlamaForCausalLM"])[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} must be in [1, {limit}] (the model's max_position_embeddings)"
+        )
+    return requested
+
+
+def _resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # fast and exact on CPUs without bf16 matrix units
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype)
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
+    enforce_eager: bool = False
+    log_stats: bool = True

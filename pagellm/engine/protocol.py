@@ -1,0 +1,76 @@
+"""Messages that cross the EngineCore process boundary, as msgspec structs.
+
+New requests travel in full; outputs carry only the tokens produced since the last
+message. Nothing here is pickled: every field is a plain value msgpack can carry.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from pagellm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # aborted by the caller
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # per new token: [sampled logprob, then (token id, logprob) of the top `logprobs`]
+    new_logprobs: list[list[float]] | None = None
+    new_top_logprob_ids: list[list[int]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended the request
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    num_preemptions: int = 0  # since start
+    prefix_cache_queries: int = 0  # tokens looked up, since start
+    prefix_cache_hits: int = 0  # tokens found, since start
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # the reply to a utility call (call_id, result) travels on the output channel too
+    utility_output: UtilityOutput | None = None
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreRequestType(enum.Enum):
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"

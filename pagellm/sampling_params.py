@@ -1,0 +1,90 @@
+"""SamplingParams: how to pick tokens and when to stop, with vLLM's names and defaults.
+
+A msgspec Struct, so it crosses the process boundary as msgpack without pickling.
+Invalid values raise ValueError naming the field, before a request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every RequestOutput holds all text and tokens so far
+    DELTA = 1  # only what is new since the last RequestOutput
+    FINAL_ONLY = 2  # one RequestOutput, when the request finishes
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        _check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be -1 (disable) or at least 1, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens}",
+        )
+        _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}",
+        )
+        _check(all(s for s in self.stop), "stop", "cannot contain an empty string")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be non-negative integers, got {self.stop_token_ids}",
+        )
+        _check(
+            self.logprobs is None or self.logprobs >= 0,
+            "logprobs",
+            f"must be non-negative, got {self.logprobs}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self) -> SamplingParams:
+        return msgspec.structs.replace(self)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} {message}")
