@@ -29,6 +29,7 @@ class CommonAttentionMetadata:
     """What the model runner builds once per step, before any backend-specific work."""
 
     num_reqs: int
+    block_size: int
     num_actual_tokens: int  # tokens in the flat batch (inputs may be padded beyond this)
     max_query_len: int
     max_seq_len: int
@@ -61,9 +62,10 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    @classmethod
     @abstractmethod
-    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """Per-step work shared by all layers (index tensors, masks, splits)."""
+    def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """Per-step work shared by all layers (index tensors, masks, splits); called once a step."""
 
     @abstractmethod
     def forward(
