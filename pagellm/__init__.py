@@ -1,0 +1,35 @@
+"""pagellm: a readable LLM inference engine on vLLM's V1 architecture."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.config import EngineArgs
+    from pagellm.entrypoints.llm import LLM
+
+__version__ = "0.1.0"
+__all__ = [
+    "LLM",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestOutputKind",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # torch and transformers load only when the engine is used
+    if name == "LLM":
+        from pagellm.entrypoints.llm import LLM
+
+        return LLM
+    if name == "EngineArgs":
+        from pagellm.config import EngineArgs
+
+        return EngineArgs
+    raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""InputProcessor: a prompt (text, token ids or chat messages) -> a validated EngineCoreRequest.
+
+Every error a user can cause is raised here, before anything reaches the engine core, as a
+ValueError that says what is wrong and what the limit is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from pagellm.config import ModelConfig
+from pagellm.engine.protocol import EngineCoreRequest
+from pagellm.sampling_params import SamplingParams
+
+# a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
+PromptType = Union[str, dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_id = _eos_token_id(model_config, tokenizer)
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Returns the prompt text (None for token-id prompts) and the request for the core."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+        )
+        return text, request
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self._encode(prompt["prompt"])
+        raise ValueError(
+            "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+        return self.tokenizer.encode(text)
+
+    def _validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty: it must have at least one token")
+        max_len = self.model_config.max_model_len
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"The prompt (length {len(token_ids)}) is longer than the maximum model "
+                f"length of {max_len} tokens"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab})")
+
+
+def _eos_token_id(model_config: ModelConfig, tokenizer: Any | None) -> int | None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(model_config.hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos

@@ -1,0 +1,119 @@
+"""LLMEngine: the caller side of the engine.
+
+`add_request()` tokenizes and validates a prompt, registers its output state and hands it to
+the engine core; `step()` only consumes what the core already produced: it detokenizes,
+checks stop strings, aborts requests a stop string ended, and returns RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.engine.core_client import EngineCoreClient
+from pagellm.engine.input_processor import InputProcessor, PromptType
+from pagellm.engine.output_processor import OutputProcessor, ParentRequest
+from pagellm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(config.model_config, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = EngineCoreClient.make_client(config)
+        self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
+        self.last_stats: SchedulerStats | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        from pagellm import loader
+
+        config = engine_args.create_engine_config()
+        tokenizer = loader.load_tokenizer(config.model_config.source)
+        return cls(config, tokenizer)
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer")
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and submits a request; raises ValueError before anything is queued."""
+        prompt_text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time
+        )
+        for child in self._fan_out(request):
+            self.output_processor.add_request(prompt_text, child.request, *child.parent_args)
+            self.engine_core.add_request(child.request)
+
+    def _fan_out(self, request: EngineCoreRequest) -> list[_Child]:
+        params = request.sampling_params
+        if params.n == 1:
+            return [_Child(request)]
+        parent = ParentRequest(request.request_id, params.n, params.output_kind)
+        children = [_Child.make(request, parent, i) for i in range(params.n)]
+        self.children[request.request_id] = [c.request.request_id for c in children]
+        return children
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [child for rid in ids for child in self.children.pop(rid, [rid])]
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+        request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
+        self.engine_core.abort_requests(reqs_to_abort)
+        for out in request_outputs:
+            if out.finished:
+                self.children.pop(out.request_id, None)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self.engine_core.call_utility(method, *args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class _Child:
+    """One request as the core sees it, with where its output goes in its parent."""
+
+    __slots__ = ("request", "parent_args")
+
+    def __init__(self, request: EngineCoreRequest, parent_args: tuple = ()) -> None:
+        self.request = request
+        self.parent_args = parent_args
+
+    @classmethod
+    def make(cls, request: EngineCoreRequest, parent: ParentRequest, index: int) -> _Child:
+        import msgspec
+
+        params = msgspec.structs.replace(request.sampling_params, n=1)
+        if params.seed is not None:
+            params.seed += index
+        child = msgspec.structs.replace(
+            request, request_id=f"{index}_{request.request_id}", sampling_params=params
+        )
+        return cls(child, (parent, index))

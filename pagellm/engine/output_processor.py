@@ -1,0 +1,225 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs, on the caller side.
+
+Per request it keeps the prompt, the generated token ids and an incremental detokenizer;
+it checks stop strings (a request stopped by one must be aborted in the core) and builds
+RequestOutput objects as each request's `output_kind` asks. Requests with n > 1 are fanned
+out into n child requests and gathered back into one RequestOutput here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.sampling_params import RequestOutputKind
+
+
+class ParentRequest:
+    """The user's request when n > 1: collects the children's completions into one output."""
+
+    __slots__ = ("request_id", "completions", "num_finished", "n", "output_kind")
+
+    def __init__(self, request_id: str, n: int, output_kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.output_kind = output_kind
+        self.completions: list[CompletionOutput | None] = [None] * n
+        self.num_finished = 0
+
+
+class RequestState:
+    __slots__ = (
+        "request_id",
+        "index",
+        "parent",
+        "prompt",
+        "prompt_token_ids",
+        "params",
+        "detokenizer",
+        "token_ids",
+        "logprobs",
+        "cumulative_logprob",
+        "metrics",
+        "num_cached_tokens",
+        "sent_tokens",
+        "sent_chars",
+        "queue",
+    )
+
+    def __init__(self, prompt: str | None, request: EngineCoreRequest, tokenizer: Any) -> None:
+        params = request.sampling_params
+        self.request_id = request.request_id
+        self.index = 0
+        self.parent: ParentRequest | None = None
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params = params
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
+            if tokenizer is not None
+            else None
+        )
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self.num_cached_tokens = 0
+        self.sent_tokens = 0  # for DELTA outputs: what the caller has already been given
+        self.sent_chars = 0
+        self.queue: Any = None  # AsyncLLM puts this request's outputs here
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        prompt: str | None,
+        request: EngineCoreRequest,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        if request.request_id in self.request_states:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        state = RequestState(prompt, request, self.tokenizer)
+        state.parent, state.index, state.queue = parent, index, queue
+        self.request_states[request.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forgets these requests; returns the ids the engine core still has to abort."""
+        return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the request ids stopped by a stop string."""
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        now = time.time()
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the caller, or stopped by a string a step ago
+            finish_reason, stop_reason = self._update(state, out, now)
+            if finish_reason is not None:
+                del self.request_states[out.request_id]
+                if not out.finished:
+                    reqs_to_abort.append(out.request_id)
+            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            if request_output is None:
+                continue
+            if state.queue is not None:
+                state.queue.put_nowait(request_output)
+            else:
+                request_outputs.append(request_output)
+        return request_outputs, reqs_to_abort
+
+    def _update(
+        self, state: RequestState, out: EngineCoreOutput, now: float
+    ) -> tuple[FinishReason | None, int | str | None]:
+        new_ids = out.new_token_ids
+        state.token_ids.extend(new_ids)
+        if state.metrics.first_token_time is None and new_ids:
+            state.metrics.first_token_time = now
+            state.num_cached_tokens = out.num_cached_tokens
+        state.metrics.last_token_time = now
+        if out.new_logprobs is not None:
+            self._update_logprobs(state, out)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if state.detokenizer is not None:
+            stop_string = self._detokenize(state, new_ids, finish_reason)
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+        if finish_reason is not None:
+            state.metrics.finished_time = now
+        return finish_reason, stop_reason
+
+    def _detokenize(
+        self, state: RequestState, new_ids: list[int], finish_reason: FinishReason | None
+    ) -> str | None:
+        # an EOS or stop token id that ended the request is not part of the text
+        if finish_reason == FinishReason.STOP and not state.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]
+        return state.detokenizer.update(new_ids, len(state.token_ids))
+
+    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
+        for values, ids in zip(out.new_logprobs, out.new_top_logprob_ids):
+            entry = {ids[0]: Logprob(values[0])}
+            for rank, (tid, val) in enumerate(zip(ids[1:], values[1:]), start=1):
+                entry.setdefault(tid, Logprob(val, rank=rank))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += values[0]
+
+    def _make_request_output(
+        self, state: RequestState, finish_reason: FinishReason | None, stop_reason: Any
+    ) -> RequestOutput | None:
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._completion(state, finish_reason, stop_reason, kind)
+        if state.parent is not None:
+            return self._parent_output(state, completion, finished)
+        return self._request_output(state, state.request_id, [completion], finished)
+
+    def _completion(
+        self, state: RequestState, finish_reason: Any, stop_reason: Any, kind: RequestOutputKind
+    ) -> CompletionOutput:
+        finished = finish_reason is not None
+        text = state.detokenizer.output_text(finished) if state.detokenizer else ""
+        token_ids, logprobs = state.token_ids, state.logprobs
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = text[state.sent_chars :], token_ids[state.sent_tokens :]
+            if logprobs is not None:
+                logprobs = logprobs[state.sent_tokens :]
+            state.sent_chars += len(text)
+            state.sent_tokens += len(token_ids)
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=list(token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason,
+        )
+
+    def _parent_output(
+        self, state: RequestState, completion: CompletionOutput, finished: bool
+    ) -> RequestOutput | None:
+        parent = state.parent
+        parent.completions[state.index] = completion
+        parent.num_finished += finished
+        all_done = parent.num_finished == parent.n
+        if parent.output_kind == RequestOutputKind.FINAL_ONLY and not all_done:
+            return None
+        if parent.output_kind == RequestOutputKind.DELTA:
+            completions = [completion]
+        else:
+            completions = [c for c in parent.completions if c is not None]
+        return self._request_output(state, parent.request_id, completions, all_done)
+
+    def _request_output(
+        self, state: RequestState, request_id: str, completions: list, finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )

@@ -1,0 +1,151 @@
+"""LLM: the offline facade. Builds EngineArgs, creates an LLMEngine, and runs generate()/chat().
+
+`generate()` is the add-then-step loop: every prompt goes in with add_request(), then step()
+runs until no request is unfinished, and the finished outputs come back in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineArgs
+from pagellm.engine.input_processor import PromptType
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batch generation. Takes vLLM's engine arguments by name (see EngineArgs)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_list(prompts)
+        params_list = self._params_for(prompt_list, sampling_params)
+        request_ids = self._add_requests(prompt_list, params_list)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_for(
+        self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts: "
+                "pass one, or one per prompt"
+            )
+        return list(params)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        added: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._request_counter))
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(added)  # all or nothing: the engine stays clean
+            raise
+        return added
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _ProgressBar(len(request_ids), use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(out)
+        except BaseException:
+            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    return list(prompts)
+
+
+class _ProgressBar:
+    """tqdm over finished requests, with input and output tokens/s in its postfix."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True) if enabled else None
+        self.start = time.perf_counter()
+        self.in_tokens = 0
+        self.out_tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.in_tokens += len(out.prompt_token_ids)
+        self.out_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"input: {self.in_tokens / elapsed:.1f} toks/s, output: {self.out_tokens / elapsed:.1f} toks/s",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,101 @@
+"""Sampler: logits -> next token ids for one step, without a host sync until the caller asks.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
+draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
+token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.sample.metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+class SamplerOutput:
+    __slots__ = ("sampled", "logprobs", "logprob_ids")
+
+    def __init__(
+        self,
+        sampled: torch.Tensor,  # [B] int64
+        logprobs: torch.Tensor | None = None,  # [B, 1 + k] float32: sampled, then top-k
+        logprob_ids: torch.Tensor | None = None,  # [B, 1 + k] int64
+    ) -> None:
+        self.sampled = sampled
+        self.logprobs = logprobs
+        self.logprob_ids = logprob_ids
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # logits: [B, vocab] float32
+        _ban_tokens(logits, meta.banned_tokens)
+        raw = logits if meta.max_num_logprobs is not None else None
+        sampled = self._sample(logits, meta)
+        if raw is None:
+            return SamplerOutput(sampled)
+        return SamplerOutput(sampled, *_gather_logprobs(raw, sampled, meta.max_num_logprobs))
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        probs = _probs(logits, meta)
+        sampled = _exponential_race(probs, meta.generators)
+        if meta.all_random:
+            return sampled
+        return torch.where(meta.temperature < 1e-5, greedy, sampled)
+
+
+def _ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
+    for row, token_ids in banned:
+        logits[row, token_ids] = _NEG_INF
+
+
+def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    temperature = torch.where(meta.temperature < 1e-5, 1.0, meta.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = logits.softmax(dim=-1)
+    if meta.min_p is not None:
+        keep = probs >= meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+    return probs
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        k = torch.where(top_k > 0, top_k, logits.shape[-1])
+        drop |= ranks.unsqueeze(0) >= k.unsqueeze(1)
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, _NEG_INF).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        drop |= mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs = logits.log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(-1, sampled.unsqueeze(1))  # [B, 1]
+    if k == 0:
+        return chosen, sampled.unsqueeze(1)
+    top_vals, top_ids = logprobs.topk(k, dim=-1)  # [B, k]
+    return torch.cat([chosen, top_vals], 1), torch.cat([sampled.unsqueeze(1), top_ids], 1)

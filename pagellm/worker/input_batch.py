@@ -1,0 +1,116 @@
+"""InputBatch: the model runner's persistent per-request state, in numpy rows.
+
+Each request the runner holds owns one row of fixed-size arrays (token ids, block table,
+sampling settings) from the step it arrives until it finishes or is preempted. A step
+then builds its flat batch with a few vectorized gathers over the scheduled rows: no
+per-token Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagellm.core.sched_output import NewRequestData
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_model_len = max_model_len
+        max_blocks = -(-max_model_len // block_size)
+        # one extra column: a request may sample at position max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.generators: dict[int, torch.Generator] = {}
+        self.eos_token_ids: list[int | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def add_request(self, new: NewRequestData) -> int:
+        row = self._free_rows.pop()
+        self.req_id_to_row[new.req_id] = row
+        tokens = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_block_ids(row, new.block_ids)
+        self._set_sampling(row, new.sampling_params, new.eos_token_id)
+        return row
+
+    def _set_sampling(self, row: int, params: SamplingParams, eos_token_id: int | None) -> None:
+        self.params[row] = params
+        self.eos_token_ids[row] = eos_token_id
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        if params.seed is not None:
+            self.generators[row] = torch.Generator().manual_seed(params.seed)
+
+    def remove_request(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        self.params[row] = None
+        self.generators.pop(row, None)
+        self._free_rows.append(row)
+
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        # rows, token_ids: [S]; each row gets one new token at its end
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
+        temperature = self.temperature[rows]
+        greedy = temperature < 1e-5
+        top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(device),
+            all_greedy=bool(greedy.all()),
+            all_random=not greedy.any(),
+            top_k=_optional(top_k, top_k > 0, device),
+            top_p=_optional(top_p, top_p < 1.0, device),
+            min_p=_optional(min_p, min_p > 0.0, device),
+            generators={i: self.generators[r] for i, r in enumerate(rows) if r in self.generators},
+            banned_tokens=self._banned_tokens(rows),
+            max_num_logprobs=self._max_num_logprobs(rows),
+        )
+
+    def _banned_tokens(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:
+        banned = []
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        for i, row in enumerate(rows):
+            params = self.params[row]
+            if params.min_tokens and num_outputs[i] < params.min_tokens:
+                eos = self.eos_token_ids[row]
+                stop_ids = list(params.stop_token_ids)
+                if eos is not None and not params.ignore_eos:
+                    stop_ids.append(eos)
+                banned.append((i, stop_ids))
+        return banned
+
+    def _max_num_logprobs(self, rows: np.ndarray) -> int | None:
+        ks = [self.params[r].logprobs for r in rows if self.params[r].logprobs is not None]
+        return max(ks) if ks else None
+
+
+def _optional(values: np.ndarray, used: np.ndarray, device: torch.device) -> torch.Tensor | None:
+    return torch.from_numpy(values).to(device) if used.any() else None
