@@ -1,0 +1,165 @@
+"""KVCacheManager: each request's block table, and prefix caching over the BlockPool.
+
+Prefix caching: every full block of a request gets a chain hash,
+`hash_block_tokens(parent_hash, block_tokens)`, so equal hashes mean (up to a 64-bit hash
+collision) equal token prefixes. A new request reuses the cached blocks of its longest
+cached prefix instead of computing them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagellm.core.block_pool import BlockPool, KVCacheBlock
+from pagellm.core.request import Request
+
+# Parent hash of a request's first block. A fixed int, not None: hash(None) is not stable
+# across processes before Python 3.12.
+ROOT_BLOCK_HASH = 0x5DEECE66D
+
+
+def hash_block_tokens(parent_hash: int, block_token_ids: tuple[int, ...]) -> int:
+    """Chain hash of one full block: Python's tuple hash, fast and deterministic for ints
+    (PYTHONHASHSEED only salts str/bytes). 64 bits, not cryptographic: fine for trusted
+    token ids inside one engine process."""
+    return hash((parent_hash, block_token_ids))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _RequestBlocks:
+    """A request's block table and how many of its leading blocks are in the prefix cache."""
+
+    __slots__ = ("blocks", "num_cached_blocks")
+
+    def __init__(self) -> None:
+        self.blocks: list[KVCacheBlock] = []
+        self.num_cached_blocks = 0
+
+
+class KVCacheManager:
+    """Allocates blocks to requests as their computed tokens grow; frees them when done."""
+
+    def __init__(
+        self, block_size: int, num_blocks: int, max_model_len: int, enable_caching: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self._reqs: dict[str, _RequestBlocks] = {}
+        # since start, in tokens; counted once per admission (see allocate_slots)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and its length in tokens.
+
+        The hit never covers the last token: it must be computed to sample the next one.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request, request.num_tokens)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` (first allocation only) are prefix-cache hits from
+        `get_computed_blocks`; they come before the new tokens. Returns the ids of the blocks
+        appended to the request's table (maybe []), or None, changing nothing, if too few
+        blocks are free.
+        """
+        req_blocks = self._reqs.get(request.request_id)
+        if req_blocks is not None and new_computed_blocks:
+            raise ValueError("prefix-cache hits are only taken on a request's first allocation")
+        num_held = len(req_blocks.blocks) if req_blocks else 0
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_needed = cdiv(num_total, self.block_size) - num_held - len(new_computed_blocks)
+        # hits on free cached blocks take them out of the free queue too
+        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self._admit(request, new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
+        req_blocks.blocks.extend(new_blocks)
+        self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
+        return [block.block_id for block in new_blocks]
+
+    def _admit(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> _RequestBlocks:
+        """Start a request's block table with its prefix-cache hits."""
+        self.block_pool.touch(computed_blocks)
+        req_blocks = _RequestBlocks()
+        req_blocks.blocks.extend(computed_blocks)
+        req_blocks.num_cached_blocks = len(computed_blocks)
+        self._reqs[request.request_id] = req_blocks
+        if self.enable_caching:
+            # counted here, not at lookup, so a request left waiting for blocks counts once
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        return req_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: _RequestBlocks, num_known_tokens: int
+    ) -> None:
+        """Cache the blocks made full by the first `num_known_tokens` tokens."""
+        if not self.enable_caching:
+            return
+        num_full = num_known_tokens // self.block_size
+        first = req_blocks.num_cached_blocks
+        if num_full <= first:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        self.block_pool.cache_full_blocks(
+            req_blocks.blocks[first:num_full], request.block_hashes[first:num_full]
+        )
+        req_blocks.num_cached_blocks = num_full
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend `request.block_hashes` to cover the full blocks of its first num_tokens."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        size = self.block_size
+        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        for start in range(len(hashes) * size, num_tokens - size + 1, size):
+            parent = hash_block_tokens(parent, tuple(tokens[start : start + size]))
+            hashes.append(parent)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first (it is the least likely to be shared)."""
+        req_blocks = self._reqs.pop(request.request_id, None)
+        if req_blocks is not None:
+            self.block_pool.free_blocks(reversed(req_blocks.blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A fresh list of the request's block ids, in order."""
+        req_blocks = self._reqs.get(request_id)
+        return [block.block_id for block in req_blocks.blocks] if req_blocks else []
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
