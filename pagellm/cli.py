@@ -1,0 +1,131 @@
+"""The `pagellm` command line: `pagellm generate` (more subcommands plug in as parsers).
+
+Engine flags are generated from the EngineArgs dataclass, so `--max-model-len` here and
+`LLM(max_model_len=...)` are the same setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import typing
+
+from pagellm import envs
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a KV cache is.",
+    "List three prime numbers:",
+    "Once upon a time, in a small village,",
+    "The best way to learn programming is",
+    "Translate to French: Good morning, how are you?",
+    "What is 12 times 12?",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    from pagellm.config import EngineArgs
+
+    hints = typing.get_type_hints(EngineArgs)
+    group = parser.add_argument_group("engine arguments (the same as LLM(...) keyword arguments)")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            group.add_argument(flag, type=_scalar_type(hint), default=f.default)
+
+
+def _scalar_type(hint: typing.Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def engine_args_from(ns: argparse.Namespace):
+    from pagellm.config import EngineArgs
+
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts (default: built-in ones)")
+    p.add_argument("prompts", nargs="*", help="prompts; none: a few built-in prompts")
+    p.add_argument("--model", default=None, help="HF folder, .gguf file or shipped config name")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from pagellm import SamplingParams
+    from pagellm.entrypoints.llm import LLM
+
+    args = dataclasses.asdict(engine_args_from(ns))
+    llm = LLM(**args)
+    params = SamplingParams(
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        seed=ns.sampling_seed,
+        ignore_eos=ns.ignore_eos,
+        stop=ns.stop,
+    )
+    prompts = ns.prompts or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    if ns.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    _print_outputs(outputs, prompts, elapsed)
+    llm.shutdown()
+    return 0
+
+
+def _print_outputs(outputs: list, prompts: list[str], elapsed: float) -> None:
+    for prompt, out in zip(prompts, outputs):
+        print(f"\n--- {prompt!r}\n{out.outputs[0].text}")
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(
+        f"\n{len(outputs)} requests, {n_in} prompt + {n_out} generated tokens in {elapsed:.2f} s: "
+        f"{n_out / elapsed:.1f} output tok/s"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=envs.log_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Environment knobs, all with the PAGELLM_ prefix, read when asked (not at import)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def enable_multiprocessing() -> bool:
+    """PAGELLM_ENABLE_MULTIPROCESSING=0 runs the EngineCore in the caller's process."""
+    return _bool("PAGELLM_ENABLE_MULTIPROCESSING", True)
+
+
+def cache_dir() -> str:
+    """PAGELLM_CACHE_DIR: where converted tokenizers are kept (default ~/.cache/pagellm)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
+    return os.environ.get("PAGELLM_CACHE_DIR", default)
+
+
+def log_level() -> str:
+    """PAGELLM_LOGGING_LEVEL: INFO by default."""
+    return os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO").upper()

@@ -1,0 +1,74 @@
+"""Shared fixtures: the embedded model (loaded once per session) and HF references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was a little robot who",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "In machine learning, a transformer is",
+    "My favourite recipe for pancakes:",
+    "The quick brown fox",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def embedded_gguf() -> tuple[str, str]:
+    """(folder, file name) of the embedded SmolLM2 GGUF file."""
+    from pagellm.loader import resolve_model_source
+
+    path = resolve_model_source(None, "auto", None).path
+    return os.path.dirname(path), os.path.basename(path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(embedded_gguf):
+    """HF transformers' own model from the same GGUF file, float32: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = embedded_gguf
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the embedded model for the whole session (float32, greedy-exact)."""
+    from pagellm import LLM
+
+    engine = LLM(dtype="float32", max_model_len=1024, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding with HF's KV cache; EOS is not special (like ignore_eos=True)."""
+    ids = torch.tensor([prompt_ids])
+    out: list[int] = []
+    past = None
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out

@@ -1,0 +1,53 @@
+"""The same greedy tokens whatever the engine does inside: prefix caching, preemption, chunking."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPTS
+from pagellm import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+SHARED_PREFIX = "You are a careful assistant. Answer briefly and precisely. Question: "
+PREFIXED = [SHARED_PREFIX + p for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Token ids from the session engine (prefix caching on, roomy cache)."""
+    return _token_ids(llm, PREFIXED)
+
+
+def _token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+def test_prefix_cache_hits_do_not_change_outputs(llm, reference):
+    llm.llm_engine.call_utility("reset_prefix_cache")
+    first = llm.generate(PREFIXED[:1], PARAMS, use_tqdm=False)
+    again = llm.generate(PREFIXED, PARAMS, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 16 for o in again)  # the shared prefix came from the cache
+    assert [o.outputs[0].token_ids for o in again] == reference
+
+
+def test_prefix_caching_off_gives_same_outputs(reference):
+    with LLM(dtype="float32", max_model_len=1024, enable_prefix_caching=False) as llm:
+        outputs = llm.generate(PREFIXED, PARAMS, use_tqdm=False)
+        assert all(o.num_cached_tokens == 0 for o in outputs)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+
+
+def test_preemption_gives_same_outputs(reference):
+    # 8 requests of ~70 tokens need ~40 blocks of 16; 14 blocks force preemption by recompute
+    with LLM(dtype="float32", max_model_len=1024, num_gpu_blocks_override=14) as llm:
+        assert _token_ids(llm, PREFIXED) == reference
+        stats = llm.llm_engine.call_utility("get_stats")
+        assert stats["num_preemptions"] > 0
+        assert llm.llm_engine.call_utility("get_num_free_blocks") == 13  # all but the null block
+
+
+def test_chunked_prefill_gives_same_outputs(reference):
+    # a budget of 8 tokens a step splits every prompt into several chunks
+    with LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=8) as llm:
+        assert _token_ids(llm, PREFIXED) == reference
