@@ -115,10 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def setup_logging() -> None:
     logging.basicConfig(
         level=envs.log_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging()
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)

@@ -1,24 +1,58 @@
 """EngineCoreClient: how the caller side talks to an EngineCore.
 
-`InprocClient` calls EngineCore directly in this process (PAGELLM_ENABLE_MULTIPROCESSING=0).
-Everything a client sends is data a msgspec struct can carry, so the same calls work
-across a process boundary.
+- `InprocClient`: EngineCore in this process, `get_output()` runs one step
+  (PAGELLM_ENABLE_MULTIPROCESSING=0; same code, easy to debug).
+- `SyncMPClient` (LLM, LLMEngine) and `AsyncMPClient` (AsyncLLM): EngineCore in a child
+  process that steps on its own; requests go in and outputs come back over ZMQ `ipc://`
+  sockets in a private temporary directory, as msgpack-encoded msgspec structs.
+
+If the child dies, every waiting call raises EngineDeadError within _POLL_MS.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from typing import Any
 
-from pagellm.config import EngineConfig
-from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagellm import envs
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
+
+_POLL_MS = 200  # how often a waiting client checks that the core process is alive
+_SHUTDOWN_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; no request can make progress."""
 
 
 class EngineCoreClient(ABC):
     """add_request / abort_requests go in; get_output() returns what the core produced."""
 
     @staticmethod
-    def make_client(config: EngineConfig) -> EngineCoreClient:
+    def make_client(engine_args: EngineArgs, config: EngineConfig) -> EngineCoreClient:
+        if envs.enable_multiprocessing():
+            return SyncMPClient(engine_args)
         return InprocClient(config)
 
     @abstractmethod
@@ -29,7 +63,7 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def get_output(self) -> EngineCoreOutputs:
-        """The outputs of the next engine step (may be empty when nothing is running)."""
+        """The next outputs of the engine (may be empty when nothing is running)."""
 
     @abstractmethod
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -37,10 +71,6 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-    @property
-    @abstractmethod
-    def num_kv_blocks(self) -> int: ...
 
 
 class InprocClient(EngineCoreClient):
@@ -65,6 +95,219 @@ class InprocClient(EngineCoreClient):
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine_core.num_kv_blocks
+    # AsyncLLM's interface: steps run in the event loop (this mode is for debugging)
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return self.call_utility(method, *args)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while not self.engine_core.has_unfinished_requests():
+            await asyncio.sleep(0.005)
+        outputs = self.engine_core.step()
+        await asyncio.sleep(0)
+        return outputs
+
+
+class MPClient(EngineCoreClient):
+    """Starts the core process, waits for READY, owns the sockets and the clean-up."""
+
+    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagellm-")  # mode 0700
+        input_path, output_path = (f"ipc://{self.ipc_dir}/{n}" for n in ("input", "output"))
+        self.ctx = ctx
+        self.input_socket = zmq.Context.instance().socket(zmq.PUSH)
+        self.input_socket.bind(input_path)
+        self.output_socket = ctx.socket(zmq.PULL)
+        self.output_socket.bind(output_path)
+        self.proc = _start_core_process(engine_args, input_path, output_path, self.ipc_dir)
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
+        )
+        self.dead_error: EngineDeadError | None = None
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.call_ids = itertools.count()
+        self.ready = self._wait_for_ready()
+
+    def _wait_for_ready(self) -> EngineCoreReady:
+        sock = zmq.Socket.shadow(self.output_socket.underlying)  # a blocking view
+        while not sock.poll(_POLL_MS):
+            if self.proc.poll() is not None and not sock.poll(_POLL_MS):
+                self.shutdown()
+                raise RuntimeError(
+                    f"EngineCore process exited with code {self.proc.returncode} during start-up"
+                )
+        kind, payload = sock.recv_multipart()
+        if kind == EngineCoreOutputType.FAILED.value:
+            self.shutdown()
+            raise _startup_error(msgspec.msgpack.decode(payload))
+        return msgspec.msgpack.decode(payload, type=EngineCoreReady)
+
+    def _send(self, kind: EngineCoreRequestType, message: Any) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.input_socket.send_multipart((kind.value, self.encoder.encode(message)), copy=False)
+
+    def _decode(self, frames: list[bytes]) -> EngineCoreOutputs:
+        kind, payload = frames
+        if kind == EngineCoreOutputType.FAILED.value:
+            self._mark_dead(f"EngineCore died: {msgspec.msgpack.decode(payload)[1]}")
+        return self.decoder.decode(payload)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self.proc.poll() is not None:
+            self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
+
+    def _mark_dead(self, message: str) -> None:
+        self.dead_error = EngineDeadError(message)
+        raise self.dead_error
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    def __init__(self, engine_args: EngineArgs) -> None:
+        super().__init__(engine_args, zmq.Context.instance())
+        self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
+
+    def _recv(self) -> EngineCoreOutputs:
+        while not self.output_socket.poll(_POLL_MS):
+            self._check_alive()
+        return self._decode(self.output_socket.recv_multipart())
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self.pending:
+            return self.pending.popleft()
+        return self._recv()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        call_id = next(self.call_ids)
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        while True:
+            outputs = self._recv()
+            reply = outputs.utility_output
+            if reply is not None and reply.call_id == call_id:
+                return _utility_result(reply)
+            self.pending.append(outputs)
+
+
+class AsyncMPClient(MPClient):
+    """For AsyncLLM: one reader (AsyncLLM's output handler) calls get_output_async()."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        super().__init__(engine_args, zmq.asyncio.Context.instance())
+        self.utility_futures: dict[int, asyncio.Future] = {}
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        call_id = next(self.call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self.utility_futures[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        return await future
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while True:
+            try:
+                outputs = await self._recv_async()
+            except EngineDeadError as e:
+                self._fail_utility_calls(e)
+                raise
+            reply = outputs.utility_output
+            if reply is None:
+                return outputs
+            future = self.utility_futures.pop(reply.call_id, None)
+            if future is not None and not future.done():
+                _resolve(future, reply)
+
+    async def _recv_async(self) -> EngineCoreOutputs:
+        while not await self.output_socket.poll(_POLL_MS):
+            self._check_alive()
+        return self._decode(await self.output_socket.recv_multipart())
+
+    def _fail_utility_calls(self, error: Exception) -> None:
+        for future in self.utility_futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self.utility_futures.clear()
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError("AsyncMPClient is read with get_output_async()")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError("AsyncMPClient uses call_utility_async()")
+
+
+def _start_core_process(
+    engine_args: EngineArgs, input_path: str, output_path: str, ipc_dir: str
+) -> subprocess.Popen:
+    message = (dataclasses.asdict(engine_args), input_path, output_path, ipc_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagellm.engine.core_proc"], stdin=subprocess.PIPE, env=os.environ
+    )
+    proc.stdin.write(msgspec.msgpack.encode(message))
+    proc.stdin.close()
+    return proc
+
+
+def _cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
+    """Stop the core process (politely, then not), close sockets, remove the IPC files.
+
+    Runs once: from shutdown(), when the client is garbage-collected, or at interpreter exit.
+    """
+    if proc.poll() is None:
+        try:
+            in_sock.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b"\xc0"), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            proc.terminate()
+    try:
+        proc.wait(timeout=_SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    in_sock.close(linger=0)
+    out_sock.close(linger=0)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+_STARTUP_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+                   "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def _startup_error(failure: list[str]) -> Exception:
+    """The child's own exception type (for the common ones) and message."""
+    type_name, message = failure
+    return _STARTUP_ERRORS.get(type_name, RuntimeError)(f"EngineCore failed to start: {message}")
+
+
+def _utility_result(reply) -> Any:
+    if reply.failure_message is not None:
+        raise RuntimeError(f"utility call failed in EngineCore: {reply.failure_message}")
+    return reply.result
+
+
+def _resolve(future: asyncio.Future, reply) -> None:
+    try:
+        future.set_result(_utility_result(reply))
+    except RuntimeError as e:
+        future.set_exception(e)

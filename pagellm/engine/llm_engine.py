@@ -22,12 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any | None, engine_core: EngineCoreClient
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core = EngineCoreClient.make_client(config)
+        self.engine_core = engine_core
         self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
         self.last_stats: SchedulerStats | None = None
 
@@ -36,8 +38,9 @@ class LLMEngine:
         from pagellm import loader
 
         config = engine_args.create_engine_config()
+        engine_core = EngineCoreClient.make_client(engine_args, config)
         tokenizer = loader.load_tokenizer(config.model_config.source)
-        return cls(config, tokenizer)
+        return cls(config, tokenizer, engine_core)
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:

@@ -74,3 +74,17 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The core's first message: it is up, and how big its KV cache is."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    pid: int
+
+
+class EngineCoreOutputType(enum.Enum):
+    READY = b"R"  # payload: EngineCoreReady
+    OUTPUTS = b"O"  # payload: EngineCoreOutputs
+    FAILED = b"F"  # payload: the error message (str); the core exits after sending it

@@ -1,0 +1,180 @@
+"""EngineCoreProc: the EngineCore in its own process, behind two ZMQ sockets.
+
+The client starts `python -m pagellm.engine.core_proc` with the engine arguments as msgpack
+on stdin (nothing of the caller's `__main__` is re-imported, so no `if __name__ ==
+"__main__":` guard is needed). Two threads move bytes: one decodes input messages into
+a queue, one encodes outputs from a queue, so serialization overlaps the forward pass.
+`run_busy_loop()` blocks on the input queue while there is nothing to do, and otherwise
+drains it and runs `EngineCore.step()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagellm.config import EngineArgs
+from pagellm.engine.core import EngineCore
+from pagellm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityOutput,
+)
+
+logger = logging.getLogger("pagellm.engine.core_proc")
+
+_POLL_S = 0.5  # how often an idle core checks that its parent is alive
+
+
+class EngineCoreProc(EngineCore):
+    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context, input_path: str) -> None:
+        super().__init__(engine_args.create_engine_config())
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self.ctx = ctx
+        self.input_path = input_path
+        threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
+
+    # ---- socket threads ---------------------------------------------------------------
+
+    def _input_thread(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.input_path)
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        while True:
+            kind, payload = sock.recv_multipart(copy=False)
+            kind = EngineCoreRequestType(bytes(kind.buffer))
+            if kind == EngineCoreRequestType.ADD:
+                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
+            else:
+                self.input_queue.put((kind, msgspec.msgpack.decode(payload.buffer)))
+
+    def output_thread(self, sock: zmq.Socket) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        buffer = bytearray()
+        while True:
+            kind, message = self.output_queue.get()
+            if kind is None:  # the loop has ended: everything before this is sent
+                return
+            encoder.encode_into(message, buffer)
+            sock.send_multipart((kind.value, buffer), copy=True)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while True:
+            self._drain_input_queue(block=not self.scheduler.has_unfinished_requests())
+            if self.scheduler.has_unfinished_requests():
+                outputs = self.step()
+                if outputs.outputs:
+                    self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+    def _drain_input_queue(self, block: bool) -> None:
+        if block:
+            self._handle(*self.input_queue.get())  # idle: sleep until something arrives
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+
+    def _handle(self, kind: EngineCoreRequestType, message: Any) -> None:
+        if kind == EngineCoreRequestType.ADD:
+            self.add_request(message)
+        elif kind == EngineCoreRequestType.ABORT:
+            self.abort_requests(message)
+        elif kind == EngineCoreRequestType.UTILITY:
+            self._run_utility(*message)
+        elif kind == EngineCoreRequestType.SHUTDOWN:
+            raise SystemExit(0)
+
+    def _run_utility(self, call_id: int, method: str, args: list) -> None:
+        try:
+            reply = UtilityOutput(call_id, result=self.call_utility(method, args))
+        except Exception as e:  # the caller gets the error; the core carries on
+            reply = UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
+        outputs = EngineCoreOutputs(utility_output=reply, timestamp=time.monotonic())
+        self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+
+def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
+    """Exit when the parent is gone (even after SIGKILL), removing the IPC files."""
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_S)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    os._exit(0)
+
+
+def run_engine_core(engine_args: EngineArgs, input_path: str, output_path: str, ipc_dir: str):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    threading.Thread(target=_watch_parent, args=(os.getppid(), ipc_dir), daemon=True).start()
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_path)
+    try:
+        core = EngineCoreProc(engine_args, ctx, input_path)
+    except BaseException as e:
+        _send_failure(out, [type(e).__name__, str(e)])
+        raise
+    core.output_queue.put((EngineCoreOutputType.READY, _ready(core)))
+    writer = threading.Thread(target=core.output_thread, args=(out,), name="core-output")
+    writer.start()
+    try:
+        core.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException as e:
+        logger.error("EngineCore died:\n%s", traceback.format_exc())
+        core.output_queue.put((EngineCoreOutputType.FAILED, [type(e).__name__, str(e)]))
+        raise
+    finally:
+        core.output_queue.put((None, None))
+        writer.join(timeout=5)
+        out.close(linger=2000)
+
+
+def _ready(core: EngineCore) -> EngineCoreReady:
+    return EngineCoreReady(
+        num_kv_blocks=core.num_kv_blocks,
+        max_model_len=core.config.model_config.max_model_len,
+        pid=os.getpid(),
+    )
+
+
+def _send_failure(sock: zmq.Socket, message: list[str]) -> None:
+    logger.error("EngineCore failed to start:\n%s", traceback.format_exc())
+    sock.send_multipart((EngineCoreOutputType.FAILED.value, msgspec.msgpack.encode(message)))
+    sock.close(linger=2000)
+
+
+def main() -> None:
+    from pagellm.cli import setup_logging
+
+    setup_logging()
+    engine_args, input_path, output_path, ipc_dir = msgspec.msgpack.decode(sys.stdin.buffer.read())
+    engine_args = msgspec.convert(engine_args, EngineArgs)
+    code = 0
+    try:
+        run_engine_core(engine_args, input_path, output_path, ipc_dir)
+    except BaseException:
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no waiting on ZMQ's context teardown while a socket thread still reads
+
+
+if __name__ == "__main__":
+    main()
