@@ -1,0 +1,56 @@
+"""What the scheduler tells the model runner each step, and what the runner answers.
+
+Plain dataclasses: both sides live in the EngineCore process. New requests come in full,
+requests the runner already holds as diffs (new blocks, computed-token count). The runner
+keeps each request's token list itself and appends what it samples; it samples for a
+request iff `num_computed_tokens + num_scheduled_tokens == len(prompt) + len(outputs)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after a preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # shared with the scheduler's Request: read-only
+    output_token_ids: list[int]  # tokens generated before a preemption, else []
+    sampling_params: SamplingParams
+    block_ids: list[int]  # all its blocks, in order
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+    eos_token_id: int | None = None  # the sampler bans it (and stop ids) before min_tokens
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds, as diffs; the i-th entry of each list is one request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended this step (often [])
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # finished, aborted or preempted since the last step: the runner drops them first,
+    # then adds scheduled_new_reqs (a preempted request may come back under the same id)
+    finished_req_ids: set[str]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # per req_ids entry; [] when the step did not reach the end of its tokens (partial prefill)
+    sampled_token_ids: list[list[int]]
+    # per request: [sampled token logprob, then top-k logprobs] when requested, else []
+    logprobs: list[list[float]] | None = None
+    logprob_token_ids: list[list[int]] | None = None  # per request: [sampled id, then top-k ids]

@@ -1,0 +1,292 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption.
+
+There are no prefill and decode phases. Every step lets each request's computed tokens
+catch up with its tokens (prompt + outputs), spending `max_num_batched_tokens` tokens over
+at most `max_num_seqs` requests:
+
+1. running requests, oldest first, each taking what it still needs or what is left of
+   the budget (a long prompt is prefilled in chunks over several steps);
+2. a running request that cannot get KV blocks preempts the most recently admitted one
+   (maybe itself): its blocks are freed and it waits at the front of the queue, to be
+   recomputed (mostly from the prefix cache) when admitted again;
+3. waiting requests in FIFO order, if nothing was preempted, each starting after its
+   longest cached prefix; admission stops at the first that cannot get blocks.
+
+`num_computed_tokens` advances as soon as a request is scheduled; `update_from_output`
+appends the sampled tokens and decides who stops.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+
+
+@dataclass
+class _Step:
+    """One schedule() call: the token budget left and what has been scheduled so far."""
+
+    token_budget: int
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: bool = False
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        log_stats: bool = True,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        block_size = cache_config.block_size
+        if (num_kv_blocks - 1) * block_size < self.max_model_len:
+            raise ValueError(
+                f"{num_kv_blocks} KV blocks of {block_size} tokens (one reserved) cannot hold "
+                f"one request of max_model_len={self.max_model_len} tokens"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            block_size, num_kv_blocks, self.max_model_len, cache_config.enable_prefix_caching
+        )
+        self.log_stats = log_stats
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, in admission order
+        self.running: list[Request] = []  # RUNNING, oldest admission first
+        self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. The input processor must have rejected bad prompts already."""
+        num_prompt = request.num_prompt_tokens
+        if not 0 < num_prompt <= self.max_model_len:
+            raise ValueError(f"prompt of {num_prompt} tokens, max_model_len={self.max_model_len}")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string); unknown ids are ignored."""
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        requests = [self.requests[i] for i in ids if i in self.requests]
+        for request in requests:
+            request.status = status
+            self._release(request)
+        if requests:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    def _release(self, request: Request) -> None:
+        """Free a finished request's blocks and forget it; the runner hears at the next step."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Whether the next SchedulerOutput carries ids the runner must drop."""
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        output = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, step: _Step) -> None:
+        i = 0  # requests after i are younger: preemption victims come from there
+        while i < len(self.running) and step.token_budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, step)
+            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            if new_block_ids is None:
+                return  # it preempted itself, the last running request
+            cached = step.cached_reqs
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            self._advance(request, num_new, step)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
+        """Blocks for `num_new` more tokens, preempting the youngest running requests until
+        they fit. None if `request` itself had to go."""
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted = True
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)  # the runner drops its state
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if not self._try_admit(request, step):
+                return  # FIFO: nobody overtakes a request waiting for blocks
+            self.waiting.popleft()
+            self.running.append(request)
+
+    def _try_admit(self, request: Request, step: _Step) -> bool:
+        kv = self.kv_cache_manager
+        computed_blocks, num_computed = kv.get_computed_blocks(request)
+        num_new = self._num_new_tokens(request, num_computed, step)
+        if kv.allocate_slots(request, num_new, computed_blocks) is None:
+            return False
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:  # first admission, not a resume
+            request.num_cached_tokens = num_computed
+        new_req = NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=kv.get_block_ids(request.request_id),
+            num_computed_tokens=num_computed,
+            eos_token_id=request.eos_token_id,
+        )
+        step.new_reqs.append(new_req)
+        self._advance(request, num_new, step)
+        return True
+
+    def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int:
+        """Tokens still to compute, capped by the budget and by max_model_len."""
+        num_left = min(request.num_tokens, self.max_model_len) - num_computed
+        return min(num_left, step.token_budget)
+
+    @staticmethod
+    def _advance(request: Request, num_new: int, step: _Step) -> None:
+        step.num_scheduled_tokens[request.request_id] = num_new
+        step.token_budget -= num_new
+        request.num_computed_tokens += num_new
+
+    # ---- outputs -------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, finish requests that stop, free their blocks."""
+        mro = model_runner_output
+        outputs = []
+        for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
+            request = self.requests.get(req_id)
+            # no token: a partial prefill; not running: aborted since it was scheduled
+            if token_ids and request is not None and request.status == RequestStatus.RUNNING:
+                outputs.append(self._process_sampled(request, token_ids, mro, i))
+        if any(output.finished for output in outputs):
+            self.running = [r for r in self.running if not r.is_finished]
+        stats = self.make_stats() if self.log_stats else None
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _process_sampled(
+        self, request: Request, token_ids: list[int], mro: ModelRunnerOutput, i: int
+    ) -> EngineCoreOutput:
+        new_token_ids = self._append_tokens(request, token_ids)
+        first_output = request.num_output_tokens == len(new_token_ids)
+        if request.is_finished:
+            self._release(request)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0) if first_output else 0,
+        )
+        if mro.logprobs is not None and mro.logprobs[i]:
+            output.new_logprobs = [mro.logprobs[i]]
+            output.new_top_logprob_ids = [mro.logprob_token_ids[i]]
+        return output
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens up to the first that finishes the request; return those."""
+        for n, token_id in enumerate(token_ids, 1):
+            request.append_output_token(token_id)
+            if self._check_stop(request, token_id):
+                return token_ids[:n]
+        return token_ids
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set a finished status if `token_id`, just appended, ends the request."""
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token_id in (params.stop_token_ids or ()):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
