@@ -50,7 +50,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     def _verify(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
-        _check(self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}")
+        _check(
+            self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}"
+        )
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (disable) or at least 1, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import PROMPTS
+
 from pagellm import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -49,11 +49,13 @@ def test_eos_min_tokens_ignore_eos_max_tokens(llm):
     eos = llm.get_tokenizer().eos_token_id
     assert done.token_ids[-1] == eos and eos not in done.token_ids[:-1]
     n = len(done.token_ids)
-    longer = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=n + 3),
-                      use_tqdm=False)[0].outputs[0]
+    longer = llm.chat(
+        CHAT, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=n + 3), use_tqdm=False
+    )[0].outputs[0]
     assert len(longer.token_ids) >= n + 3 and eos not in longer.token_ids[: n + 2]
-    ignored = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=n + 5, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    ignored = llm.chat(
+        CHAT, SamplingParams(temperature=0.0, max_tokens=n + 5, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(ignored.token_ids) == n + 5 and ignored.finish_reason == "length"
     short = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert short.outputs[0].token_ids == done.token_ids[:2]
@@ -63,8 +65,11 @@ def test_eos_min_tokens_ignore_eos_max_tokens(llm):
 def test_max_model_len_caps_output(llm):
     tokenizer = llm.get_tokenizer()
     prompt_ids = tokenizer.encode("word " * 1020)[:1020]
-    out = llm.generate({"prompt_token_ids": prompt_ids},
-                       SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(max_tokens=100, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 1024 - 1020  # prompt + output reach max_model_len
     assert out.outputs[0].finish_reason == "length"
 

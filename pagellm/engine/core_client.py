@@ -290,8 +290,12 @@ def _cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
     shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-_STARTUP_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
-                   "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+_STARTUP_ERRORS = {
+    "ValueError": ValueError,
+    "FileNotFoundError": FileNotFoundError,
+    "TypeError": TypeError,
+    "NotImplementedError": NotImplementedError,
+}
 
 
 def _startup_error(failure: list[str]) -> Exception:

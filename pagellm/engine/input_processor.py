@@ -58,7 +58,9 @@ class InputProcessor:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+            raise ValueError(
+                "this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}"
+            )
         return self.tokenizer.encode(text)
 
     def _validate(self, token_ids: list[int]) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.core_client import EngineCoreClient
 from pagellm.engine.input_processor import InputProcessor, PromptType
-from pagellm.engine.output_processor import OutputProcessor, ParentRequest
-from pagellm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagellm.engine.output_processor import OutputProcessor, fan_out
+from pagellm.engine.protocol import SchedulerStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -58,18 +58,12 @@ class LLMEngine:
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time
         )
-        for child in self._fan_out(request):
-            self.output_processor.add_request(prompt_text, child.request, *child.parent_args)
-            self.engine_core.add_request(child.request)
-
-    def _fan_out(self, request: EngineCoreRequest) -> list[_Child]:
-        params = request.sampling_params
-        if params.n == 1:
-            return [_Child(request)]
-        parent = ParentRequest(request.request_id, params.n, params.output_kind)
-        children = [_Child.make(request, parent, i) for i in range(params.n)]
-        self.children[request.request_id] = [c.request.request_id for c in children]
-        return children
+        children = fan_out(request)
+        if len(children) > 1:
+            self.children[request_id] = [child.request_id for child, _, _ in children]
+        for child, parent, index in children:
+            self.output_processor.add_request(prompt_text, child, parent, index)
+            self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -98,25 +92,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-
-
-class _Child:
-    """One request as the core sees it, with where its output goes in its parent."""
-
-    __slots__ = ("request", "parent_args")
-
-    def __init__(self, request: EngineCoreRequest, parent_args: tuple = ()) -> None:
-        self.request = request
-        self.parent_args = parent_args
-
-    @classmethod
-    def make(cls, request: EngineCoreRequest, parent: ParentRequest, index: int) -> _Child:
-        import msgspec
-
-        params = msgspec.structs.replace(request.sampling_params, n=1)
-        if params.seed is not None:
-            params.seed += index
-        child = msgspec.structs.replace(
-            request, request_id=f"{index}_{request.request_id}", sampling_params=params
-        )
-        return cls(child, (parent, index))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -28,6 +30,26 @@ class ParentRequest:
         self.output_kind = output_kind
         self.completions: list[CompletionOutput | None] = [None] * n
         self.num_finished = 0
+
+
+def fan_out(
+    request: EngineCoreRequest,
+) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+    """A request with n > 1 becomes n children "{i}_{id}" (seeds seed + i); else itself."""
+    params = request.sampling_params
+    if params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, params.n, params.output_kind)
+    children = []
+    for i in range(params.n):
+        child_params = msgspec.structs.replace(params, n=1)
+        if params.seed is not None:
+            child_params.seed = params.seed + i
+        child = msgspec.structs.replace(
+            request, request_id=f"{i}_{request.request_id}", sampling_params=child_params
+        )
+        children.append((child, parent, i))
+    return children
 
 
 class RequestState:

@@ -129,7 +129,9 @@ class _ProgressBar:
     """tqdm over finished requests, with input and output tokens/s in its postfix."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True) if enabled else None
+        self.bar = (
+            tqdm(total=total, desc="Processed prompts", dynamic_ncols=True) if enabled else None
+        )
         self.start = time.perf_counter()
         self.in_tokens = 0
         self.out_tokens = 0
