@@ -156,7 +156,8 @@ def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -
         return limit
     if requested < 1 or requested > limit:
         raise ValueError(
-            f"max_model_len={requested} must be in [1, {limit}] (the model's max_position_embeddings)"
+            f"max_model_len={requested} must be in [1, {limit}] "
+            "(the model's max_position_embeddings)"
         )
     return requested
 

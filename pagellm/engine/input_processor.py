@@ -7,14 +7,14 @@ ValueError that says what is wrong and what the limit is.
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import Any
 
 from pagellm.config import ModelConfig
 from pagellm.engine.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 class InputProcessor:

@@ -142,9 +142,9 @@ class _ProgressBar:
         self.in_tokens += len(out.prompt_token_ids)
         self.out_tokens += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
+        speed_in, speed_out = self.in_tokens / elapsed, self.out_tokens / elapsed
         self.bar.set_postfix_str(
-            f"input: {self.in_tokens / elapsed:.1f} toks/s, output: {self.out_tokens / elapsed:.1f} toks/s",
-            refresh=False,
+            f"input: {speed_in:.1f} toks/s, output: {speed_out:.1f} toks/s", refresh=False
         )
         self.bar.update(1)
 
