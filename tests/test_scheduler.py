@@ -372,20 +372,45 @@ def test_finish_requests_rejects_unfinished_status():
         scheduler.finish_requests(["a"], RequestStatus.RUNNING)
 
 
-def test_add_request_rejects_bad_prompts_and_duplicate_ids():
+def test_add_request_rejects_empty_prompts_and_duplicate_ids():
     scheduler = make_scheduler(max_model_len=16)
     with pytest.raises(ValueError):
         scheduler.add_request(make_request("empty", []))
-    with pytest.raises(ValueError):
-        scheduler.add_request(make_request("long", [1] * 17))
     scheduler.add_request(make_request("a", [1] * 16))
     with pytest.raises(ValueError):
         scheduler.add_request(make_request("a", [1]))
 
 
-def test_cache_too_small_for_max_model_len():
-    with pytest.raises(ValueError, match="max_model_len"):
-        make_scheduler(num_blocks=4, max_model_len=16)  # 3 usable blocks hold 12 tokens
+def test_prompt_longer_than_a_request_may_be_finishes_at_once():
+    scheduler = make_scheduler(max_model_len=16)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("long", [1] * 17))
+    scheduler.add_request(make_request("ok", [1] * 4, max_tokens=1))
+    assert scheduler.get_num_unfinished_requests() == 2
+    so, outs = step(scheduler, runner)
+    assert list(so.num_scheduled_tokens) == ["ok"]
+    long, ok = outs.outputs
+    assert (long.request_id, long.new_token_ids, long.finish_reason) == (
+        "long",
+        [],
+        FinishReason.LENGTH,
+    )
+    assert ok.finish_reason == FinishReason.LENGTH and len(ok.new_token_ids) == 1
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_small_cache_caps_request_length(caplog):
+    # 3 usable blocks hold 12 tokens: below max_model_len, requests stop there
+    scheduler = make_scheduler(num_blocks=4, max_model_len=64)
+    assert "hold only 12 tokens" in caplog.text
+    runner = FakeRunner()
+    scheduler.add_request(make_request("a", [1] * 10, eos=None, max_tokens=20))
+    scheduler.add_request(make_request("b", [2] * 13))
+    results = run(scheduler, runner)
+    assert results["a"] == [reference_outputs([1] * 10, 20, 12), FinishReason.LENGTH]
+    assert len(results["a"][0]) == 2
+    assert results["b"] == [[], FinishReason.LENGTH]
+    assert_all_blocks_free(scheduler)
 
 
 # ---- finishing ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ appends the sampled tokens and decides who stops.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -32,7 +33,14 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagellm.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,33 +67,47 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        block_size = cache_config.block_size
-        if (num_kv_blocks - 1) * block_size < self.max_model_len:
-            raise ValueError(
-                f"{num_kv_blocks} KV blocks of {block_size} tokens (one reserved) cannot hold "
-                f"one request of max_model_len={self.max_model_len} tokens"
-            )
         self.kv_cache_manager = KVCacheManager(
-            block_size, num_kv_blocks, self.max_model_len, cache_config.enable_prefix_caching
+            cache_config.block_size,
+            num_kv_blocks,
+            self.max_model_len,
+            cache_config.enable_prefix_caching,
         )
+        # a request stops at max_model_len tokens, or earlier if the whole cache holds fewer
+        self.max_request_len = self._max_request_len(num_kv_blocks, cache_config.block_size)
         self.log_stats = log_stats
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, in admission order
         self.running: list[Request] = []  # RUNNING, oldest admission first
         self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self.finished_on_arrival: list[Request] = []  # prompts too long: reported next update
         self.num_preemptions = 0
+
+    def _max_request_len(self, num_kv_blocks: int, block_size: int) -> int:
+        capacity = (num_kv_blocks - 1) * block_size  # the null block holds nothing
+        if capacity < self.max_model_len:
+            logger.warning(
+                "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "
+                "below max_model_len=%d",
+                *(num_kv_blocks, block_size, capacity, self.max_model_len),
+            )
+        return min(capacity, self.max_model_len)
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. The input processor must have rejected bad prompts already."""
-        num_prompt = request.num_prompt_tokens
-        if not 0 < num_prompt <= self.max_model_len:
-            raise ValueError(f"prompt of {num_prompt} tokens, max_model_len={self.max_model_len}")
+        """Queue a new request. A prompt over `max_request_len` (possible only when the KV cache
+        holds fewer than max_model_len tokens) finishes at the next update: LENGTH, no tokens."""
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if request.num_prompt_tokens > self.max_request_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            self.finished_on_arrival.append(request)
+        else:
+            self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown ids are ignored."""
@@ -205,8 +227,8 @@ class Scheduler:
         return True
 
     def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int:
-        """Tokens still to compute, capped by the budget and by max_model_len."""
-        num_left = min(request.num_tokens, self.max_model_len) - num_computed
+        """Tokens still to compute, capped by the budget and by max_request_len."""
+        num_left = min(request.num_tokens, self.max_request_len) - num_computed
         return min(num_left, step.token_budget)
 
     @staticmethod
@@ -222,7 +244,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Append sampled tokens, finish requests that stop, free their blocks."""
         mro = model_runner_output
-        outputs = []
+        outputs = self._report_finished_on_arrival()
         for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
             request = self.requests.get(req_id)
             # no token: a partial prefill; not running: aborted since it was scheduled
@@ -231,7 +253,18 @@ class Scheduler:
         if any(output.finished for output in outputs):
             self.running = [r for r in self.running if not r.is_finished]
         stats = self.make_stats() if self.log_stats else None
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
+
+    def _report_finished_on_arrival(self) -> list[EngineCoreOutput]:
+        outputs = []
+        for request in self.finished_on_arrival:
+            if self.requests.get(request.request_id) is request:  # not aborted meanwhile
+                self._release(request)
+                outputs.append(
+                    EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.LENGTH)
+                )
+        self.finished_on_arrival.clear()
+        return outputs
 
     def _process_sampled(
         self, request: Request, token_ids: list[int], mro: ModelRunnerOutput, i: int
@@ -264,7 +297,7 @@ class Scheduler:
         """Set a finished status if `token_id`, just appended, ends the request."""
         params = request.sampling_params
         max_tokens = params.max_tokens
-        if request.num_tokens >= self.max_model_len or (
+        if request.num_tokens >= self.max_request_len or (
             max_tokens is not None and request.num_output_tokens >= max_tokens
         ):
             request.status = RequestStatus.FINISHED_LENGTH
