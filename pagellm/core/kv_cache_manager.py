@@ -90,26 +90,44 @@ class KVCacheManager:
         `new_computed_blocks` (first allocation only) are prefix-cache hits from
         `get_computed_blocks`; they come before the new tokens. Returns the ids of the blocks
         appended to the request's table (maybe []), or None, changing nothing, if too few
-        blocks are free.
+        blocks are free. Blocks this step fills are cached right away.
         """
         req_blocks = self._reqs.get(request.request_id)
-        if req_blocks is not None and new_computed_blocks:
-            raise ValueError("prefix-cache hits are only taken on a request's first allocation")
-        num_held = len(req_blocks.blocks) if req_blocks else 0
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_total = num_computed + num_new_tokens
-        num_needed = cdiv(num_total, self.block_size) - num_held - len(new_computed_blocks)
-        # hits on free cached blocks take them out of the free queue too
-        num_revived = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if max(num_needed, 0) + num_revived > self.block_pool.num_free_blocks:
-            return None
-
         if req_blocks is None:
-            req_blocks = self._admit(request, new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
-        req_blocks.blocks.extend(new_blocks)
-        self._cache_full_blocks(request, req_blocks, min(num_total, request.num_tokens))
-        return [block.block_id for block in new_blocks]
+            return self._allocate_first(request, num_new_tokens, new_computed_blocks)
+        if new_computed_blocks:
+            raise ValueError("prefix-cache hits are only taken on a request's first allocation")
+        return self._grow(request, req_blocks, request.num_computed_tokens + num_new_tokens)
+
+    def _allocate_first(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock]
+    ) -> list[int] | None:
+        num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_total += num_new_tokens
+        num_needed = cdiv(num_total, self.block_size) - len(computed_blocks)
+        # hits on free cached blocks take them out of the free queue too
+        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if num_needed + num_revived > self.block_pool.num_free_blocks:
+            return None
+        return self._grow(request, self._admit(request, computed_blocks), num_total)
+
+    def _grow(
+        self, request: Request, req_blocks: _RequestBlocks, num_total: int
+    ) -> list[int] | None:
+        """Extend the request's table to hold `num_total` tokens; cache the blocks they fill."""
+        blocks = req_blocks.blocks
+        num_needed = cdiv(num_total, self.block_size) - len(blocks)
+        new_block_ids = []
+        if num_needed > 0:
+            if num_needed > self.block_pool.num_free_blocks:
+                return None
+            new_blocks = self.block_pool.get_new_blocks(num_needed)
+            blocks.extend(new_blocks)
+            new_block_ids = [block.block_id for block in new_blocks]
+        num_known = min(num_total, request.num_tokens)  # tokens whose ids are all known
+        if self.enable_caching and num_known // self.block_size > req_blocks.num_cached_blocks:
+            self._cache_full_blocks(request, req_blocks, num_known)
+        return new_block_ids
 
     def _admit(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> _RequestBlocks:
         """Start a request's block table with its prefix-cache hits."""
@@ -128,12 +146,8 @@ class KVCacheManager:
         self, request: Request, req_blocks: _RequestBlocks, num_known_tokens: int
     ) -> None:
         """Cache the blocks made full by the first `num_known_tokens` tokens."""
-        if not self.enable_caching:
-            return
         num_full = num_known_tokens // self.block_size
         first = req_blocks.num_cached_blocks
-        if num_full <= first:
-            return
         self._update_block_hashes(request, num_full * self.block_size)
         self.block_pool.cache_full_blocks(
             req_blocks.blocks[first:num_full], request.block_hashes[first:num_full]

@@ -73,7 +73,8 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1: not yet looked up
+        # prompt tokens found in the prefix cache at first admission; -1: not yet looked up
+        self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.stop_reason: int | str | None = None
