@@ -1,0 +1,74 @@
+"""The GPU attention backend: Triton kernels over the paged KV cache.
+
+`forward` writes the step's K/V with `reshape_and_cache`, then runs `paged_attention`.
+The host-side plan (which requests are decode tiles, the prefill tile -> request map, the
+split-KV count) depends on the head layout, which a classmethod `build_metadata` cannot see;
+so the metadata builds it on the first layer's call and every later layer reuses it.
+Importing this module needs Triton (ImportError otherwise, which the selector catches) but
+no CUDA device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagellm.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
+from pagellm.kernels.reshape_and_cache import reshape_and_cache
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's metadata; `plan()` is computed once per head layout and cached here."""
+
+    common: CommonAttentionMetadata
+    _plans: dict[tuple[int, int, int], AttentionPlan] = field(default_factory=dict)
+
+    def plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan:
+        key = (num_heads, num_kv_heads, head_dim)
+        if key not in self._plans:
+            c = self.common
+            self._plans[key] = plan_attention(
+                c.query_start_loc_cpu,
+                c.seq_lens_cpu,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                c.query_start_loc.device,
+            )
+        return self._plans[key]
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(common)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        common = metadata.common
+        reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if q.shape[0] > common.num_actual_tokens:
+            out[common.num_actual_tokens :].zero_()  # padded rows: defined, never attended
+        plan = metadata.plan(self.num_heads, self.num_kv_heads, self.head_dim)
+        return paged_attention(
+            q,
+            kv_cache,
+            common.block_table,
+            common.seq_lens,
+            common.query_start_loc,
+            self.scale,
+            plan=plan,
+            out=out,
+        )

@@ -1,0 +1,587 @@
+"""Paged attention for a mixed batch of prefill chunks and decodes (Triton).
+
+Every query token attends causally to its request's cached context and to its own chunk,
+reading keys and values only through `block_table`:
+
+    request r:  |<------------------ seq_len ------------------>|
+                |<-------- context (ctx) -------->|<-- query -->|
+    query i (0 <= i < query_len) sees keys 0 .. ctx + i
+
+Tiling. A program owns one *tile* of rows: BLOCK_Q consecutive query tokens of one request
+times HEADS_PER_PROG query heads that share one KV head (GQA), so
+
+    row m -> (query token m // HEADS_PER_PROG, head m % HEADS_PER_PROG)
+    BLOCK_M = BLOCK_Q * HEADS_PER_PROG
+
+and every K/V tile it loads serves all of those heads. The grid is
+`(num_kv_heads * head_groups, num_tiles, num_splits)`; `head_groups > 1` only when a KV
+head has more query heads than one program takes. The program walks the keys in steps of
+BLOCK_N, gathering each step's rows from their pages (`block_table[r, n // block_size]`), with
+`tl.dot` for QK^T and PV and an online softmax in fp32 (base 2: the scale is pre-multiplied
+by log2(e)). Keys below `ctx + q0 + 1` (q0: first query of the tile) are visible to every
+row, so those steps run without masks; the last few steps, up to `ctx + last query + 1`,
+apply the causal mask, and nothing beyond them is visited (fully masked tiles are skipped).
+
+Two launches of the same kernel cover a step (see `plan_attention`):
+
+- decode tiles: requests whose whole query fits one tile with BLOCK_M = 16 (query_len 1,
+  or a few speculative tokens). Memory-bound: the tile is small and BLOCK_N large. When
+  there are too few (request, KV head) programs to fill the GPU and the contexts are long,
+  the keys are cut into `num_splits` segments (flash-decoding), each program writes an
+  unnormalized partial output with its running max and sum, and `_combine_splits_kernel`
+  merges them.
+- prefill tiles: the other requests, BLOCK_M = 128 rows, compute-bound. The host builds the
+  tile -> (request, first query) map, heaviest tiles first, so no program idles on padding.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Split-KV heuristic (decode tiles only): split when the decode launch has fewer programs
+# than TARGET_WAVES * num_SMs, into as many segments as fill that target, each segment at
+# least MIN_KEYS_PER_SPLIT keys long, at most MAX_SPLITS segments.
+TARGET_WAVES = 2
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132  # H200; used when planning for a non-CUDA device (interpreter tests)
+
+
+@triton.jit
+def _block_ids(bt_row, start, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """[BLOCK_N] physical block of each key in start .. start + BLOCK_N (0 past kv_end)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < kv_end, other=0)
+
+
+@triton.jit
+def _attend_block(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalized output
+    m_i,  # [BLOCK_M] fp32, running max (base-2 logits)
+    l_i,  # [BLOCK_M] fp32, running sum of exp2
+    q,  # [BLOCK_M, HEAD_DIM]
+    block,  # [BLOCK_N] physical block of each key of this step
+    start,  # first key of this step
+    kv_end,  # keys >= kv_end are masked for every row
+    max_key,  # [BLOCK_M] last key each row may see (causal)
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head_offset,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        key_ok = offs_n < kv_end
+    # [BLOCK_N, HEAD_DIM] element offsets of these keys in the K (and V) cache
+    rows = block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
+    kv_offs = rows[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_offs)
+
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    # s: [BLOCK_M, BLOCK_N] raw q.k; the scale is folded into exp2's argument (one FMA)
+    if MASKED:
+        visible = (offs_n[None, :] <= max_key[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # a row may have seen no key yet (split segments, rows past the query): keep it finite
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    p = tl.math.exp2(s * qk_scale - m_new_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_offs)
+    if FP32_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range(
+    acc, m_i, l_i, q, lo, hi, kv_end, max_key, k_cache_ptr, v_cache_ptr, bt_row,
+    kv_head_offset, qk_scale, stride_cb, stride_cs,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """Keys lo .. hi (multiples of BLOCK_N apart) in BLOCK_N steps.
+
+    Each step's block ids are loaded one step ahead and carried: the K/V loads then depend
+    on no load of their own iteration, and Triton's pipeliner keeps num_stages - 2 K/V
+    tiles in flight while one is computed. (With the ids loaded in the step itself it
+    issued each K/V tile only after the previous step's math: no overlap at all.)
+    """
+    block = _block_ids(bt_row, lo, kv_end, BLOCK_N, BLOCK_SIZE)
+    for start in range(lo, hi, BLOCK_N):
+        next_block = _block_ids(bt_row, start + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, block, start, kv_end, max_key, k_cache_ptr, v_cache_ptr,
+            kv_head_offset, qk_scale, stride_cb, stride_cs,
+            BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED, FP32_DOT,
+        )  # fmt: skip
+        block = next_block
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # [num_reqs, max_blocks] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    tile_req_ptr,  # [num_tiles] int32 request of each tile (HAS_TILE_MAP)
+    tile_q_ptr,  # [num_tiles] int32 first query (within the request) of each tile
+    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS, HEAD_DIM] fp32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    qk_scale,  # softmax scale * log2(e)
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
+    HEAD_GROUPS: tl.constexpr,  # programs per KV head = cdiv(QUERIES_PER_KV, HEADS_PER_PROG)
+    HEADS_PER_PROG: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache page
+    HAS_TILE_MAP: tl.constexpr,  # False: tile i is request i, starting at query 0
+    NUM_SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
+    pid_head = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = pid_head // HEAD_GROUPS
+    if HAS_TILE_MAP:
+        req = tl.load(tile_req_ptr + tile)
+        q0 = tl.load(tile_q_ptr + tile)
+    else:
+        req = tile
+        q0 = 0
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = q0 + offs_m // HEADS_PER_PROG  # [BLOCK_M] query position within the chunk
+    head_in_kv = (pid_head % HEAD_GROUPS) * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
+    head = kv_head * QUERIES_PER_KV + head_in_kv  # [BLOCK_M] query head
+    row_ok = (q_idx < q_len) & (head_in_kv < QUERIES_PER_KV)
+    token = (q_begin + q_idx).to(tl.int64)
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    max_key = ctx + q_idx  # [BLOCK_M] causal limit (inclusive)
+    kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last visible key
+    full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
+    lo = 0
+    hi = kv_end
+    if NUM_SPLITS > 1:
+        seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * seg
+        hi = tl.minimum(lo + seg, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_offset = kv_head * stride_ch
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, k_cache_ptr,
+        v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, k_cache_ptr,
+        v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT,
+    )  # fmt: skip
+
+    if NUM_SPLITS > 1:
+        # partial results of row (tile, token-in-tile, head, split)
+        part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * NUM_SPLITS
+        part = part.to(tl.int64) + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        acc_offs = part[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(part_acc_ptr + acc_offs, acc, mask=row_ok[:, None])
+    else:
+        out = acc / l_i[:, None]
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS, HEAD_DIM] fp32
+    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    query_start_loc_ptr,
+    tile_req_ptr,
+    tile_q_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_TILE_MAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    head = tl.program_id(0)
+    row = tl.program_id(1)  # tile * BLOCK_Q + token in tile
+    tile = row // BLOCK_Q
+    if HAS_TILE_MAP:
+        req = tl.load(tile_req_ptr + tile)
+        q0 = tl.load(tile_q_ptr + tile)
+    else:
+        req = tile
+        q0 = 0
+    q_idx = q0 + row % BLOCK_Q
+    q_begin = tl.load(query_start_loc_ptr + req)
+    if q_idx >= tl.load(query_start_loc_ptr + req + 1) - q_begin:
+        return
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < NUM_SPLITS
+    part = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM]
+    m_max = tl.max(m, 0)  # finite: split 0 always holds key 0, visible to every query
+    w = tl.math.exp2(m - m_max)  # empty segments have m = -inf: weight 0
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    token = (q_begin + q_idx).to(tl.int64)
+    o_offs = token * stride_ot + head * stride_oh + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time shape of one launch; the knobs worth sweeping on a new GPU."""
+
+    heads_per_prog: int  # query heads of one KV head per program (power of two)
+    block_q: int  # query tokens per program
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.heads_per_prog
+
+
+def decode_config(queries_per_kv: int, head_dim: int) -> TileConfig:
+    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), long key steps: memory-bound."""
+    heads = min(triton.next_power_of_2(queries_per_kv), 16)
+    block_n = 64 if head_dim <= 128 else 32
+    return TileConfig(heads, max(1, 16 // heads), block_n, num_warps=4, num_stages=3)
+
+
+def prefill_config(queries_per_kv: int, head_dim: int) -> TileConfig:
+    """BLOCK_M = 128 rows (query tokens x heads of one KV head): compute-bound."""
+    heads = min(triton.next_power_of_2(queries_per_kv), 8)
+    if head_dim <= 64:
+        return TileConfig(heads, 128 // heads, 64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return TileConfig(heads, 128 // heads, 64, num_warps=8, num_stages=3)
+    return TileConfig(heads, 64 // heads, 32, num_warps=8, num_stages=2)
+
+
+@dataclass
+class Launch:
+    """One launch of `_paged_attention_kernel` over some of the step's requests."""
+
+    config: TileConfig
+    num_tiles: int
+    num_splits: int
+    tile_req: torch.Tensor | None  # [num_tiles] int32; None: tile i is request i
+    tile_q: torch.Tensor | None  # [num_tiles] int32 first query of each tile
+
+
+@dataclass
+class AttentionPlan:
+    """Everything host-side for one step and one head layout; reused by every layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    launches: list[Launch]
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Segments per decode tile: enough programs for TARGET_WAVES waves, never short ones."""
+    target = TARGET_WAVES * num_sms
+    if num_programs >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, num_programs)
+    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _tile_map(
+    reqs: np.ndarray, q_lens: np.ndarray, kv_ends: np.ndarray, block_q: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(request, first query) of every BLOCK_Q-token tile of `reqs`, most keys first."""
+    tiles_per_req = -(-q_lens[reqs] // block_q)
+    tile_req = np.repeat(reqs, tiles_per_req)
+    first_tile = np.repeat(np.cumsum(tiles_per_req) - tiles_per_req, tiles_per_req)
+    tile_q = (np.arange(len(tile_req)) - first_tile) * block_q
+    # keys a tile visits: context + queries up to the tile's last one
+    work = kv_ends[tile_req] - q_lens[tile_req] + np.minimum(tile_q + block_q, q_lens[tile_req])
+    order = np.argsort(-work, kind="stable")
+    return tile_req[order], tile_q[order]
+
+
+def plan_attention(
+    query_start_loc_cpu: np.ndarray,  # [num_reqs + 1] int32
+    seq_lens_cpu: np.ndarray,  # [num_reqs] int32
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device | str,
+    *,
+    num_splits: int | None = None,
+    decode: TileConfig | None = None,
+    prefill: TileConfig | None = None,
+) -> AttentionPlan:
+    """Split the step's requests into a decode launch and a prefill launch (host work only).
+
+    Requests whose query fits one decode tile (query_len <= decode.block_q) go to the
+    decode launch; when every request does, that launch needs no tile map (tile i is
+    request i), which keeps it CUDA-graph friendly. The decode launch splits its keys
+    (`choose_num_splits`) unless `num_splits` forces a count. The rest become
+    prefill tiles, ordered heaviest first.
+    """
+    device = torch.device(device)
+    queries_per_kv = num_heads // num_kv_heads
+    decode = decode or decode_config(queries_per_kv, head_dim)
+    prefill = prefill or prefill_config(queries_per_kv, head_dim)
+    qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    is_decode = q_lens <= decode.block_q
+    dec_reqs = np.flatnonzero(is_decode)
+    pre_reqs = np.flatnonzero(~is_decode)
+
+    host_maps: list[np.ndarray] = []
+    pending: list[tuple[TileConfig, int, int]] = []  # config, num_tiles, num_splits
+    if len(dec_reqs):
+        groups = triton.cdiv(queries_per_kv, decode.heads_per_prog)
+        programs = len(dec_reqs) * num_kv_heads * groups
+        splits = num_splits or choose_num_splits(
+            programs, int(seq_lens[dec_reqs].max()), _num_sms(device)
+        )
+        pending.append((decode, len(dec_reqs), splits))
+        if len(pre_reqs):
+            host_maps += [dec_reqs, np.zeros_like(dec_reqs)]
+    if len(pre_reqs):
+        tile_req, tile_q = _tile_map(pre_reqs, q_lens, seq_lens, prefill.block_q)
+        pending.append((prefill, len(tile_req), 1))
+        host_maps += [tile_req, tile_q]
+
+    maps = _to_device(host_maps, device)
+    launches = []
+    for config, num_tiles, splits in pending:
+        tile_req, tile_q = (maps.pop(0), maps.pop(0)) if maps else (None, None)
+        launches.append(Launch(config, num_tiles, splits, tile_req, tile_q))
+    return AttentionPlan(num_heads, num_kv_heads, head_dim, launches)
+
+
+def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """One (pinned, async) host-to-device copy for all tile maps."""
+    if not arrays:
+        return []
+    host = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    return list(flat.split([len(a) for a in arrays]))
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "expected q [num_tokens, num_heads, head_dim] and kv_cache "
+            f"[2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(q.shape)} and "
+            f"{tuple(kv_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; kv_cache has {num_kv_heads} heads of "
+            f"dim {kv_cache.shape[4]} (need equal dims and num_heads % num_kv_heads == 0)"
+        )
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q and kv_cache must share a float dtype, got {q.dtype}, {kv_cache.dtype}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if query_start_loc.dtype != torch.int32:
+        raise TypeError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be [num_reqs, max_blocks] with contiguous rows")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,) or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)} "
+            f"and block_table {tuple(block_table.shape)} disagree on num_reqs"
+        )
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache must be contiguous in head_dim (stride(-1) == 1)")
+    tensors = (q, kv_cache, block_table, seq_lens, query_start_loc)
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError("all paged_attention inputs must be on one device")
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context + query
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+    *,
+    plan: AttentionPlan,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of every query token over its request's paged K/V.
+
+    `plan` comes from `plan_attention` with the same `query_start_loc` / `seq_lens` (on the
+    host). Rows of `out` past `query_start_loc[-1]` are left as they were.
+    """
+    _check_inputs(q, kv_cache, block_table, seq_lens, query_start_loc)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if (plan.num_heads, plan.num_kv_heads, plan.head_dim) != (
+        num_heads,
+        kv_cache.shape[3],
+        head_dim,
+    ):
+        raise ValueError("plan was built for a different head layout")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    for launch in plan.launches:
+        _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch)
+    return out
+
+
+def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch):
+    """One kernel launch (and its combine, when split) for one group of tiles."""
+    cfg = launch.config
+    queries_per_kv = plan.num_heads // plan.num_kv_heads
+    head_groups = triton.cdiv(queries_per_kv, cfg.heads_per_prog)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    has_map = launch.tile_req is not None
+    tile_req = launch.tile_req if has_map else seq_lens  # placeholder pointer when unused
+    tile_q = launch.tile_q if has_map else seq_lens
+    splits = launch.num_splits
+    if splits > 1:
+        rows = launch.num_tiles * cfg.block_q
+        part_acc = torch.empty(
+            (rows, plan.num_heads, splits, plan.head_dim), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty((rows, plan.num_heads, splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    grid = (plan.num_kv_heads * head_groups, launch.num_tiles, splits)
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        tile_req, tile_q, part_acc, part_max, part_sum,
+        scale * LOG2E, plan.num_heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_GROUPS=head_groups,
+        HEADS_PER_PROG=cfg.heads_per_prog,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=plan.head_dim,
+        BLOCK_SIZE=kv_cache.shape[2],
+        HAS_TILE_MAP=has_map,
+        NUM_SPLITS=splits,
+        FP32_DOT=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
+            out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
+            plan.num_heads, out.stride(0), out.stride(1),
+            BLOCK_Q=cfg.block_q,
+            HEAD_DIM=plan.head_dim,
+            HAS_TILE_MAP=has_map,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4,
+        )  # fmt: skip
