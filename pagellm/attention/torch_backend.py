@@ -1,0 +1,171 @@
+"""PyTorch attention over the paged KV cache: the CPU path and the reference for GPU kernels.
+
+`build_metadata` runs once per step and turns the flat batch into two kinds of work:
+
+- decodes (query length 1), batched together wherever they sit in the flat batch: their keys
+  are gathered through `slots [num_decodes, max_seq_len]`, flat cache slots where padding
+  repeats the request's last slot (so a gather never reads a slot the request does not own),
+  and one `scaled_dot_product_attention` call with a padding mask runs them all;
+- prefill chunks (query length > 1), one attention call each: a chunk without context attends
+  causally to this step's own keys; a chunk after a cached context gathers its request's
+  keys from the cache and uses a causal mask shifted right by the context length.
+
+Keys and values are never repeated for grouped-query attention: a decode views the query heads
+of one KV head as that head's query rows, a prefill uses SDPA's `enable_gqa`. Gathers use
+`index_select` on the flat `[num_slots, H_kv, D]` cache, 2-3x faster on CPU than fancy indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
+
+
+@dataclass
+class DecodeBatch:
+    """All query-length-1 requests of a step."""
+
+    rows: torch.Tensor | slice  # their rows in the flat batch: [num_decodes] int64 or a slice
+    slots: torch.Tensor  # [num_decodes, max_seq_len] int64 flat cache slots
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len] bool, True where a key is attended
+
+
+@dataclass
+class PrefillChunk:
+    """One request with query length > 1."""
+
+    start: int  # its query rows in the flat batch: start .. end
+    end: int
+    slots: torch.Tensor | None  # [seq_len] int64; None when the chunk has no cached context
+    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal
+
+
+@dataclass
+class TorchAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
+    decodes: DecodeBatch | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        qsl = common.query_start_loc_cpu
+        query_lens = np.diff(qsl)
+        context_lens = common.seq_lens_cpu - query_lens
+        decode_reqs = np.flatnonzero(query_lens == 1)
+        prefill_reqs = np.flatnonzero(query_lens > 1)
+        decodes = _build_decodes(common, decode_reqs) if len(decode_reqs) else None
+        prefills = [_build_prefill(common, int(r), int(context_lens[r])) for r in prefill_reqs]
+        return TorchAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+            decodes=decodes,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        n = metadata.num_actual_tokens
+        key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [slots, H_kv, D]
+        value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        key_cache.index_copy_(0, metadata.slot_mapping, k[:n])
+        value_cache.index_copy_(0, metadata.slot_mapping, v[:n])
+        decodes = metadata.decodes
+        if decodes is not None and _is_whole(decodes.rows, q.shape[0]):
+            return self._decode(q, key_cache, value_cache, decodes)  # a pure decode step
+        out = torch.empty_like(q)
+        out[n:] = 0  # padding rows beyond the flat batch
+        if decodes is not None:
+            out[decodes.rows] = self._decode(q, key_cache, value_cache, decodes)
+        for chunk in metadata.prefills:
+            out[chunk.start : chunk.end] = self._prefill(q, k, v, key_cache, value_cache, chunk)
+        return out
+
+    def _decode(self, q, key_cache, value_cache, batch: DecodeBatch) -> torch.Tensor:
+        # the query heads sharing a KV head act as that head's query rows:
+        # q_d: [num_decodes, H_kv, group, D]; keys: [num_decodes, H_kv, max_seq_len, D]
+        n_dec, max_len = batch.slots.shape
+        q_d = q[batch.rows].reshape(n_dec, self.num_kv_heads, -1, self.head_dim)
+        flat = batch.slots.view(-1)
+        shape = (n_dec, max_len, self.num_kv_heads, self.head_dim)
+        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_d, keys, values, batch.mask, scale=self.scale)
+        return out.view(n_dec, self.num_heads, self.head_dim)
+
+    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
+        rows = slice(chunk.start, chunk.end)
+        if chunk.slots is None:  # no cached context: this step's keys are the whole sequence
+            keys, values = k[rows], v[rows]  # [seq_len, H_kv, D]
+        else:
+            keys = key_cache.index_select(0, chunk.slots)
+            values = value_cache.index_select(0, chunk.slots)
+        out = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),  # [H, query_len, D]
+            keys.transpose(0, 1),  # [H_kv, seq_len, D]
+            values.transpose(0, 1),
+            chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)  # [query_len, H, D]
+
+
+def _build_decodes(common: CommonAttentionMetadata, reqs: np.ndarray) -> DecodeBatch:
+    device = common.block_table.device
+    seq_lens = common.seq_lens_cpu[reqs]
+    rows_np = common.query_start_loc_cpu[reqs].astype(np.int64)
+    max_len = int(seq_lens.max())
+    # positions clamped to each request's last token: padding re-reads a slot it owns
+    pos = np.minimum(np.arange(max_len)[None, :], seq_lens[:, None] - 1)  # [n_dec, max_len]
+    slots = _slots(common, torch.from_numpy(reqs).to(device), torch.from_numpy(pos).to(device))
+    mask = torch.from_numpy(np.arange(max_len)[None, :] < seq_lens[:, None]).to(device)
+    return DecodeBatch(rows=_rows(rows_np, device), slots=slots, mask=mask[:, None, None, :])
+
+
+def _build_prefill(common: CommonAttentionMetadata, req: int, context_len: int) -> PrefillChunk:
+    start, end = (int(x) for x in common.query_start_loc_cpu[req : req + 2])
+    if context_len == 0:
+        return PrefillChunk(start, end, slots=None, mask=None)
+    device = common.block_table.device
+    seq_len = context_len + end - start
+    pos = torch.arange(seq_len, device=device)
+    slots = _slots(common, torch.tensor([req], device=device), pos[None, :])[0]
+    # query i (at position context_len + i) sees keys 0 .. context_len + i
+    q_pos = torch.arange(context_len, seq_len, device=device)
+    mask = pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+    return PrefillChunk(start, end, slots=slots, mask=mask)
+
+
+def _slots(common: CommonAttentionMetadata, reqs: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Flat cache slots of positions `pos [n, L]` of requests `reqs [n]` -> [n, L] int64."""
+    bs = common.block_size
+    blocks = torch.gather(common.block_table[reqs].long(), 1, pos // bs)  # [n, L]
+    return blocks * bs + pos % bs
+
+
+def _rows(rows: np.ndarray, device: torch.device) -> torch.Tensor | slice:
+    """Decode rows as a slice when contiguous (the common case), else an index tensor."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return torch.from_numpy(rows).to(device)
+
+
+def _is_whole(rows: torch.Tensor | slice, num_tokens: int) -> bool:
+    return isinstance(rows, slice) and rows == slice(0, num_tokens)

@@ -1,0 +1,68 @@
+"""The HF fast tokenizer of a model source.
+
+Converting a GGUF vocabulary to a fast tokenizer takes ~6 s, so the result is saved once under
+`$PAGELLM_CACHE_DIR/tokenizers/<file stem>-<key>` (default `~/.cache/pagellm`), the key hashing
+the file's absolute path, size and mtime, and loaded from there afterwards (~0.3 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagellm.loader.gguf_file import read_gguf
+from pagellm.loader.source import ModelSource
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
+    """A fast tokenizer, or None for a dummy source that has no tokenizer files."""
+    if source.tokenizer is not None:
+        return AutoTokenizer.from_pretrained(source.tokenizer)
+    if source.path.endswith(".gguf"):
+        return gguf_tokenizer(source.path)
+    if source.kind == "dummy" and not has_tokenizer_files(source.path):
+        return None
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES)
+
+
+def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer and chat template stored in a GGUF file, through the disk cache."""
+    cached = tokenizer_cache_dir(path)
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    folder, name = os.path.split(os.path.abspath(path))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = read_gguf(path).get("tokenizer.chat_template")
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def tokenizer_cache_dir(path: str) -> Path:
+    stat = os.stat(path)
+    ident = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join("~", ".cache", "pagellm")
+    return Path(os.path.expanduser(root)) / "tokenizers" / f"{Path(path).stem}-{key}"
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Save to a private folder, then rename: concurrent processes never see half a cache."""
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, target)
+    except OSError:  # another process won the race, or the cache is not writable
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,172 @@
+"""Building blocks shared by the decoder models: norms, rotary embedding, fused projections,
+the gated MLP and the `Attention` layer that owns one attention-backend instance.
+
+Models are built on the `meta` device; weights arrive through `load_weights` (see
+`pagellm/models/weights.py`), which assigns real tensors in place of the meta parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention.base import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in float32 and cast back (as HF does)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., size]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual stream first; return (normed, new residual)."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a precomputed cos/sin table per position.
+
+    `rope_scaling` follows HF: None / "default", "linear" (factor) or "llama3" (factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = _scaled_inv_freq(default_inv_freq(head_dim, theta), rope_scaling)  # [D/2]
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, D]
+        self.register_buffer("cos_sin", table, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # positions: [T] -> [T, 1, D] (cos | sin), broadcastable over heads
+        return self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos_sin: [T, 1, D] -> [T, H, D]
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_inv_freq(inv_freq, scaling)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    low, high = s["low_freq_factor"], s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)  # 0 at the low edge, 1 at the high edge
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_len / high, inv_freq, out)
+
+
+class FusedLinear(nn.Linear):
+    """A linear layer whose output rows stack several checkpoint projections.
+
+    `shards` maps each checkpoint projection (e.g. "q_proj") to its number of output rows,
+    in stacking order; `load_shard` writes one of them into its row range.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        starts = [0]
+        for size in shards.values():
+            starts.append(starts[-1] + size)
+        self.shard_rows = {name: (starts[i], starts[i + 1]) for i, name in enumerate(shards)}
+
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        if param.is_meta:
+            param = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=tensor.device),
+                requires_grad=False,
+            )
+            setattr(self, param_name, param)
+        start, end = self.shard_rows[shard]
+        if tensor.shape != param[start:end].shape:
+            raise ValueError(
+                f"{shard}.{param_name}: expected {tuple(param[start:end].shape)}, "
+                f"got {tuple(tensor.shape)}"
+            )
+        param.data[start:end].copy_(tensor)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * I] (gate | up) -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = FusedLinear(hidden_size, shards, bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Attention(nn.Module):
+    """Paged attention through one instance of the model's attention backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        attn_backend_cls: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        self.impl = attn_backend_cls(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:  # [T, H * D]
+        return self.impl.forward(q, k, v, kv_cache, attn_metadata).flatten(1)

@@ -1,0 +1,13 @@
+"""Qwen2: the Llama decoder with a bias on the q/k/v projections (none on o_proj)."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from pagellm.models.llama import AttentionOptions, LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=False)

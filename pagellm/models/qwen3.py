@@ -1,0 +1,14 @@
+"""Qwen3: the Llama decoder with a per-head RMSNorm on q and k (before rotary), no bias."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from pagellm.models.llama import AttentionOptions, LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -1,0 +1,30 @@
+"""Model classes by HF architecture name (`config.architectures[0]`), imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture -> (module under pagellm.models, class name)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_cls(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    module_name, cls_name = _MODELS[architecture]
+    module = importlib.import_module(f"pagellm.models.{module_name}")
+    return getattr(module, cls_name)

@@ -1,0 +1,177 @@
+"""Our Llama / Qwen2 / Qwen3 logits equal HF transformers' (float32, CPU) through the paged
+KV cache: flat prefill batches, chunked prefill over a cached context, prefix-cache hits,
+and mixed batches of decodes and prefills in random order over non-contiguous blocks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from model_utils import (
+    PagedRunner,
+    hf_logits,
+    load_our_model,
+    make_tiny_hf_model,
+    run_paged,
+    write_tiny_gguf,
+)
+from transformers import AutoModelForCausalLM
+
+from pagellm.models import get_model_cls
+from pagellm.models.llama import LlamaForCausalLM
+
+ATOL, RTOL = 1e-4, 1e-5
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+VARIANTS = {
+    "llama": ("llama", {}),
+    "llama-llama3rope-tied": ("llama", dict(rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", {}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    """(HF model, our model) from one tiny random checkpoint."""
+    arch, overrides = VARIANTS[request.param]
+    folder = make_tiny_hf_model(arch, tmp_path_factory.mktemp(request.param), **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return hf, load_our_model(folder)
+
+
+def _prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _assert_matches_hf(hf, results) -> None:
+    for tokens, logits in results:
+        expected = hf_logits(hf, tokens)
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_prefill_flat_batch(pair):
+    hf, ours = pair
+    _assert_matches_hf(hf, run_paged(ours, _prompts(5, 17, 33, 3, 16), num_decode_steps=0))
+
+
+def test_chunked_prefill_over_cached_context(pair):
+    hf, ours = pair
+    results = run_paged(ours, _prompts(23, 9, 40), num_decode_steps=2, chunk_size=5, block_size=4)
+    _assert_matches_hf(hf, results)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_decodes_and_prefills(pair, block_size):
+    hf, ours = pair
+    prompts = _prompts(12, 30, 7, 19, 2, seed=block_size)
+    results = run_paged(
+        ours,
+        prompts,
+        num_decode_steps=5,
+        block_size=block_size,
+        chunk_size=7,
+        stagger=True,
+        shuffle=True,
+        seed=block_size,
+    )
+    _assert_matches_hf(hf, results)
+
+
+def test_prefix_cache_hit(pair):
+    hf, ours = pair
+    first, tail = _prompts(37, 6)
+    second = first[:32] + tail
+    runner = PagedRunner(ours, block_size=8)
+    runner.add(0, first)
+    runner.step([(0, len(first))])
+    runner.add(1, second, share_blocks_of=0)
+    assert runner.seqs[1].num_computed == 32  # four full blocks come from the cache
+    logits = runner.step([(1, len(second) - 32)])[1]
+    torch.testing.assert_close(logits, hf_logits(hf, second)[32:], atol=ATOL, rtol=RTOL)
+
+
+def test_padded_inputs(pair):
+    """Rows beyond num_actual_tokens (graph padding) do not change the real rows."""
+    _, ours = pair
+    prompts = _prompts(6, 1, 9)
+    runner = PagedRunner(ours, block_size=4)
+    for i, p in enumerate(prompts):
+        runner.add(i, p)
+    schedule = [(i, len(p)) for i, p in enumerate(prompts)]
+    for seq_id, n in schedule:
+        runner._allocate(runner.seqs[seq_id], n)
+    common, ids, positions = runner._build_inputs(schedule)
+    metadata = ours.attn_backend_cls.build_metadata(common)
+    pad = torch.zeros(4, dtype=torch.int64)
+    with torch.inference_mode():
+        plain = ours(ids, positions, runner.kv_caches, metadata)
+        padded = ours(
+            torch.cat([ids, pad]), torch.cat([positions, pad]), runner.kv_caches, metadata
+        )
+    torch.testing.assert_close(padded[: len(ids)], plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_equals_safetensors(arch, tmp_path):
+    """An F32 GGUF of a checkpoint (Q/K permuted for llama) loads to the same parameters."""
+    folder = make_tiny_hf_model(arch, tmp_path)
+    path = write_tiny_gguf(folder, str(tmp_path / "tiny.gguf"), "F32", arch)
+    from_st, from_gguf = load_our_model(folder), load_our_model(path)
+    gguf_params = dict(from_gguf.named_parameters())
+    for name, param in from_st.named_parameters():
+        assert torch.equal(gguf_params[name], param), name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_quantized_gguf_matches_hf(qtype, tmp_path):
+    folder = make_tiny_hf_model("llama", tmp_path)
+    write_tiny_gguf(folder, str(tmp_path / "tiny.gguf"), qtype, "llama")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    ours = load_our_model(str(tmp_path / "tiny.gguf"))
+    _assert_matches_hf(hf.eval(), run_paged(ours, _prompts(11, 4), num_decode_steps=3))
+
+
+def test_registry():
+    assert get_model_cls("LlamaForCausalLM") is LlamaForCausalLM
+    assert issubclass(get_model_cls("MistralForCausalLM"), LlamaForCausalLM)
+    assert get_model_cls("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        get_model_cls("GPT2LMHeadModel")
+
+
+@pytest.fixture(scope="module")
+def our_smollm(embedded_gguf):
+    return load_our_model(os.path.join(*embedded_gguf))
+
+
+@pytest.mark.slow
+def test_embedded_gguf_weights_equal_hf(our_smollm, hf_smollm):
+    hf = hf_smollm.state_dict()
+    for name, param in our_smollm.named_parameters():
+        if ".qkv_proj." in name:
+            parts = [hf[name.replace("qkv_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            assert torch.equal(param, torch.cat(parts)), name
+        elif ".gate_up_proj." in name:
+            parts = [hf[name.replace("gate_up_proj", p)] for p in ("gate_proj", "up_proj")]
+            assert torch.equal(param, torch.cat(parts)), name
+        else:
+            assert torch.equal(param, hf[name]), name
+
+
+@pytest.mark.slow
+def test_embedded_gguf_logits_equal_hf(our_smollm, hf_smollm):
+    from pagellm.loader import load_tokenizer, resolve_model_source
+
+    tokenizer = load_tokenizer(resolve_model_source(None))
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    _assert_matches_hf(hf_smollm, run_paged(our_smollm, prompts, num_decode_steps=4))

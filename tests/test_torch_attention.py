@@ -1,0 +1,163 @@
+"""The torch attention backend against a naive per-request softmax reference.
+
+Each case builds a flat batch of requests (decodes and prefill chunks, some after a cached
+context, in a random order) over random non-contiguous blocks of a NaN-poisoned cache: the
+context K/V are written at their slots first, every other slot stays NaN, so reading a slot
+a request does not own turns its output into NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.attention.base import CommonAttentionMetadata
+from pagellm.attention.torch_backend import TorchAttentionBackend
+
+
+def _reference(q, k, v, context_len: int, scale: float) -> torch.Tensor:
+    # q: [ql, H, D]; k, v: [seq_len, H_kv, D] (context then query tokens) -> [ql, H, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(q.shape[0])[:, None] + context_len
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class _Case:
+    """A random batch: per request (query_len, context_len), tensors, cache and metadata."""
+
+    def __init__(self, reqs, heads, kv_heads, head_dim, block_size, seed, pad=0):
+        gen = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        self.reqs, self.heads, self.kv_heads, self.head_dim = reqs, heads, kv_heads, head_dim
+        seq_lens = [q + c for q, c in reqs]
+        blocks_per_req = [-(-s // block_size) for s in seq_lens]
+        num_blocks = sum(blocks_per_req) + 3  # spare blocks stay poisoned
+        ids = list(range(num_blocks))
+        rng.shuffle(ids)
+        self.tables = [[ids.pop() for _ in range(n)] for n in blocks_per_req]
+        self.kv = [torch.randn(2, s, kv_heads, head_dim, generator=gen) for s in seq_lens]
+        self.q = [torch.randn(q, heads, head_dim, generator=gen) for q, _ in reqs]
+        shape = TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+        self.cache = torch.full(shape, float("nan"))
+        self.block_size, self.pad = block_size, pad
+        for r, (_, ctx) in enumerate(reqs):
+            self._write(r, range(ctx))
+
+    def slot(self, r: int, pos: int) -> int:
+        return self.tables[r][pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _write(self, r: int, positions) -> None:
+        flat = self.cache.view(2, -1, self.kv_heads, self.head_dim)
+        for p in positions:
+            flat[:, self.slot(r, p)] = self.kv[r][:, p]
+
+    def inputs(self):
+        """Flat q, k, v (plus `pad` padding rows) and the step's common metadata."""
+        q = torch.cat(self.q)
+        k = torch.cat([kv[0, c:] for kv, (_, c) in zip(self.kv, self.reqs)])
+        v = torch.cat([kv[1, c:] for kv, (_, c) in zip(self.kv, self.reqs)])
+        if self.pad:
+            q, k, v = (torch.cat([x, torch.randn(self.pad, *x.shape[1:])]) for x in (q, k, v))
+        return q, k, v, self._common()
+
+    def _common(self) -> CommonAttentionMetadata:
+        query_lens = [q for q, _ in self.reqs]
+        seq_lens = np.array([q + c for q, c in self.reqs], dtype=np.int32)
+        qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        width = max(len(t) for t in self.tables) + 2
+        table = torch.zeros(len(self.reqs), width, dtype=torch.int32)  # padding: block 0
+        for r, t in enumerate(self.tables):
+            table[r, : len(t)] = torch.tensor(t)
+        slots = [self.slot(r, p) for r, (q, c) in enumerate(self.reqs) for p in range(c, c + q)]
+        return CommonAttentionMetadata(
+            num_reqs=len(self.reqs),
+            block_size=self.block_size,
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=max(query_lens),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq_lens),
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def expected(self, scale: float) -> torch.Tensor:
+        outs = [
+            _reference(q, kv[0], kv[1], c, scale)
+            for q, kv, (_, c) in zip(self.q, self.kv, self.reqs)
+        ]
+        return torch.cat(outs)
+
+
+def _run(case: _Case) -> torch.Tensor:
+    backend = TorchAttentionBackend(case.heads, case.kv_heads, case.head_dim, case.head_dim**-0.5)
+    q, k, v, common = case.inputs()
+    metadata = TorchAttentionBackend.build_metadata(common)
+    return backend.forward(q, k, v, case.cache, metadata)
+
+
+def _check(case: _Case) -> None:
+    out = _run(case)
+    n = sum(q for q, _ in case.reqs)
+    torch.testing.assert_close(out[:n], case.expected(case.head_dim**-0.5), atol=1e-5, rtol=1e-5)
+    assert torch.all(out[n:] == 0)  # padding rows
+    # this step's K/V landed at their slots
+    flat = case.cache.view(2, -1, case.kv_heads, case.head_dim)
+    for r, (q, c) in enumerate(case.reqs):
+        for p in (c, c + q - 1):
+            assert torch.equal(flat[:, case.slot(r, p)], case.kv[r][:, p])
+
+
+MIXES = {
+    "decodes": [(1, 7), (1, 1), (1, 30), (1, 16), (1, 0)],
+    "prefills": [(9, 0), (3, 0), (17, 0)],
+    "prefills_after_context": [(5, 11), (8, 8), (2, 30)],
+    "mixed": [(6, 0), (1, 12), (4, 9), (1, 3), (1, 0), (13, 0), (1, 40), (3, 5)],
+}
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_matches_reference(block_size, mix, heads, kv_heads):
+    reqs = list(MIXES[mix])
+    random.Random(block_size).shuffle(reqs)  # decodes are not first
+    _check(_Case(reqs, heads, kv_heads, 16, block_size, seed=block_size + heads))
+
+
+def test_padded_rows_are_zero():
+    _check(_Case([(1, 5), (4, 3), (1, 9)], 4, 2, 8, 4, seed=3, pad=5))
+
+
+def test_decodes_between_prefills():
+    # decode rows not contiguous: prefill, decode, prefill, decode
+    _check(_Case([(5, 0), (1, 6), (3, 4), (1, 2)], 8, 2, 16, 4, seed=5))
+
+
+def test_random_batches():
+    rng = random.Random(0)
+    for seed in range(10):
+        reqs = [(rng.choice([1, 1, 2, rng.randint(2, 20)]), rng.randint(0, 40)) for _ in range(6)]
+        reqs = [(q, c) for q, c in reqs if q + c > 0]
+        heads, kv_heads = rng.choice([(4, 1), (4, 2), (9, 3)])
+        _check(_Case(reqs, heads, kv_heads, 8, rng.choice([1, 4, 16]), seed=seed))
+
+
+def test_metadata_decode_rows():
+    contiguous = _Case([(1, 3), (1, 4), (5, 0)], 2, 2, 8, 4, seed=0)
+    split = _Case([(1, 3), (5, 0), (1, 4)], 2, 2, 8, 4, seed=0)
+    md = TorchAttentionBackend.build_metadata(contiguous.inputs()[3])
+    assert md.decodes.rows == slice(0, 2)
+    assert md.decodes.slots.shape == (2, 5)  # max seq_len: 1 + 4
+    assert [(p.start, p.end, p.slots) for p in md.prefills] == [(2, 7, None)]
+    md = TorchAttentionBackend.build_metadata(split.inputs()[3])
+    assert md.decodes.rows.tolist() == [0, 6]
