@@ -61,6 +61,16 @@ def triton_fn(inputs, scale, **plan_kwargs):
     )
 
 
+def fits(cfg, head_dim: int, block_size: int) -> bool:
+    """False (and says so) when the kernel fell back to fewer stages than cfg asks for."""
+    from pagellm.kernels import paged_attention as pa
+
+    used = pa._STAGES_THAT_FIT.get((cfg, torch.bfloat16, head_dim, block_size))
+    if used != cfg.num_stages:
+        print(f"  sweep {cfg}: does not fit in shared memory (ran with {used} stages)")
+    return used == cfg.num_stages
+
+
 def sdpa_times(q, k, v, causal: bool) -> dict[str, float | None]:
     """Median ms of SDPA per backend; None where the backend refuses these inputs.
 
@@ -133,14 +143,16 @@ def bench_decode(args, sweep: bool) -> dict:
         base = decode_config(h // kvh, d)
         results = []
         for block_n, warps, stages, splits in itertools.product(
-            (32, 64, 128), (2, 4, 8), (2, 3, 4), (None, 2, 4)
+            (32, 64, 128), (2, 4, 8), (2, 3, 4, 5), (None, 2, 4)
         ):
             cfg = replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
                 _, f = triton_fn(inputs, scale, decode=cfg, num_splits=splits)
                 t = do_bench(f, return_mode="median")
-            except Exception as e:  # out of shared memory, etc.
+            except Exception as e:
                 print(f"  sweep {cfg} splits={splits}: failed ({type(e).__name__})")
+                continue
+            if not fits(cfg, d, args.block_size):
                 continue
             results.append((t, cfg, splits))
             print(f"  sweep block_n={block_n} warps={warps} stages={stages} splits={splits}: "
@@ -197,7 +209,7 @@ def bench_prefill(args, sweep: bool) -> dict:
         base = prefill_config(h // kvh, d)
         results = []
         for block_m, block_n, warps, stages in itertools.product(
-            (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)
+            (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
         ):
             heads = base.heads_per_prog
             if block_m < 16 * heads:
@@ -211,6 +223,8 @@ def bench_prefill(args, sweep: bool) -> dict:
                 t = do_bench(f, return_mode="median")
             except Exception as e:
                 print(f"  sweep {cfg}: failed ({type(e).__name__})")
+                continue
+            if not fits(cfg, d, args.block_size):
                 continue
             results.append((t, cfg))
             print(f"  sweep block_m={block_m} block_n={block_n} warps={warps} stages={stages}: "

@@ -6,6 +6,10 @@ split-KV count) depends on the head layout, which a classmethod `build_metadata`
 so the metadata builds it on the first layer's call and every later layer reuses it.
 Importing this module needs Triton (ImportError otherwise, which the selector catches) but
 no CUDA device.
+
+CUDA graphs: a captured decode step replays the plan of the capture, including its split-KV
+count (any count is correct for any lengths, only speed differs). Capture with the
+`seq_lens` the graph should be fast for: the split heuristic looks at the longest context.
 """
 
 from __future__ import annotations

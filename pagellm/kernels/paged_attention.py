@@ -17,21 +17,27 @@ and every K/V tile it loads serves all of those heads. The grid is
 `(num_kv_heads * head_groups, num_tiles, num_splits)`; `head_groups > 1` only when a KV
 head has more query heads than one program takes. The program walks the keys in steps of
 BLOCK_N, gathering each step's rows from their pages (`block_table[r, n // block_size]`), with
-`tl.dot` for QK^T and PV and an online softmax in fp32 (base 2: the scale is pre-multiplied
-by log2(e)). Keys below `ctx + q0 + 1` (q0: first query of the tile) are visible to every
-row, so those steps run without masks; the last few steps, up to `ctx + last query + 1`,
-apply the causal mask, and nothing beyond them is visited (fully masked tiles are skipped).
+`tl.dot` for QK^T and PV and an online softmax in fp32 (base 2: the softmax scale times
+log2(e) goes into exp2's argument). Keys below `ctx + q0 + 1` (q0: first query of the tile)
+are visible to every row, so those steps run without masks; the last few steps, up to
+`ctx + last query + 1`, apply the causal mask, and nothing beyond them is visited (fully
+masked tiles are skipped). The block ids of a step are loaded one step ahead, so Triton's
+software pipeliner can keep `num_stages - 2` K/V tiles in flight (cp.async into shared
+memory) while one is computed; Q stays in registers/shared memory for the whole walk.
 
 Two launches of the same kernel cover a step (see `plan_attention`):
 
-- decode tiles: requests whose whole query fits one tile with BLOCK_M = 16 (query_len 1,
-  or a few speculative tokens). Memory-bound: the tile is small and BLOCK_N large. When
-  there are too few (request, KV head) programs to fill the GPU and the contexts are long,
-  the keys are cut into `num_splits` segments (flash-decoding), each program writes an
-  unnormalized partial output with its running max and sum, and `_combine_splits_kernel`
-  merges them.
+- decode tiles: requests whose whole query fits one tile with BLOCK_M = 16, the smallest
+  `tl.dot` M (query_len 1, or a few speculative tokens). Memory-bound. When there are too
+  few (request, KV head) programs to fill the GPU and the contexts are long, the keys are
+  cut into `num_splits` segments (flash-decoding): each program writes an unnormalized
+  partial output with its running max and sum, and `_combine_splits_kernel` merges them.
 - prefill tiles: the other requests, BLOCK_M = 128 rows, compute-bound. The host builds the
   tile -> (request, first query) map, heaviest tiles first, so no program idles on padding.
+
+A decode-only step (every query fits a decode tile) needs no tile map: tile i is request i.
+Its split count is fixed by the plan, and segment bounds come from the live `seq_lens`,
+so a CUDA graph captured with one plan stays correct for any context lengths.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634
 
@@ -555,12 +562,14 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
     else:
         part_acc = part_max = part_sum = out  # unused
     grid = (plan.num_kv_heads * head_groups, launch.num_tiles, splits)
-    _paged_attention_kernel[grid](
+    args = (
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         tile_req, tile_q, part_acc, part_max, part_sum,
         scale * LOG2E, plan.num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+    )  # fmt: skip
+    constexprs = dict(
         QUERIES_PER_KV=queries_per_kv,
         HEAD_GROUPS=head_groups,
         HEADS_PER_PROG=cfg.heads_per_prog,
@@ -571,9 +580,8 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
         HAS_TILE_MAP=has_map,
         NUM_SPLITS=splits,
         FP32_DOT=q.dtype == torch.float32,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
+    _launch_fitting(grid, args, constexprs, cfg, q.dtype)
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
             out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
@@ -585,3 +593,25 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
             SPLITS_PAD=triton.next_power_of_2(splits),
             num_warps=4,
         )  # fmt: skip
+
+
+# (config, dtype, head_dim, block_size) -> num_stages that fit the GPU's shared memory
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch_fitting(grid, args, constexprs, cfg: TileConfig, dtype: torch.dtype) -> None:
+    """Launch with cfg.num_stages, or fewer where the GPU has less shared memory than an H200
+    (fp32, or a smaller GPU); the count that fits is remembered."""
+    key = (cfg, dtype, constexprs["HEAD_DIM"], constexprs["BLOCK_SIZE"])
+    stages = _STAGES_THAT_FIT.get(key, cfg.num_stages)
+    while True:
+        try:
+            _paged_attention_kernel[grid](
+                *args, **constexprs, num_warps=cfg.num_warps, num_stages=stages
+            )
+            _STAGES_THAT_FIT[key] = stages
+            return
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
