@@ -143,7 +143,7 @@ def bench_decode(args, sweep: bool) -> dict:
         base = decode_config(h // kvh, d)
         results = []
         for block_n, warps, stages, splits in itertools.product(
-            (32, 64, 128), (2, 4, 8), (2, 3, 4, 5), (None, 2, 4)
+            (32, 64, 128), (2, 4, 8), (2, 3, 4), (None, 2)
         ):
             cfg = replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
             try:
