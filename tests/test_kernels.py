@@ -56,6 +56,15 @@ from pagellm.kernels.paged_attention import (  # noqa: E402
 from pagellm.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from pagellm.kernels import paged_attention as _kernels
+
+    assert isinstance(_kernels._paged_attention_kernel, InterpretedFunction), (
+        "pagellm.kernels was imported before TRITON_INTERPRET=1 was set (by another test "
+        "module?); run with TRITON_INTERPRET=1 in the environment"
+    )
 CPU_DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
