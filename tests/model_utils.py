@@ -64,14 +64,22 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def load_our_model(path: str, dtype: torch.dtype = torch.float32, load_format: str = "auto"):
-    """Our model for an HF folder, a .gguf file or a shipped config name, on the CPU."""
+def load_our_model(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    device: str = "cpu",
+    attn_backend_cls: type | None = None,
+):
+    """Our model for an HF folder, a .gguf file or a shipped config name (default: on the CPU,
+    with the torch attention backend)."""
     from pagellm.config import EngineArgs, ModelConfig
     from pagellm.loader import load_model
 
     args = EngineArgs(model=path, load_format=load_format, dtype=str(dtype).split(".")[1])
-    model_config = ModelConfig.from_args(args, torch.device("cpu"))
-    return load_model(model_config, torch.device("cpu"), TorchAttentionBackend)
+    model_config = ModelConfig.from_args(args, torch.device(device))
+    backend = attn_backend_cls or TorchAttentionBackend
+    return load_model(model_config, torch.device(device), backend)
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
@@ -88,7 +96,8 @@ class _Seq:
 
 
 class PagedRunner:
-    """Runs flat batches through our model and a paged KV cache, like the model runner."""
+    """Runs flat batches through our model and a paged KV cache, like the model runner, on the
+    model's device; logits come back on the CPU."""
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int = 256, seed: int = 0):
         cfg = model.config
@@ -96,9 +105,11 @@ class PagedRunner:
         shape = model.attn_backend_cls.kv_cache_shape(
             num_blocks, block_size, cfg.num_key_value_heads, head_dim
         )
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
+        self.device = param.device
         self.kv_caches = [
-            torch.full(shape, float("nan"), dtype=dtype) for _ in range(cfg.num_hidden_layers)
+            torch.full(shape, float("nan"), dtype=param.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
         ]
         self.model = model
         self.block_size = block_size
@@ -124,7 +135,7 @@ class PagedRunner:
         metadata = self.model.attn_backend_cls.build_metadata(common)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden).cpu()
         out, start = {}, 0
         for seq_id, n in schedule:
             out[seq_id] = logits[start : start + n]
@@ -154,20 +165,22 @@ class PagedRunner:
             blocks = self.seqs[seq_id].blocks
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        dev = self.device
         common = CommonAttentionMetadata(
             num_reqs=len(schedule),
             block_size=bs,
             num_actual_tokens=len(ids),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            query_start_loc=torch.from_numpy(qsl),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=np.array(seq_lens, dtype=np.int32),
         )
-        return common, torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64)
+        ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return common, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
 
 def _shared_full_blocks(src: _Seq, dst: _Seq, block_size: int) -> list[int]:

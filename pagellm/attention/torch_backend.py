@@ -106,7 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
         keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
         values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q_d, keys, values, batch.mask, scale=self.scale)
-        return out.view(n_dec, self.num_heads, self.head_dim)
+        return out.reshape(n_dec, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)

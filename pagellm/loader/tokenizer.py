@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagellm import envs
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.source import ModelSource
 
@@ -53,8 +54,8 @@ def tokenizer_cache_dir(path: str) -> Path:
     stat = os.stat(path)
     ident = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join("~", ".cache", "pagellm")
-    return Path(os.path.expanduser(root)) / "tokenizers" / f"{Path(path).stem}-{key}"
+    root = os.path.expanduser(envs.cache_dir())
+    return Path(root) / "tokenizers" / f"{Path(path).stem}-{key}"
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:

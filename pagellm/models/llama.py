@@ -75,10 +75,13 @@ class LlamaAttention(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, hidden]
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H+2H_kv, D]
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        num_qk = self.num_heads + self.num_kv_heads
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary(self.q_norm(q), cos_sin), apply_rotary(self.k_norm(k), cos_sin)
+        else:  # rotate q and k in one go
+            qk = apply_rotary(qkv[:, :num_qk], cos_sin)
+            q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
