@@ -1,0 +1,189 @@
+"""The process boundary: same outputs in every mode, dying cores, aborts, clean exits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import PROMPTS
+from pagellm import LLM, EngineArgs, SamplingParams
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.core_client import EngineDeadError, SyncMPClient
+from pagellm.sampling_params import RequestOutputKind
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _core_pid(llm: LLM) -> int:
+    client = llm.llm_engine.engine_core
+    assert isinstance(client, SyncMPClient)
+    return client.proc.pid
+
+
+def test_same_tokens_in_process_and_multiprocess(llm, monkeypatch):
+    mp_out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    with LLM(dtype="float32", max_model_len=1024) as inproc:
+        assert not hasattr(inproc.llm_engine.engine_core, "proc")
+        in_out = [o.outputs[0].token_ids for o in inproc.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert mp_out == in_out
+
+
+def test_idle_core_does_not_spin(llm):
+    pid = _core_pid(llm)
+
+    def cpu_seconds() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().split(")")[-1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - before < 0.1
+
+
+def test_killed_core_raises_engine_dead_error_quickly():
+    llm = LLM(dtype="float32", max_model_len=512)
+    pid = _core_pid(llm)
+    ipc_dir = llm.llm_engine.engine_core.ipc_dir
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS * 8, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 6.0
+    with pytest.raises(EngineDeadError):  # and stays dead
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _wait_gone(pid)
+    assert not os.path.exists(ipc_dir)
+
+
+def test_async_iterators_all_raise_when_core_dies():
+    async def main() -> list[BaseException]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512))
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+        async def consume(i: int) -> None:
+            async for _ in engine.generate(PROMPTS[i % len(PROMPTS)], params, f"req-{i}"):
+                pass
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(8)]
+        await asyncio.sleep(1.5)
+        os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 6.0)
+        engine.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results)
+
+
+def test_many_concurrent_async_requests_and_abort_frees_blocks(llm):
+    prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 9)][:72]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=1024))
+        total = await engine.call_utility("get_num_free_blocks")
+
+        async def run(i: int) -> list[int]:
+            params = GREEDY.clone()
+            params.output_kind = RequestOutputKind.DELTA
+            tokens: list[int] = []
+            async for out in engine.generate(prompts[i], params, f"r{i}"):
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        got = await asyncio.gather(*(run(i) for i in range(len(prompts))))
+
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        agen = engine.generate(PROMPTS[0], long, "to-abort")
+        await agen.__anext__()
+        used = await engine.call_utility("get_num_free_blocks")
+        await agen.aclose()  # the caller walks away: the request is aborted in the core
+        await asyncio.sleep(0.2)
+        after = await engine.call_utility("get_num_free_blocks")
+        engine.shutdown()
+        return got, total, used, after
+
+    got, total, used, after = asyncio.run(main())
+    assert got == expected
+    assert used < total and after == total
+
+
+def test_bad_weights_fail_fast_with_the_childs_message(tmp_path):
+    from model_utils import make_tiny_hf_model
+
+    folder = make_tiny_hf_model("llama", tmp_path)
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(b"this is not a safetensors file")
+    start = time.monotonic()
+    with pytest.raises(Exception, match="EngineCore failed to start") as info:
+        LLM(model=folder)
+    assert time.monotonic() - start < 30
+    assert "safetensors" in str(info.value).lower() or "header" in str(info.value).lower()
+
+
+def test_bad_model_path_is_a_clear_error():
+    with pytest.raises(ValueError, match="no/such/model"):
+        LLM(model="/no/such/model")
+
+
+CHILD_SCRIPT = """
+import json, sys
+from pagellm import LLM
+llm = LLM(max_model_len=256)
+client = llm.llm_engine.engine_core
+print(json.dumps({"pid": client.proc.pid, "ipc_dir": client.ipc_dir}), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_no_orphan_when_parent_is_killed(sig):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", CHILD_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    info = json.loads(parent.stdout.readline())
+    assert _alive(info["pid"])
+    parent.send_signal(sig)
+    parent.wait(timeout=10)
+    assert _wait_gone(info["pid"], timeout=5)
+    assert not os.path.exists(info["ipc_dir"])
+
+
+def test_interpreter_exit_stops_the_core():
+    script = CHILD_SCRIPT.replace("sys.stdin.read()", "")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    info = json.loads(out.stdout.decode().splitlines()[-1])
+    assert _wait_gone(info["pid"], timeout=2)
+    assert not os.path.exists(info["ipc_dir"])
