@@ -293,6 +293,7 @@ def test_dummy_weights_follow_seed(tmp_path):
 def test_bfloat16_model(tmp_path):
     model = load_our_model(make_tiny_hf_model("qwen3", tmp_path), dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in model.parameters())
     assert model.model.rotary_emb.cos_sin.dtype == torch.float32
 
 

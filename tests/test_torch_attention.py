@@ -161,3 +161,11 @@ def test_metadata_decode_rows():
     assert [(p.start, p.end, p.slots) for p in md.prefills] == [(2, 7, None)]
     md = TorchAttentionBackend.build_metadata(split.inputs()[3])
     assert md.decodes.rows.tolist() == [0, 6]
+
+
+def test_decodes_in_chunks(monkeypatch):
+    """Decodes gathered a few requests at a time (a small gather budget) give the same output."""
+    from pagellm.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "DECODE_GATHER_BYTES", 2 * 40 * 2 * 8 * 4)
+    _check(_Case([(1, 7), (3, 0), (1, 30), (1, 39), (1, 0), (1, 12)], 4, 2, 8, 4, seed=9))

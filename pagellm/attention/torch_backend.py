@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
 
+DECODE_GATHER_BYTES = 32 << 20  # K (and V) gathered per decode chunk, at most about this
+
 
 @dataclass
 class DecodeBatch:
@@ -97,16 +99,26 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, q, key_cache, value_cache, batch: DecodeBatch) -> torch.Tensor:
-        # the query heads sharing a KV head act as that head's query rows:
-        # q_d: [num_decodes, H_kv, group, D]; keys: [num_decodes, H_kv, max_seq_len, D]
+        # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
         n_dec, max_len = batch.slots.shape
         q_d = q[batch.rows].reshape(n_dec, self.num_kv_heads, -1, self.head_dim)
-        flat = batch.slots.view(-1)
-        shape = (n_dec, max_len, self.num_kv_heads, self.head_dim)
-        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_d, keys, values, batch.mask, scale=self.scale)
+        row_bytes = max_len * self.num_kv_heads * self.head_dim * key_cache.element_size()
+        step = max(1, DECODE_GATHER_BYTES // row_bytes)  # bounds the gathered K/V's memory
+        outs = [
+            self._decode_rows(q_d[i : i + step], key_cache, value_cache, batch, slice(i, i + step))
+            for i in range(0, n_dec, step)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(n_dec, self.num_heads, self.head_dim)
+
+    def _decode_rows(self, q_d, key_cache, value_cache, batch: DecodeBatch, rows: slice):
+        # q_d: [n, H_kv, group, D]; keys, values: [n, H_kv, max_seq_len, D]
+        slots = batch.slots[rows]
+        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        keys = key_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
+        values = value_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
+        mask = batch.mask[rows]
+        return F.scaled_dot_product_attention(q_d, keys, values, mask, scale=self.scale)
 
     def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)
