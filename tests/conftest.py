@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -63,10 +64,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with HF's KV cache; EOS is not special (like ignore_eos=True)."""
     ids = torch.tensor([prompt_ids])
     out: list[int] = []
+    # transformers renamed past_key_values to cache; use whichever this version takes
+    cache_arg = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     past = None
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            res = model(input_ids=ids, use_cache=True, **{cache_arg: past})
             past = res.past_key_values
             token = int(res.logits[0, -1].argmax())
             out.append(token)

@@ -8,7 +8,10 @@ from conftest import PROMPTS
 from pagellm import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-SHARED_PREFIX = "You are a careful assistant. Answer briefly and precisely. Question: "
+SHARED_PREFIX = (
+    "You are a careful assistant. Answer briefly and precisely, in plain English, without "
+    "lists, and say so when you do not know the answer. Here is the question. "
+)
 PREFIXED = [SHARED_PREFIX + p for p in PROMPTS]
 
 
@@ -23,11 +26,12 @@ def _token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 def test_prefix_cache_hits_do_not_change_outputs(llm, reference):
-    llm.llm_engine.call_utility("reset_prefix_cache")
+    assert llm.llm_engine.call_utility("reset_prefix_cache")
     first = llm.generate(PREFIXED[:1], PARAMS, use_tqdm=False)
     again = llm.generate(PREFIXED, PARAMS, use_tqdm=False)
     assert first[0].num_cached_tokens == 0
-    assert all(o.num_cached_tokens >= 16 for o in again)  # the shared prefix came from the cache
+    # the shared prefix (two full blocks) came from the cache
+    assert all(o.num_cached_tokens >= 32 for o in again)
     assert [o.outputs[0].token_ids for o in again] == reference
 
 
