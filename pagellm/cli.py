@@ -1,4 +1,4 @@
-"""The `pagellm` command line: `pagellm generate` (more subcommands plug in as parsers).
+"""The `pagellm` command line: `generate`, `serve`, `chat` and `bench serve`.
 
 Engine flags are generated from the EngineArgs dataclass, so `--max-model-len` here and
 `LLM(max_model_len=...)` are the same setting.
@@ -87,7 +87,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     )
     prompts = ns.prompts or DEFAULT_PROMPTS
     start = time.perf_counter()
-    if ns.chat:
+    if ns.chat or not ns.prompts:  # the built-in prompts are questions for the chat model
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
@@ -108,10 +108,69 @@ def _print_outputs(outputs: list, prompts: list[str], elapsed: float) -> None:
     )
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+_MODEL_HELP = "HF folder, .gguf file or shipped config name; none: the embedded SmolLM2"
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    try:
+        from pagellm.entrypoints.openai.api_server import run_server
+    except ImportError as e:
+        print(f"pagellm serve needs the server extra (pip install 'pagellm[server]'): {e}")
+        return 2
+    ns.model = ns.model_tag or ns.model
+    return run_server(
+        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log
+    )
+
+
+def _chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="chat with a model in this terminal (streaming)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
+    p.add_argument("--system", default=None, help="a system message to start with")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    add_engine_args(p)
+    p.set_defaults(func=run_chat)
+
+
+def run_chat(ns: argparse.Namespace) -> int:
+    from pagellm.entrypoints.chat_cli import run_chat as chat
+
+    return chat(engine_args_from(ns), ns)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from pagellm.benchmarks import serve
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench_sub = p.add_subparsers(dest="bench_command", required=True)
+    serve_parser = bench_sub.add_parser("serve", help="load-test a running server")
+    serve.add_cli_args(serve_parser)
+    serve_parser.set_defaults(func=serve.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _chat_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (`pagellm serve`): FastAPI routes on one AsyncLLM."""

@@ -1,0 +1,97 @@
+"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers map what can go wrong to a status: bad input (a ValueError from SamplingParams or
+input processing, a request that fails validation, malformed JSON) is 400, a wrong API key
+401, an unknown model 404, a dead engine 503. Bad input never yields a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from pagellm.engine.core_client import EngineDeadError
+from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    503: "ServiceUnavailableError",
+}
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+class APIError(Exception):
+    """An error with the HTTP status and OpenAI error fields it is reported with."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        kind = _TYPES.get(self.status, "InternalServerError")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.status)
+        )
+
+
+def from_exception(e: BaseException) -> APIError:
+    """The APIError to report for an exception raised while serving a request."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine is dead: {e}", 503)
+    if isinstance(e, (ValueError, TypeError)):
+        match = _FIELD.search(str(e))
+        return APIError(str(e), 400, match.group(1) if match else None)
+    logger.exception("unexpected error while serving a request", exc_info=e)
+    return APIError(f"internal error: {type(e).__name__}", 500)
+
+
+def error_json(error: APIError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+
+
+def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
+    errors = e.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_json(e)
+
+    async def on_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return error_json(APIError(message, 400, param))
+
+    async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return error_json(APIError(str(e.detail), e.status_code))
+
+    async def on_other_error(request: Request, e: Exception) -> JSONResponse:
+        return error_json(from_exception(e))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    for exc in (ValueError, TypeError, EngineDeadError):
+        app.add_exception_handler(exc, on_other_error)

@@ -1,0 +1,240 @@
+"""What completions and chat share: the model-name check, the context-length check, running one
+engine request per prompt, and answering as JSON or as server-sent events.
+
+The HTTP handler never iterates `AsyncLLM.generate()` itself. Each prompt's request runs in its
+own task (a `Generation`); when the client goes away, the handler or its stream is cancelled
+and cancels those tasks, each `generate()` sees a plain CancelledError and aborts its request
+in the engine core, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.errors import APIError, from_exception
+from pagellm.entrypoints.openai.metrics import ServerMetrics
+from pagellm.entrypoints.openai.protocol import UsageInfo
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+_DONE = object()  # a request's task ended normally
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Generation:
+    """One engine request per prompt, each iterated by its own task; outputs merge in a queue."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        prompts: list[dict[str, Any]],
+        params: list[SamplingParams],
+        request_id: str,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.peeked: tuple[int, Any] | None = None
+        self.tasks = [
+            asyncio.create_task(self._run(engine, i, prompt, sp, f"{request_id}-{i}", metrics))
+            for i, (prompt, sp) in enumerate(zip(prompts, params))
+        ]
+        self.num_running = len(self.tasks)
+
+    async def _run(
+        self,
+        engine: AsyncLLM,
+        index: int,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        request_id: str,
+        metrics: ServerMetrics,
+    ) -> None:
+        timer = metrics.timer()
+        try:
+            async for out in engine.generate(prompt, params, request_id):
+                timer.on_output(out)
+                self.queue.put_nowait((index, out))
+        except Exception as e:
+            self.queue.put_nowait((index, e))
+        else:
+            self.queue.put_nowait((index, _DONE))
+
+    async def wait_first(self) -> None:
+        """Waits for the first output, so that an invalid request fails before a stream starts."""
+        self.peeked = await self._next()
+
+    async def _next(self) -> tuple[int, Any]:
+        while True:
+            index, item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is not _DONE:
+                return index, item
+            self.num_running -= 1
+            if self.num_running == 0:
+                return index, None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, DELTA output) pairs until every request is finished."""
+        try:
+            if self.peeked is not None:
+                index, out = self.peeked
+                self.peeked = None
+                if out is None:
+                    return
+                yield index, out
+            while self.num_running:
+                index, out = await self._next()
+                if out is not None:
+                    yield index, out
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+
+class ChoiceState:
+    """One choice's text, tokens and logprobs, gathered from DELTA outputs."""
+
+    __slots__ = ("texts", "token_ids", "logprobs", "finish_reason", "stop_reason")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.texts.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs:
+            self.logprobs.extend(completion.logprobs)
+        self.finish_reason = completion.finish_reason
+        self.stop_reason = completion.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def gather_choices(outputs: list[tuple[int, RequestOutput]], n: int) -> list[ChoiceState]:
+    """Choice `i * n + j` is completion j of prompt i, as OpenAI numbers them."""
+    choices: dict[int, ChoiceState] = {}
+    for index, out in outputs:
+        for completion in out.outputs:
+            choices.setdefault(index * n + completion.index, ChoiceState()).add(completion)
+    return [choices[k] for k in sorted(choices)]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.model_config.max_model_len
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested in self.model_names:
+            return requested or self.model_names[0]
+        raise APIError(f"The model `{requested}` does not exist.", 404, "model")
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompts as token ids")
+        return self.tokenizer.encode(text)
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int | None:
+        """The requested max_tokens, or all the room left; a ValueError past the context."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is not None and requested < 1:
+            return requested  # SamplingParams says what is wrong with it
+        wanted = room if requested is None else requested
+        if wanted > room or room < 1:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + max(wanted, 1)} tokens "
+                f"({num_prompt_tokens} in the prompt, {max(wanted, 1)} for the completion). "
+                "Please reduce the length of the prompt or of the completion.",
+                400,
+                "max_tokens" if requested is not None and room >= 1 else "prompt",
+            )
+        return wanted
+
+    def start(
+        self, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str
+    ) -> Generation:
+        return Generation(self.engine, prompts, params, request_id, self.metrics)
+
+    async def collect(
+        self, raw_request: Request, generation: Generation
+    ) -> list[tuple[int, RequestOutput]]:
+        """Every output of a non-streaming request; the request is aborted if the client leaves."""
+        return await until_disconnect(raw_request, _collect(generation), generation)
+
+    async def stream(
+        self, raw_request: Request, generation: Generation, events: AsyncIterator[str]
+    ) -> StreamingResponse:
+        """Server-sent events; errors before the first output still get an HTTP status."""
+        await until_disconnect(raw_request, generation.wait_first(), generation)
+        return StreamingResponse(_sse(events, generation), media_type="text/event-stream")
+
+
+async def _collect(generation: Generation) -> list[tuple[int, RequestOutput]]:
+    return [item async for item in generation.outputs()]
+
+
+async def _sse(events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+    try:
+        async for data in events:
+            yield f"data: {data}\n\n"
+    except Exception as e:  # the status line is already out: report the error in the stream
+        yield f"data: {from_exception(e).to_response().model_dump_json()}\n\n"
+    finally:
+        generation.cancel()
+    yield "data: [DONE]\n\n"
+
+
+async def until_disconnect(raw_request: Request, work: Awaitable, generation: Generation) -> Any:
+    """Awaits `work`; if the client disconnects first, cancels it and the engine requests."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done() or task.cancelled() or task.exception() is not None:
+            task.cancel()
+            generation.cancel()
+    if task.cancelled():
+        raise APIError("the client disconnected", 499)
+    return task.result()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass

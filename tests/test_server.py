@@ -1,0 +1,408 @@
+"""The OpenAI-compatible server, as a real subprocess on loopback, talked to by real clients.
+
+One server (`pagellm serve`, the embedded model, float32) serves the whole module; the
+official `openai` package (sync and async) and raw httpx for the error cases. The last test
+kills the server's engine core, so it must stay last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from conftest import PROMPTS
+
+from pagellm import SamplingParams
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+START_TIMEOUT_S = 150
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"the server exited with {server.proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"the server was not healthy within {START_TIMEOUT_S} s:\n{server.log()}")
+
+
+def _stop(server: Server) -> None:
+    kids = _children(server.proc.pid)
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_exists(pid) for pid in kids):
+        assert time.monotonic() < deadline, f"orphan engine processes: {kids}"
+        time.sleep(0.1)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    port = _free_port()
+    log_path = str(tmp_path_factory.mktemp("server") / "server.log")
+    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port)]
+    cmd += ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        request.getfixturevalue("llm")  # the in-process reference loads while the server boots
+        _wait_healthy(srv)
+        yield srv
+    finally:
+        _stop(srv)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^([a-zA-Z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M)
+    }
+
+
+# ---- open endpoints and the openai client ----------------------------------------------------
+
+
+MAX_TOKENS = 5
+CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> dict[str, str]:
+    """Greedy texts from the in-process engine, one batch: prompt (or "chat") -> text."""
+    chat_prompt = llm.get_tokenizer().apply_chat_template(
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
+    prompts = PROMPTS[:3] + [chat_prompt]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    texts = {p: o.outputs[0].text for p, o in zip(prompts, outputs)}
+    texts["chat"] = texts.pop(chat_prompt)
+    return texts
+
+
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+INCLUDE_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_health_version_models(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_greedy_completions_equal_llm_generate(client, llm, reference):
+    prompts = PROMPTS[:3]
+    out = client.completions.create(model=MODEL, prompt=prompts, logprobs=0, **GREEDY)
+    assert out.object == "text_completion"
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [reference[p] for p in prompts]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert all("".join(c.logprobs.tokens) == c.text for c in out.choices)
+    tokenizer = llm.get_tokenizer()
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 3 * MAX_TOKENS
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_stream_equals_llm_generate(client, reference):
+    prompt = PROMPTS[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, **GREEDY, **INCLUDE_USAGE))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in choices) == reference[prompt]
+    assert [c.finish_reason for c in choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_token_id_prompts_and_echo(client, llm, reference):
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    out = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], echo=True, **GREEDY)
+    assert out.choices[0].text == PROMPTS[1] + reference[PROMPTS[1]]
+    assert out.usage.prompt_tokens == len(ids) + 3
+
+
+def test_chat_sync_and_stream(client, reference):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
+    message = out.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == reference["chat"]
+    assert out.object == "chat.completion" and out.usage.completion_tokens == MAX_TOKENS
+    greedy = {**GREEDY, "max_completion_tokens": GREEDY["max_tokens"]}
+    del greedy["max_tokens"]
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, **greedy, **INCLUDE_USAGE)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"]
+    assert chunks[-1].usage == out.usage
+
+
+def test_n_times_prompts_choices(client):
+    out = client.completions.create(
+        model=MODEL, prompt=["One", "Two"], n=2, max_tokens=2, seed=1, temperature=1.0
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert 4 <= out.usage.completion_tokens <= 8  # each choice: 1 or 2 tokens
+
+
+async def _checked_stream(c: openai.AsyncOpenAI, i: int, tokenizer) -> None:
+    """One streamed completion; its chunks must be complete and in order."""
+    prompt = f"{PROMPTS[i % len(PROMPTS)]} (request {i})"
+    stream = await c.completions.create(
+        model=MODEL, prompt=prompt, logprobs=0, **GREEDY, **INCLUDE_USAGE
+    )
+    tokens, offsets, finish, usage = [], [], [], None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            tokens += choice.logprobs.tokens
+            offsets += choice.logprobs.text_offset
+            finish.append(choice.finish_reason)
+    assert usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert usage.completion_tokens == len(tokens) == MAX_TOKENS
+    assert finish[-1] == "length" and all(f is None for f in finish[:-1])
+    # each chunk's offsets continue the last one's: nothing lost, nothing out of order
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(MAX_TOKENS)]
+
+
+async def _async_chat_and_completion(c: openai.AsyncOpenAI) -> None:
+    out = await c.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    assert out.choices[0].text is not None
+    stream = await c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True)
+    finish = [ch.choices[0].finish_reason async for ch in stream if ch.choices]
+    assert finish[-1] in ("stop", "length")
+
+
+def test_32_concurrent_streams_and_async_client(server, llm):
+    tokenizer = llm.get_tokenizer()
+
+    async def run() -> None:
+        url = f"{server.url}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=0) as c:
+            streams = [_checked_stream(c, i, tokenizer) for i in range(32)]
+            await asyncio.gather(*streams)
+            await _async_chat_and_completion(
+                c
+            )  # alone: logprobs and no-logprobs requests must not share a batch yet
+
+    asyncio.run(run())
+
+
+# ---- disconnects free the KV cache ----------------------------------------------------------
+
+
+def _wait_kv_free(server: Server, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _metrics(server)
+        if m["pagellm:kv_cache_usage_perc"] == 0 and m["pagellm:num_requests_running"] == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"KV blocks still in use {timeout} s after the client left: {m}")
+
+
+def _long_request(stream: bool) -> dict:
+    return {
+        "prompt": "Tell me a long story.",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=_long_request(True)) as r:
+            assert r.status_code == 200
+            num_chunks = 0
+            for line in r.iter_lines():  # leaving this loop closes the connection
+                num_chunks += line.startswith("data:")
+                if num_chunks == 3:
+                    assert _metrics(server)["pagellm:kv_cache_usage_perc"] > 0
+                    break
+    _wait_kv_free(server)
+
+
+def test_disconnect_while_waiting_for_non_streamed_response_frees_kv_blocks(server):
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(
+            f"{server.url}/v1/completions", headers=AUTH, json=_long_request(False), timeout=1.5
+        )
+    _wait_kv_free(server)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def _post(server: Server, path: str, body: object, headers: dict | None = None) -> httpx.Response:
+    data = body if isinstance(body, str) else json.dumps(body)
+    hdrs = {"Content-Type": "application/json", **(AUTH if headers is None else headers)}
+    return httpx.post(f"{server.url}{path}", content=data, headers=hdrs, timeout=60)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"prompt": "x", "temperature": -1}, ["temperature"]),
+        ({"prompt": "hello " * 1100, "max_tokens": 4}, ["1024"]),
+        ({"prompt": "x", "max_tokens": 2000}, ["1024"]),
+        ("{not json", ["JSON"]),
+        ({"prompt": "x", "max_tokens": "many"}, ["max_tokens"]),
+        ({"max_tokens": 3}, ["prompt"]),
+        ({"prompt": [10**9]}, ["vocab"]),
+    ],
+)
+def test_bad_completion_requests_are_400(server, body, words):
+    error = _error(_post(server, "/v1/completions", body), 400)
+    assert all(w in error["message"] for w in words), error
+
+
+def test_bad_chat_requests_are_400(server):
+    assert (
+        "1024"
+        in _error(
+            _post(
+                server,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "a " * 1100}]},
+            ),
+            400,
+        )["message"]
+    )
+    _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
+    _error(_post(server, "/v1/chat/completions", {"messages": "hi"}), 400)
+
+
+def test_api_key_is_required_on_v1_only(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert (
+            "API key"
+            in _error(_post(server, "/v1/completions", {"prompt": "x"}, headers), 401)["message"]
+        )
+        _error(httpx.get(f"{server.url}/v1/models", headers=headers), 401)
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_unknown_model_is_404(server, client):
+    error = _error(_post(server, "/v1/completions", {"prompt": "x", "model": "gpt-5"}), 404)
+    assert "gpt-5" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+
+
+def test_metrics_names(server):
+    names = set(_metrics(server))
+    for name in (
+        "pagellm:num_requests_running",
+        "pagellm:num_requests_waiting",
+        "pagellm:kv_cache_usage_perc",
+        "pagellm:prompt_tokens_total",
+        "pagellm:generation_tokens_total",
+        "pagellm:time_to_first_token_seconds_count",
+        "pagellm:inter_token_latency_seconds_count",
+        "pagellm:e2e_request_latency_seconds_count",
+    ):
+        assert name in names
+    assert _metrics(server)["pagellm:generation_tokens_total"] > 0
+
+
+# ---- the load generator ---------------------------------------------------------------------
+
+
+def test_bench_serve(server):
+    cmd = [sys.executable, "-m", "pagellm", "bench", "serve", "--url", server.url]
+    cmd += ["--num-prompts", "4", "--concurrency", "2", "--input-len", "16", "--output-len", "4"]
+    out = subprocess.run(cmd + ["--api-key", API_KEY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["output_throughput"] > 0 and summary["ttft_ms_p50"] > 0
+    assert "TTFT" in out.stdout
+
+
+# ---- last: a dead engine --------------------------------------------------------------------
+
+
+def test_dead_engine_is_503(server):
+    for pid in _children(server.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health").status_code != 503:
+        assert time.monotonic() < deadline, "/health still 200 after the engine died"
+        time.sleep(0.1)
+    _error(_post(server, "/v1/completions", {"prompt": "x"}), 503)
