@@ -34,6 +34,7 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 2.0
+_HEALTH_TIMEOUT_S = 5.0
 
 
 async def verify_api_key(request: Request) -> None:
@@ -73,7 +74,15 @@ async def show_models(raw_request: Request) -> JSONResponse:
 
 @open_routes.get("/health")
 async def health(raw_request: Request) -> Response:
+    """200 while the engine core answers (or is too busy to, within the timeout); else 503."""
     engine: AsyncLLM = raw_request.app.state.engine
+    if not engine.errored:
+        try:  # a round trip to the core: an idle server notices a dead core here
+            await asyncio.wait_for(engine.call_utility("get_num_free_blocks"), _HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+        except Exception as e:
+            logger.warning("health check failed: %s", e)
     if engine.errored:
         return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, 503)
     return Response(status_code=200)

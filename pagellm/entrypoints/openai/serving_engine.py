@@ -224,13 +224,13 @@ async def until_disconnect(raw_request: Request, work: Awaitable, generation: Ge
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done() or task.cancelled() or task.exception() is not None:
             task.cancel()
             generation.cancel()
-    if task.cancelled():
+    if task not in done:
         raise APIError("the client disconnected", 499)
     return task.result()
 
