@@ -160,6 +160,7 @@ def run_server(
 ) -> int:
     import uvicorn
 
+    engine_args.create_engine_config()  # a bad flag is a one-line error here, not a traceback
     app = build_app(engine_args, api_key, f"{host}:{port}")
     uvicorn.run(
         app,
