@@ -413,8 +413,9 @@ def plan_attention(
 
     Requests whose query fits one decode tile (query_len <= decode.block_q) go to the
     decode launch; when every request does, that launch needs no tile map (tile i is
-    request i), which keeps it CUDA-graph friendly. The decode launch splits its keys
-    (`choose_num_splits`) unless `num_splits` forces a count. The rest become
+    request i), which keeps it CUDA-graph friendly. A decode-only launch splits its keys
+    (`choose_num_splits`), one beside prefill tiles does not, unless `num_splits` forces a
+    count. The rest become
     prefill tiles, ordered heaviest first.
     """
     device = torch.device(device)
@@ -433,8 +434,12 @@ def plan_attention(
     if len(dec_reqs):
         groups = triton.cdiv(queries_per_kv, decode.heads_per_prog)
         programs = len(dec_reqs) * num_kv_heads * groups
-        splits = num_splits or choose_num_splits(
-            programs, int(seq_lens[dec_reqs].max()), _num_sms(device)
+        # a step with prefill tiles keeps its decodes whole: the prefill fills the GPU, and
+        # one variant fewer is compiled while serving
+        splits = num_splits or (
+            1
+            if len(pre_reqs)
+            else choose_num_splits(programs, int(seq_lens[dec_reqs].max()), _num_sms(device))
         )
         pending.append((decode, len(dec_reqs), splits))
         if len(pre_reqs):
@@ -453,14 +458,23 @@ def plan_attention(
 
 
 def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """One (pinned, async) host-to-device copy for all tile maps."""
+    """One (pinned, async) host-to-device copy for all tile maps.
+
+    Each map starts on a 16-byte boundary: Triton specializes a kernel on its pointers'
+    alignment, and maps packed back to back would compile new variants as lengths vary.
+    """
     if not arrays:
         return []
-    host = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
+    padded = [-(-len(a) // 4) * 4 for a in arrays]  # int32 elements, 16-byte multiples
+    flat_host = np.zeros(sum(padded), dtype=np.int32)
+    starts = np.cumsum([0, *padded[:-1]])
+    for start, a in zip(starts, arrays):
+        flat_host[start : start + len(a)] = a
+    host = torch.from_numpy(flat_host)
     if device.type == "cuda":
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
-    return list(flat.split([len(a) for a in arrays]))
+    return [flat[start : start + len(a)] for start, a in zip(starts, arrays)]
 
 
 def _check_inputs(

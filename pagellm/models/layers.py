@@ -3,10 +3,14 @@ the gated MLP and the `Attention` layer that owns one attention-backend instance
 
 Models are built on the `meta` device; weights arrive through `load_weights` (see
 `pagellm/models/weights.py`), which assigns real tensors in place of the meta parameters.
+
+On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton kernel each
+(`pagellm/kernels/fused.py`); on the CPU they stay plain torch, the reference path.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -15,6 +19,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+
+
+@functools.cache
+def _fused_module():
+    try:
+        from pagellm.kernels import fused
+    except ImportError:  # no Triton: plain torch everywhere
+        return None
+    return fused
+
+
+def _fused_ops(x: torch.Tensor):
+    """The fused Triton ops for a CUDA tensor; None on the CPU (the torch reference path)."""
+    return _fused_module() if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +45,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size]
+        fused = self._fused(x)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps)[0]
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -34,8 +55,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream first; return (normed, new residual)."""
+        fused = self._fused(x)
+        if fused is not None and x.dim() == 2:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
         residual = x + residual
         return self.forward(residual), residual
+
+    def _fused(self, x: torch.Tensor):
+        fused = _fused_ops(x)
+        ok = fused is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1
+        return fused if ok and x.dim() in (2, 3) else None
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,6 +91,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     # x: [T, H, D]; cos_sin: [T, 1, D] -> [T, H, D]
+    fused = _fused_ops(x)
+    if fused is not None and fused.supports_rotary(x.shape[-1]) and x.stride(-1) == 1:
+        return fused.rotary(x, cos_sin.contiguous())
     cos, sin = cos_sin.chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -128,6 +160,9 @@ class FusedLinear(nn.Linear):
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2 * I] (gate | up) -> [T, I]
+        fused = _fused_ops(x)
+        if fused is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

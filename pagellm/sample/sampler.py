@@ -3,6 +3,8 @@
 Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
 token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
+On CUDA, a step with only greedy and temperature rows (no top-k/top-p/min-p, no seeded
+rows) samples in one Triton pass over the logits (`pagellm/kernels/sampling.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Sampler:
         return SamplerOutput(sampled, *_gather_logprobs(raw, sampled, meta.max_num_logprobs))
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        fused = _fused_sampling(logits, meta)
+        if fused is not None:
+            return fused.sample(logits, meta.temperature)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy
@@ -47,6 +52,18 @@ class Sampler:
         if meta.all_random:
             return sampled
         return torch.where(meta.temperature < 1e-5, greedy, sampled)
+
+
+def _fused_sampling(logits: torch.Tensor, meta: SamplingMetadata):
+    """pagellm.kernels.sampling where it applies (CUDA, temperature only), else None."""
+    plain = meta.top_k is None and meta.top_p is None and meta.min_p is None
+    if not (logits.is_cuda and plain and not meta.generators and not meta.all_greedy):
+        return None
+    try:
+        from pagellm.kernels import sampling
+    except ImportError:
+        return None
+    return sampling
 
 
 def _ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:

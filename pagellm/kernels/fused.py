@@ -1,0 +1,168 @@
+"""Fused small ops of the decoder layer (Triton): RMSNorm (+ residual add), rotary, SiLU-and-mul.
+
+In eager PyTorch each of these is 3-9 elementwise kernels; a decode step of a small model
+is then mostly launch gaps (Qwen3-0.6B: ~35 tiny kernels per layer, about 4 ms of an H200
+decode step at batch 256). Each op here is one kernel, one program per token.
+
+Rounding follows the torch path (and HF) where it rounds to the activation dtype between
+ops: the residual sum, the normalized value before the weight multiply, and SiLU's output
+before the multiply are rounded as torch rounds them. Rotary is computed in fp32 with one
+rounding at the end (torch rounds after each multiply; the difference is below bf16's step).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, heads, n] (any token / head strides, contiguous n)
+    res_ptr,  # [T, n] residual to add first (HAS_RES)
+    w_ptr,  # [n]
+    out_ptr,  # [T, heads, n] contiguous
+    res_out_ptr,  # [T, n] contiguous: x + residual (HAS_RES)
+    heads,
+    n,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    eps,
+    HEADS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs_h[:, None] < heads) & (offs[None, :] < n)  # [HEADS_PAD, BLOCK]
+    x_offs = t * stride_xt + offs_h[:, None] * stride_xh + offs[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    out_offs = (t * heads + offs_h[:, None]) * n + offs[None, :]
+    if HAS_RES:  # heads == 1
+        r = tl.load(res_ptr + t * stride_rt + offs[None, :], mask=mask, other=0.0)
+        x = (x + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)  # rounded, as torch adds
+        tl.store(res_out_ptr + out_offs, x, mask=mask)
+        x = x.to(tl.float32)
+    var = tl.sum(x * x, 1) / n  # [HEADS_PAD]
+    y = x * tl.rsqrt(var + eps)[:, None]
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # normalized, rounded, then * weight
+    w = tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,  # [T, heads, 2 * HALF] (any token / head strides)
+    cs_ptr,  # [T, 1, 2 * HALF]: cos | sin
+    out_ptr,  # [T, heads, 2 * HALF] contiguous
+    heads,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]
+    offs = tl.arange(0, HALF)[None, :]
+    mask = offs_h < heads
+    x1_ptr = x_ptr + t * stride_xt + offs_h * stride_xh + offs
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF]
+    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cs_ptr + t * stride_ct + offs).to(tl.float32)  # [1, HALF]
+    sin = tl.load(cs_ptr + t * stride_ct + HALF + offs).to(tl.float32)
+    o_ptr = out_ptr + (t * heads + offs_h) * (2 * HALF) + offs
+    dtype = out_ptr.dtype.element_ty
+    tl.store(o_ptr, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(o_ptr + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [T, 2 * n]: gate | up
+    out_ptr,  # [T, n]
+    n,
+    stride_xt,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_xt + n + offs, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded, as F.silu returns it
+    tl.store(out_ptr + t * n + offs, (act * up).to(dtype), mask=mask)
+
+
+def _num_warps(elements: int) -> int:
+    return max(1, min(8, triton.next_power_of_2(elements) // 512))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, n] or [T, heads, n]; contiguous in n
+    weight: torch.Tensor,  # [n]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, n]: added to x first (x must be 2-D)
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normed like x, x + residual or None)
+    n = x.shape[-1]
+    if x.stride(-1) != 1 or weight.shape != (n,):
+        raise ValueError(
+            f"rms_norm: x {tuple(x.shape)} (stride(-1) must be 1), weight {tuple(weight.shape)}"
+        )
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [T, heads, n]
+    heads = x3.shape[1]
+    if residual is not None and (
+        heads != 1 or residual.shape != x.shape or residual.stride(-1) != 1
+    ):
+        raise ValueError("rms_norm: residual must match a 2-D x and be contiguous in its last dim")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else None
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(x3.shape[0],)](
+        x3, res, weight, out, res_out if res_out is not None else out,
+        heads, n, x3.stride(0), x3.stride(1), res.stride(0), eps,
+        HEADS_PAD=triton.next_power_of_2(heads),
+        BLOCK=triton.next_power_of_2(n),
+        HAS_RES=residual is not None,
+        num_warps=_num_warps(heads * n),
+    )  # fmt: skip
+    return out, res_out
+
+
+def rotary(
+    x: torch.Tensor,  # [T, heads, D]; contiguous in D, D a power of two >= 4
+    cos_sin: torch.Tensor,  # [T, 1, D]: cos | sin, in x's dtype
+) -> torch.Tensor:  # [T, heads, D] contiguous
+    t, heads, d = x.shape
+    if x.stride(-1) != 1 or cos_sin.shape != (t, 1, d) or cos_sin.stride(-1) != 1:
+        raise ValueError(f"rotary: x {tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)}")
+    if d < 4 or d & (d - 1):
+        raise ValueError(f"rotary: head_dim must be a power of two >= 4, got {d}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rotary_kernel[(t,)](
+        x, cos_sin, out, heads, x.stride(0), x.stride(1), cos_sin.stride(0),
+        HEADS_PAD=triton.next_power_of_2(heads), HALF=d // 2,
+        num_warps=_num_warps(heads * d),
+    )  # fmt: skip
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2 * n] (gate | up) -> [T, n]
+    t, n = x.shape[0], x.shape[1] // 2
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul: expected [T, 2 * n] contiguous rows, got {tuple(x.shape)}")
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), 2048)
+    _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
+        x, out, n, x.stride(0), BLOCK=block, num_warps=_num_warps(block)
+    )
+    return out
+
+
+def supports_rotary(head_dim: int) -> bool:
+    return head_dim >= 4 and head_dim & (head_dim - 1) == 0

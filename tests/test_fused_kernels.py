@@ -1,0 +1,133 @@
+"""Fused Triton ops (RMSNorm + residual, rotary, SiLU-and-mul) against the torch path of
+`pagellm/models/layers.py`. On a machine without CUDA they run under Triton's interpreter
+(fp32 and fp16: the interpreter has no bf16); with CUDA, bf16 too. Outputs start as NaN
+inside the kernels' wrappers (`torch.empty`), so an unwritten element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from test_kernels import _patch_interpreter_for_numpy_2_4
+
+    _patch_interpreter_for_numpy_2_4()  # the sampling kernel loops to a runtime bound
+
+from pagellm.kernels import fused  # noqa: E402
+from pagellm.models.layers import SiluAndMul, apply_rotary  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _randn(*shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+def _close(out, ref, dtype):
+    torch.testing.assert_close(
+        out.float().cpu(), ref.float().cpu(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+def _torch_rms_norm(x, w, eps):
+    normed = torch.nn.functional.rms_norm(x.float(), w.shape, eps=eps)
+    return w * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576])
+def test_rms_norm_with_residual(dtype, n):
+    x, r = _randn(5, n, dtype=dtype), _randn(5, n, dtype=dtype, seed=1)
+    w = _randn(n, dtype=dtype, seed=2)
+    out, res = fused.rms_norm(x, w, 1e-6, r)
+    _close(res, x + r, dtype)
+    _close(out, _torch_rms_norm(x + r, w, 1e-6), dtype)
+    out, none = fused.rms_norm(x, w, 1e-6)
+    assert none is None
+    _close(out, _torch_rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype):
+    # q of a fused qkv output: [T, 3 heads, 32] inside [T, 3 + 2 + 2 heads, 32]
+    qkv = _randn(4, 7, 32, dtype=dtype)
+    q = qkv[:, :3]
+    w = _randn(32, dtype=dtype, seed=3)
+    out, _ = fused.rms_norm(q, w, 1e-6)
+    assert out.shape == q.shape and out.is_contiguous()
+    _close(out, _torch_rms_norm(q, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (5, 32)])
+def test_rotary_matches_torch_on_a_strided_view(dtype, heads, head_dim):
+    qkv = _randn(6, heads + 2, head_dim, dtype=dtype)
+    x = qkv[:, :heads]
+    angles = _randn(6, 1, head_dim // 2, dtype=torch.float32, seed=4)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)  # [T, 1, D]
+    cos, sin = cos_sin.float().chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    ref = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    _close(fused.rotary(x, cos_sin), ref, dtype)
+    if DEVICE == "cuda":  # the layer dispatches to the kernel on CUDA
+        _close(apply_rotary(x, cos_sin), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [96, 3000])
+def test_silu_and_mul(dtype, n):
+    x = _randn(3, 2 * n, dtype=dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    _close(fused.silu_and_mul(x), ref, dtype)
+    if DEVICE == "cuda":
+        _close(SiluAndMul()(x), ref, dtype)
+
+
+def test_wrappers_reject_bad_shapes():
+    x = _randn(2, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="rms_norm"):
+        fused.rms_norm(x, _randn(4, dtype=torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="rotary"):
+        fused.rotary(_randn(2, 1, 6, dtype=torch.float32), _randn(2, 1, 6, dtype=torch.float32))
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        fused.silu_and_mul(_randn(2, 7, dtype=torch.float32))
+
+
+def test_sample_greedy_rows_take_the_argmax_and_others_follow_the_distribution():
+    from pagellm.kernels.sampling import sample
+
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    rows = 1500
+    logits = probs.clamp_min(1e-30).log().repeat(rows, 1)  # [rows, 5]
+    logits = torch.cat([logits, _randn(3, 5, dtype=torch.float32).cpu()]).to(DEVICE)
+    temperature = torch.ones(rows + 3)
+    temperature[rows:] = 0.0  # the last three rows are greedy
+    out = sample(logits, temperature.to(DEVICE), torch.Generator().manual_seed(0)).cpu()
+    assert torch.equal(out[rows:], logits[rows:].argmax(-1).cpu())
+    freq = torch.bincount(out[:rows], minlength=5).float() / rows
+    assert freq[4] == 0  # probability 0 is never drawn
+    torch.testing.assert_close(freq, probs, atol=0.04, rtol=0)
+
+
+def test_sample_spans_several_blocks_and_respects_temperature():
+    from pagellm.kernels.sampling import sample
+
+    logits = torch.full((64, 3000), -1e4)
+    logits[:, 2500] = 0.0  # the only likely token sits in the third block of 1024
+    logits[:, 7] = -1.0
+    cold = sample(logits.to(DEVICE), torch.full((64,), 0.05, device=DEVICE)).cpu()
+    assert (cold == 2500).all()  # at T=0.05, token 7 is e^-20 as likely
+    hot = sample(logits.to(DEVICE), torch.full((64,), 5.0, device=DEVICE)).cpu()
+    assert set(hot.tolist()) == {7, 2500}  # at T=5 both appear (p = 0.45 / 0.55)
