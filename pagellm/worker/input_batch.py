@@ -17,8 +17,15 @@ from pagellm.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.max_model_len = max_model_len
+        self.device = torch.device(device)  # where seeded generators draw
         max_blocks = -(-max_model_len // block_size)
         # one extra column: a request may sample at position max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
@@ -58,7 +65,7 @@ class InputBatch:
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         if params.seed is not None:
-            self.generators[row] = torch.Generator().manual_seed(params.seed)
+            self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)

@@ -1,13 +1,20 @@
 """ModelRunner: weights, KV cache tensors, the flat batch of one step, forward and sampling.
 
 `execute_model(scheduler_output)` applies the scheduler's diff to the InputBatch, builds one
-flat batch (input_ids, positions, slot_mapping, block table, query_start_loc, seq_lens),
-runs the model, computes logits only where a request samples, and samples.
+flat batch on the host (input_ids, positions, slot_mapping, block table, query_start_loc,
+seq_lens), stages it into persistent buffers (`StepInputs`: pinned host memory and
+non-blocking copies on CUDA), runs the model, computes logits only where a request samples,
+and samples on the device with one host sync (the sampled ids).
+
+On CUDA the KV cache is sized from a profiling forward over `max_num_batched_tokens` dummy
+tokens and `gpu_memory_utilization`, and decode-only steps replay CUDA graphs captured for a
+ladder of batch sizes (`cuda_graphs.py`) unless `enforce_eager`; other steps run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -15,10 +22,17 @@ import torch
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler
+from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
 from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+# kept free beyond the profiled peak: CUDA graphs' pool, allocator fragmentation
+GPU_MEMORY_MARGIN = 512 << 20
+# context length the decode graphs are planned for (it fixes their split-KV count)
+GRAPH_PLAN_SEQ_LEN = 4096
 
 
 class StepBatch:
@@ -35,6 +49,10 @@ class StepBatch:
         self.positions = np.empty(0, dtype=np.int64)  # [T], set by the runner
         self.seq_lens = np.empty(0, dtype=np.int32)  # [R], set by the runner
 
+    @property
+    def is_decode_only(self) -> bool:
+        return int(self.query_start_loc[-1]) == len(self.rows)
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
@@ -47,11 +65,16 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         self.model = loader.load_model(self.model_config, self.device, self.attn_backend_cls)
+        sc = config.scheduler_config
         self.input_batch = InputBatch(
-            config.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size
+            sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
+        max_blocks = self.input_batch.block_table.shape[1]
+        max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
+        self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: CudaGraphRunner | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -77,9 +100,55 @@ class ModelRunner:
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
+        return self._profiled_kv_budget()
+
+    def _profiled_kv_budget(self) -> int:
+        """gpu_memory_utilization of the GPU, less what is not ours, the profiled peak of a
+        full-budget step, and a margin."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        return int(total * self.config.cache_config.gpu_memory_utilization - used)
+        not_torch = total - free - torch.cuda.memory_reserved(self.device)
+        util = self.config.cache_config.gpu_memory_utilization
+        budget = int(total * util) - not_torch - peak - GPU_MEMORY_MARGIN
+        gib = 1 << 30
+        logger.info(
+            "profiled peak %.2f GiB, other %.2f GiB of %.1f GiB: KV budget %.2f GiB",
+            peak / gib, not_torch / gib, total / gib, budget / gib,
+        )  # fmt: skip
+        return budget
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward over max_num_batched_tokens dummy tokens (prefill chunks and one decode,
+        so both launch variants compile now; cache writes skipped, reads from a one-block
+        cache), then logits and sampling for max_num_seqs rows."""
+        sc, mc = self.config.scheduler_config, self.model_config
+        n = sc.max_num_batched_tokens
+        lens = [mc.max_model_len] * ((n - 1) // mc.max_model_len) + [(n - 1) % mc.max_model_len]
+        query_lens = np.array([x for x in lens if x] + [1], dtype=np.int32)
+        seq_lens = query_lens.copy()
+        seq_lens[-1] = min(self.block_size + 1, mc.max_model_len)  # the decode: a short context
+        arrays = {
+            "input_ids": np.zeros(n, np.int64),
+            "positions": np.concatenate(
+                [np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]
+            ),
+            "slot_mapping": np.full(n, -1, np.int64),
+            "query_start_loc": np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
+            "seq_lens": seq_lens,
+        }
+        block_rows = np.zeros((len(seq_lens), -(-int(seq_lens.max()) // self.block_size)), np.int32)
+        shape = self.attn_backend_cls.kv_cache_shape(
+            1, self.block_size, mc.num_kv_heads, mc.head_dim
+        )
+        kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        hidden = self._forward(arrays, block_rows, kv)
+        rows = min(sc.max_num_seqs, n)
+        self.sampler(self.model.compute_logits(hidden[:rows]), _profile_sampling(rows, self.device))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -95,6 +164,35 @@ class ModelRunner:
             self.block_size,
             num_blocks * self.kv_block_bytes / (1 << 30),
         )
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_cuda_graphs()
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def capture_cuda_graphs(self) -> None:
+        start = time.perf_counter()
+        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
+        empty = {k: np.zeros(0, np.int64) for k in ("input_ids", "positions", "slot_mapping")}
+        empty["seq_lens"] = np.zeros(0, np.int32)
+        self._stage(pad_decode(empty, sizes[-1]), np.zeros((sizes[-1], 1), np.int32))
+        graphs = CudaGraphRunner(sizes)
+        with torch.inference_mode():
+            graphs.capture(self._graph_forward)
+        self.graphs = graphs
+        logger.info("captured %d CUDA graphs in %.1f s", len(sizes), time.perf_counter() - start)
+
+    def _graph_forward(self, size: int) -> torch.Tensor:
+        """A padded decode forward of `size` tokens over the staged buffers: [size, hidden]."""
+        seq_len = min(self.model_config.max_model_len, GRAPH_PLAN_SEQ_LEN)
+        arrays = {  # host copies only plan the launch; the graph reads the device buffers
+            "query_start_loc": np.arange(size + 1, dtype=np.int32),
+            "seq_lens": np.full(size, seq_len, np.int32),
+        }
+        dev = {
+            name: buf[: size + (name == "query_start_loc")] for name, buf in self.inputs.dev.items()
+        }
+        dev["block_table"] = self.inputs.block_table[:size]
+        return self._run_model(arrays, dev, self.kv_caches)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -104,12 +202,20 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = self._prepare_batch(sched)
-        common = self._attention_metadata(batch)
-        input_ids = self._input_ids(batch)
-        positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
-        attn_metadata = self.attn_backend_cls.build_metadata(common)
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        arrays = self._host_arrays(batch)
+        block_rows = self._block_rows(batch)
+        size = self._graph_size(batch)
+        if size is None:
+            hidden = self._forward(arrays, block_rows, self.kv_caches)
+        else:
+            self._stage(pad_decode(arrays, size), block_rows)
+            hidden = self.graphs.replay(size)
         return self._sample(batch, hidden)
+
+    def _graph_size(self, batch: StepBatch) -> int | None:
+        if self.graphs is None or not batch.is_decode_only:
+            return None
+        return self.graphs.size_for(len(batch.rows))
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -141,37 +247,50 @@ class ModelRunner:
         batch.seq_lens = (num_computed + num_scheduled).astype(np.int32)
         return batch
 
-    def _token_rows(self, batch: StepBatch) -> np.ndarray:
-        return np.repeat(batch.rows, batch.num_scheduled)  # [T]
-
-    def _input_ids(self, batch: StepBatch) -> torch.Tensor:
-        ids = self.input_batch.token_ids[self._token_rows(batch), batch.positions]  # [T]
-        return torch.from_numpy(ids).to(self.device, non_blocking=True)
-
-    def _attention_metadata(self, batch: StepBatch) -> CommonAttentionMetadata:
+    def _host_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
         ib, bs = self.input_batch, self.block_size
-        token_rows = self._token_rows(batch)
+        token_rows = np.repeat(batch.rows, batch.num_scheduled)  # [T]
         block_ids = ib.block_table[token_rows, batch.positions // bs]
-        slot_mapping = block_ids.astype(np.int64) * bs + batch.positions % bs  # [T]
-        max_seq_len = int(batch.seq_lens.max())
-        block_table = ib.block_table[batch.rows, : -(-max_seq_len // bs)]  # [R, max_blocks]
-        to_dev = self._to_device
-        return CommonAttentionMetadata(
-            num_reqs=len(batch.rows),
-            block_size=bs,
-            num_actual_tokens=int(batch.query_start_loc[-1]),
-            max_query_len=int(batch.num_scheduled.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc=to_dev(batch.query_start_loc),
-            seq_lens=to_dev(batch.seq_lens),
-            block_table=to_dev(block_table),
-            slot_mapping=to_dev(slot_mapping),
-            query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens,
-        )
+        return {
+            "input_ids": ib.token_ids[token_rows, batch.positions],  # [T]
+            "positions": batch.positions,  # [T]
+            "slot_mapping": block_ids.astype(np.int64) * bs + batch.positions % bs,  # [T]
+            "query_start_loc": batch.query_start_loc,  # [R + 1]
+            "seq_lens": batch.seq_lens,  # [R]
+        }
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+    def _block_rows(self, batch: StepBatch) -> np.ndarray:
+        max_blocks = -(-int(batch.seq_lens.max()) // self.block_size)
+        return self.input_batch.block_table[batch.rows, :max_blocks]  # [R, max_blocks]
+
+    def _stage(self, arrays: dict[str, np.ndarray], block_rows: np.ndarray) -> dict:
+        self.inputs.begin()
+        dev = {name: self.inputs.stage(name, a) for name, a in arrays.items()}
+        dev["block_table"] = self.inputs.stage_block_table(block_rows)
+        self.inputs.end()
+        return dev
+
+    def _forward(self, arrays: dict, block_rows: np.ndarray, kv_caches: list) -> torch.Tensor:
+        """Eager forward of a flat batch given as host arrays: [T, hidden]."""
+        return self._run_model(arrays, self._stage(arrays, block_rows), kv_caches)
+
+    def _run_model(self, arrays: dict, dev: dict, kv_caches: list) -> torch.Tensor:
+        qsl, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
+        common = CommonAttentionMetadata(
+            num_reqs=len(seq_lens),
+            block_size=self.block_size,
+            num_actual_tokens=int(qsl[-1]),
+            max_query_len=int(np.diff(qsl).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
+            block_table=dev["block_table"],
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        attn_metadata = self.attn_backend_cls.build_metadata(common)
+        return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         ib = self.input_batch
@@ -183,9 +302,8 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return output
         rows = batch.rows[sample_idx]
-        logits_idx = torch.from_numpy(batch.query_start_loc[1:][sample_idx] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_idx])  # [S, vocab] float32
-        result = self.sampler(logits, ib.sampling_metadata(rows, self.device))
+        logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
+        result = self.sampler(logits, ib.sampling_metadata(rows, self.device))  # [S, vocab]
         tokens = result.sampled.cpu().numpy()  # the step's one host sync
         ib.append_sampled(rows, tokens)
         for i, token in zip(sample_idx.tolist(), tokens.tolist()):
@@ -193,6 +311,13 @@ class ModelRunner:
         if result.logprobs is not None:
             self._attach_logprobs(output, sample_idx, result)
         return output
+
+    def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
+        """Rows of `hidden` to take logits from: each sampling request's last token."""
+        if batch.is_decode_only and len(sample_idx) == len(batch.rows):
+            return slice(0, len(batch.rows))  # every token samples: no index copy
+        idx = batch.query_start_loc[1:][sample_idx] - 1
+        return torch.from_numpy(idx).to(self.device, non_blocking=True)
 
     def _attach_logprobs(self, output: ModelRunnerOutput, sample_idx: np.ndarray, result) -> None:
         values = result.logprobs.cpu().tolist()
@@ -202,3 +327,15 @@ class ModelRunner:
         for j, i in enumerate(sample_idx.tolist()):
             output.logprobs[i] = values[j]
             output.logprob_token_ids[i] = ids[j]
+
+
+def _profile_sampling(rows: int, device: torch.device) -> SamplingMetadata:
+    """Random sampling with top-k and top-p: the most memory the sampler may take."""
+    return SamplingMetadata(
+        temperature=torch.ones(rows, device=device),
+        all_greedy=False,
+        all_random=True,
+        top_k=torch.full((rows,), 50, dtype=torch.int64, device=device),
+        top_p=torch.full((rows,), 0.9, device=device),
+        min_p=None,
+    )
