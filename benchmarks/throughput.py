@@ -9,6 +9,19 @@ medians are compared (this machine's speed swings between runs).
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
 
+GPU workloads (`--workload standard | fixed512`, pagellm alone unless `--peer hf`):
+
+    python benchmarks/throughput.py --workload standard --model qwen3-0.6b --load-format dummy
+    python benchmarks/throughput.py --workload fixed512 --model qwen3-0.6b --load-format dummy
+
+`standard` is nano-vllm's bench.py, generated in its order: `random.seed(0)`; 256 prompts of
+`randint(100, 1024)` token ids each drawn with `randint(0, 10000)`; then 256
+`max_tokens = randint(100, 1024)`; temperature 0.6, ignore_eos; one short warm-up generate;
+output tok/s = sum(max_tokens) / wall time. `fixed512` uses the same prompts with 512 output
+tokens each. `--peer hf` also runs HF transformers' `generate_batch` (continuous batching,
+paged attention) on the first `--peer-requests` requests with the same settings. Start-up
+(`LLM(...)` to ready) is timed too.
+
 The last line is one JSON object with every number.
 """
 
@@ -24,10 +37,15 @@ import time
 
 import torch
 
+# Qwen3-0.6B, standard workload: 14.9 TB of K/V + 1.3 TB of weight reads at ~4.2 TB/s
+PHYSICAL_BOUND_TOK_S = 35_000
+
 
 def make_requests(num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randint(100, 20000) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+    return [
+        [rng.randint(100, 20000) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)
+    ]
 
 
 def run_pagellm(llm, prompts: list[list[int]], max_tokens: int) -> float:
@@ -74,16 +92,31 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, batch_size: int = 8
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512"], default="cpu")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--peer", choices=["hf", "inproc", "none"], default="hf")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--peer", choices=["hf", "inproc", "none"], default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
+    ap.add_argument("--load-format", default="dummy", help="GPU workloads only")
+    ap.add_argument("--enforce-eager", action="store_true", help="GPU workloads only")
+    ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
     args = ap.parse_args()
+    gpu = args.workload != "cpu"
+    args.peer = args.peer or ("none" if gpu else "hf")
+    args.max_num_seqs = args.max_num_seqs or (256 if gpu else 64)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.workload != "cpu":
+        return main_gpu(args)
 
     from pagellm import LLM
 
@@ -105,7 +138,9 @@ def main() -> None:
     for r in range(args.rounds):  # A B A B
         for name, run in runners.items():
             times[name].append(run(prompts))
-            print(f"round {r}: {name:15s} {total_out / times[name][-1]:8.1f} output tok/s", flush=True)
+            print(
+                f"round {r}: {name:15s} {total_out / times[name][-1]:8.1f} output tok/s", flush=True
+            )
 
     result = {
         "date": time.strftime("%Y-%m-%d"),
@@ -120,6 +155,88 @@ def main() -> None:
         result["ratio"] = round(a / b, 2)
         print(f"{names[0]} / {names[1]}: {result['ratio']}x (medians)")
     print(json.dumps(result))
+
+
+# ---- GPU workloads -----------------------------------------------------------------------
+
+
+def standard_requests(fixed_max_tokens: int | None) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py requests, drawn in its order from random.seed(0)."""
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [rng.randint(100, 1024) for _ in range(256)]
+    return prompts, [fixed_max_tokens] * 256 if fixed_max_tokens else max_tokens
+
+
+def main_gpu(args: argparse.Namespace) -> None:
+    fixed = 512 if args.workload == "fixed512" else None
+    prompts, max_tokens = standard_requests(fixed)
+    start = time.perf_counter()
+    from pagellm import LLM, SamplingParams
+
+    imported = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+    )
+    ready = time.perf_counter()
+    warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], warm, use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    times = []
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
+        print(f"round {r}: pagellm {sum(max_tokens) / times[-1]:9.1f} output tok/s "
+              f"({times[-1]:.2f} s)", flush=True)  # fmt: skip
+    llm.shutdown()
+    best = sum(max_tokens) / min(times)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "?",
+        "torch": torch.__version__,
+        "workload": vars(args),
+        "total_output_tokens": sum(max_tokens),
+        "output_tok_s": {"pagellm": round(best, 1)},
+        "runs_s": {"pagellm": [round(x, 2) for x in times]},
+        "startup_s": {"import": round(imported - start, 2), "LLM()": round(ready - imported, 2)},
+    }
+    if args.workload == "standard" and "0.6b" in args.model.lower():
+        result["fraction_of_physical_bound"] = round(best / PHYSICAL_BOUND_TOK_S, 3)
+        print(f"{best:.0f} tok/s = {best / PHYSICAL_BOUND_TOK_S:.1%} of the ~35,000 tok/s bound")
+    if args.peer == "hf":
+        result["hf_generate_batch"] = run_hf_generate_batch(args, prompts, max_tokens)
+    print(json.dumps(result))
+
+
+def run_hf_generate_batch(args, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    """HF transformers' continuous batching (`generate_batch`) on the first N requests, with
+    the same dummy-weight shapes; requests share one max_new_tokens (the subset's mean)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from pagellm.loader import resolve_model_source
+
+    n = args.peer_requests
+    source = resolve_model_source(args.model, args.load_format, None)
+    config = AutoConfig.from_pretrained(source.path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    new = round(statistics.mean(max_tokens[:n]))
+    gen = GenerationConfig(max_new_tokens=new, do_sample=True, temperature=0.6, pad_token_id=0)
+    model.generate_batch(inputs=[p[:32] for p in prompts[:2]], generation_config=gen)  # warm-up
+    t0 = time.perf_counter()
+    out = model.generate_batch(inputs=prompts[:n], generation_config=gen)
+    elapsed = time.perf_counter() - t0
+    try:  # tokens actually generated (an EOS may stop a request early)
+        tokens = sum(len(r.generated_tokens) for r in out.values())
+    except AttributeError:
+        tokens = n * new
+    tok_s = tokens / elapsed
+    print(f"HF generate_batch: {n} requests, {tokens} tokens: {tok_s:.1f} output tok/s", flush=True)
+    return {"requests": n, "max_new_tokens": new, "tokens": tokens, "output_tok_s": round(tok_s, 1)}
 
 
 if __name__ == "__main__":
