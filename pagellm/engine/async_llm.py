@@ -12,9 +12,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagellm import envs
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.core_client import AsyncMPClient, EngineDeadError, InprocClient
+from pagellm.engine.core_client import EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
 from pagellm.engine.protocol import SchedulerStats
@@ -37,14 +36,7 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
-        from pagellm import loader
-
-        config = engine_args.create_engine_config()
-        if envs.enable_multiprocessing():
-            engine_core: Any = AsyncMPClient(engine_args)
-        else:
-            engine_core = InprocClient(config)
-        return cls(config, loader.load_tokenizer(config.model_config.source), engine_core)
+        return cls(*start_engine(engine_args, asyncio_mode=True))
 
     @property
     def errored(self) -> bool:

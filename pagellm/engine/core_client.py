@@ -46,14 +46,30 @@ class EngineDeadError(RuntimeError):
     """The EngineCore process is gone; no request can make progress."""
 
 
+def start_engine(engine_args: EngineArgs, asyncio_mode: bool = False) -> tuple:
+    """(EngineConfig, tokenizer, client) for LLMEngine / AsyncLLM.
+
+    With multiprocessing the core process starts first, so that its imports and model load
+    overlap the caller's own config resolution and tokenizer load.
+    """
+    from pagellm import loader
+
+    if not envs.enable_multiprocessing():
+        config = engine_args.create_engine_config()
+        return config, loader.load_tokenizer(config.model_config.source), InprocClient(config)
+    client = (AsyncMPClient if asyncio_mode else SyncMPClient)(engine_args)
+    try:
+        config = engine_args.create_engine_config()
+        tokenizer = loader.load_tokenizer(config.model_config.source)
+        client.wait_for_ready()
+    except BaseException:
+        client.shutdown()
+        raise
+    return config, tokenizer, client
+
+
 class EngineCoreClient(ABC):
     """add_request / abort_requests go in; get_output() returns what the core produced."""
-
-    @staticmethod
-    def make_client(engine_args: EngineArgs, config: EngineConfig) -> EngineCoreClient:
-        if envs.enable_multiprocessing():
-            return SyncMPClient(engine_args)
-        return InprocClient(config)
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -132,9 +148,10 @@ class MPClient(EngineCoreClient):
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.encoder = msgspec.msgpack.Encoder()
         self.call_ids = itertools.count()
-        self.ready = self._wait_for_ready()
+        self.ready: EngineCoreReady | None = None
 
-    def _wait_for_ready(self) -> EngineCoreReady:
+    def wait_for_ready(self) -> EngineCoreReady:
+        """Blocks until the core reports READY; raises the core's own start-up error."""
         sock = zmq.Socket.shadow(self.output_socket.underlying)  # a blocking view
         while not sock.poll(_POLL_MS):
             if self.proc.poll() is not None and not sock.poll(_POLL_MS):
@@ -146,7 +163,8 @@ class MPClient(EngineCoreClient):
         if kind == EngineCoreOutputType.FAILED.value:
             self.shutdown()
             raise _startup_error(msgspec.msgpack.decode(payload))
-        return msgspec.msgpack.decode(payload, type=EngineCoreReady)
+        self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+        return self.ready
 
     def _send(self, kind: EngineCoreRequestType, message: Any) -> None:
         if self.dead_error is not None:

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.core_client import EngineCoreClient
+from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
 from pagellm.engine.protocol import SchedulerStats
@@ -35,12 +35,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        from pagellm import loader
-
-        config = engine_args.create_engine_config()
-        engine_core = EngineCoreClient.make_client(engine_args, config)
-        tokenizer = loader.load_tokenizer(config.model_config.source)
-        return cls(config, tokenizer, engine_core)
+        return cls(*start_engine(engine_args))
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
