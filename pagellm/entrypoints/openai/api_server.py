@@ -130,7 +130,11 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = AsyncLLM.from_engine_args(engine_args)
+        try:
+            engine = AsyncLLM.from_engine_args(engine_args)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            logger.error("pagellm serve: cannot start the engine: %s", e)  # before the traceback
+            raise
         try:
             init_app_state(app, engine, api_key)
             logger.info(
@@ -160,7 +164,6 @@ def run_server(
 ) -> int:
     import uvicorn
 
-    engine_args.create_engine_config()  # a bad flag is a one-line error here, not a traceback
     app = build_app(engine_args, api_key, f"{host}:{port}")
     uvicorn.run(
         app,
