@@ -366,7 +366,7 @@ def test_metrics_names(server):
 
 def test_bench_serve(server):
     cmd = [sys.executable, "-m", "pagellm", "bench", "serve", "--url", server.url]
-    cmd += ["--num-prompts", "4", "--concurrency", "2", "--input-len", "16", "--output-len", "4"]
+    cmd += ["--num-prompts", "4", "--concurrency", "4", "--input-len", "8", "--output-len", "3"]
     out = subprocess.run(cmd + ["--api-key", API_KEY], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
