@@ -84,6 +84,17 @@ def test_killed_core_raises_engine_dead_error_quickly():
     assert not os.path.exists(ipc_dir)
 
 
+def test_request_to_a_dead_idle_core_fails_fast():
+    llm = LLM(dtype="float32", max_model_len=256)
+    os.kill(_core_pid(llm), signal.SIGKILL)
+    time.sleep(0.5)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 3.0
+    llm.shutdown()
+
+
 def test_async_iterators_all_raise_when_core_dies():
     async def main() -> list[BaseException]:
         engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512))

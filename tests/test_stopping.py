@@ -131,3 +131,16 @@ def test_abort_frees_blocks(llm):
     engine.step()
     blocks = engine.call_utility("get_num_kv_blocks")
     assert engine.call_utility("get_num_free_blocks") == blocks - 1
+
+
+def test_logprobs_only_where_asked(llm):
+    params = [SamplingParams(max_tokens=3, logprobs=2), SamplingParams(max_tokens=3)]
+    with_lp, without = (
+        o.outputs[0] for o in llm.generate(["Hello", "World"], params, use_tqdm=False)
+    )
+    assert without.logprobs is None and without.cumulative_logprob is None
+    assert len(with_lp.logprobs) == 3
+    for token, entry in zip(with_lp.token_ids, with_lp.logprobs):
+        assert token in entry and 2 <= len(entry) <= 3
+    total = sum(e[t].logprob for t, e in zip(with_lp.token_ids, with_lp.logprobs))
+    assert with_lp.cumulative_logprob == pytest.approx(total)

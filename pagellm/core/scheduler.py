@@ -280,9 +280,11 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0) if first_output else 0,
         )
-        if mro.logprobs is not None and mro.logprobs[i]:
-            output.new_logprobs = [mro.logprobs[i]]
-            output.new_top_logprob_ids = [mro.logprob_token_ids[i]]
+        num_logprobs = request.sampling_params.logprobs
+        if num_logprobs is not None and mro.logprobs is not None and mro.logprobs[i]:
+            # the step computed the largest k any request asked for: keep this one's 1 + k
+            output.new_logprobs = [mro.logprobs[i][: 1 + num_logprobs]]
+            output.new_top_logprob_ids = [mro.logprob_token_ids[i][: 1 + num_logprobs]]
         return output
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:

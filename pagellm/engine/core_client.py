@@ -167,9 +167,16 @@ class MPClient(EngineCoreClient):
         return self.ready
 
     def _send(self, kind: EngineCoreRequestType, message: Any) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        self.input_socket.send_multipart((kind.value, self.encoder.encode(message)), copy=False)
+        # a PUSH socket whose peer is gone would block forever: wait for room, checking
+        # that the core is alive, and never block in send itself
+        frames = (kind.value, self.encoder.encode(message))
+        while True:
+            self._check_alive()
+            if self.input_socket.poll(_POLL_MS, zmq.POLLOUT):
+                try:
+                    return self.input_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass
 
     def _decode(self, frames: list[bytes]) -> EngineCoreOutputs:
         kind, payload = frames

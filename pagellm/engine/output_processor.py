@@ -157,7 +157,7 @@ class OutputProcessor:
             state.metrics.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
         state.metrics.last_token_time = now
-        if out.new_logprobs is not None:
+        if out.new_logprobs is not None and state.logprobs is not None:
             self._update_logprobs(state, out)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None:
