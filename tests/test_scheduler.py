@@ -526,17 +526,18 @@ def test_prefix_hit_within_one_step():
 
 def test_logprobs_are_passed_through():
     scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", [1, 2, 3]))
-    scheduler.add_request(make_request("b", [4, 5, 6]))
+    scheduler.add_request(make_request("a", [1, 2, 3], logprobs=1))
+    scheduler.add_request(make_request("b", [4, 5, 6]))  # no logprobs asked
     so = scheduler.schedule()
+    # the runner computed the step's largest k (2) for every sampling row
     mro = ModelRunnerOutput(
         ["a", "b"],
         [[10], [11]],
-        logprobs=[[-0.5, -0.5, -1.5], []],
-        logprob_token_ids=[[10, 10, 3], []],
+        logprobs=[[-0.5, -0.5, -1.5], [-0.1, -0.1, -2.5]],
+        logprob_token_ids=[[10, 10, 3], [11, 11, 7]],
     )
     out_a, out_b = scheduler.update_from_output(so, mro).outputs
-    assert out_a.new_logprobs == [[-0.5, -0.5, -1.5]] and out_a.new_top_logprob_ids == [[10, 10, 3]]
+    assert out_a.new_logprobs == [[-0.5, -0.5]] and out_a.new_top_logprob_ids == [[10, 10]]
     assert out_b.new_logprobs is None and out_b.new_top_logprob_ids is None
 
 
