@@ -42,24 +42,29 @@ so a CUDA graph captured with one plan stays correct for any context lengths.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+
+from pagellm.kernels.attention_plan import (  # noqa: F401  (re-exported)
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    TARGET_WAVES,
+    AttentionPlan,
+    Launch,
+    TileConfig,
+    choose_num_splits,
+    decode_config,
+    plan_attention,
+    prefill_config,
+)
 
 LOG2E = 1.4426950408889634
 
 # Split-KV heuristic (decode tiles only): split when the decode launch has fewer programs
 # than TARGET_WAVES * num_SMs, into as many segments as fill that target, each segment at
 # least MIN_KEYS_PER_SPLIT keys long, at most MAX_SPLITS segments.
-TARGET_WAVES = 2
-MIN_KEYS_PER_SPLIT = 256
-MAX_SPLITS = 64
-DEFAULT_NUM_SMS = 132  # H200; used when planning for a non-CUDA device (interpreter tests)
 
 
 @triton.jit
@@ -311,170 +316,6 @@ def _combine_splits_kernel(
     token = (q_begin + q_idx).to(tl.int64)
     o_offs = token * stride_ot + head * stride_oh + offs_d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Compile-time shape of one launch; the knobs worth sweeping on a new GPU."""
-
-    heads_per_prog: int  # query heads of one KV head per program (power of two)
-    block_q: int  # query tokens per program
-    block_n: int  # keys per inner step
-    num_warps: int
-    num_stages: int
-
-    @property
-    def block_m(self) -> int:
-        return self.block_q * self.heads_per_prog
-
-
-def decode_config(queries_per_kv: int, head_dim: int) -> TileConfig:
-    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), long key steps: memory-bound."""
-    heads = min(triton.next_power_of_2(queries_per_kv), 16)
-    block_n = 64 if head_dim <= 128 else 32
-    return TileConfig(heads, max(1, 16 // heads), block_n, num_warps=4, num_stages=3)
-
-
-def prefill_config(queries_per_kv: int, head_dim: int) -> TileConfig:
-    """BLOCK_M = 128 rows (query tokens x heads of one KV head): compute-bound."""
-    heads = min(triton.next_power_of_2(queries_per_kv), 8)
-    if head_dim <= 64:
-        return TileConfig(heads, 128 // heads, 64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return TileConfig(heads, 128 // heads, 64, num_warps=8, num_stages=3)
-    return TileConfig(heads, 64 // heads, 32, num_warps=8, num_stages=2)
-
-
-@dataclass
-class Launch:
-    """One launch of `_paged_attention_kernel` over some of the step's requests."""
-
-    config: TileConfig
-    num_tiles: int
-    num_splits: int
-    tile_req: torch.Tensor | None  # [num_tiles] int32; None: tile i is request i
-    tile_q: torch.Tensor | None  # [num_tiles] int32 first query of each tile
-
-
-@dataclass
-class AttentionPlan:
-    """Everything host-side for one step and one head layout; reused by every layer."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    launches: list[Launch]
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Segments per decode tile: enough programs for TARGET_WAVES waves, never short ones."""
-    target = TARGET_WAVES * num_sms
-    if num_programs >= target:
-        return 1
-    by_occupancy = triton.cdiv(target, num_programs)
-    by_length = max_seq_len // MIN_KEYS_PER_SPLIT
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-def _tile_map(
-    reqs: np.ndarray, q_lens: np.ndarray, kv_ends: np.ndarray, block_q: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(request, first query) of every BLOCK_Q-token tile of `reqs`, most keys first."""
-    tiles_per_req = -(-q_lens[reqs] // block_q)
-    tile_req = np.repeat(reqs, tiles_per_req)
-    first_tile = np.repeat(np.cumsum(tiles_per_req) - tiles_per_req, tiles_per_req)
-    tile_q = (np.arange(len(tile_req)) - first_tile) * block_q
-    # keys a tile visits: context + queries up to the tile's last one
-    work = kv_ends[tile_req] - q_lens[tile_req] + np.minimum(tile_q + block_q, q_lens[tile_req])
-    order = np.argsort(-work, kind="stable")
-    return tile_req[order], tile_q[order]
-
-
-def plan_attention(
-    query_start_loc_cpu: np.ndarray,  # [num_reqs + 1] int32
-    seq_lens_cpu: np.ndarray,  # [num_reqs] int32
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    device: torch.device | str,
-    *,
-    num_splits: int | None = None,
-    decode: TileConfig | None = None,
-    prefill: TileConfig | None = None,
-) -> AttentionPlan:
-    """Split the step's requests into a decode launch and a prefill launch (host work only).
-
-    Requests whose query fits one decode tile (query_len <= decode.block_q) go to the
-    decode launch; when every request does, that launch needs no tile map (tile i is
-    request i), which keeps it CUDA-graph friendly. A decode-only launch splits its keys
-    (`choose_num_splits`), one beside prefill tiles does not, unless `num_splits` forces a
-    count. The rest become
-    prefill tiles, ordered heaviest first.
-    """
-    device = torch.device(device)
-    queries_per_kv = num_heads // num_kv_heads
-    decode = decode or decode_config(queries_per_kv, head_dim)
-    prefill = prefill or prefill_config(queries_per_kv, head_dim)
-    qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
-    seq_lens = np.asarray(seq_lens_cpu, dtype=np.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    is_decode = q_lens <= decode.block_q
-    dec_reqs = np.flatnonzero(is_decode)
-    pre_reqs = np.flatnonzero(~is_decode)
-
-    host_maps: list[np.ndarray] = []
-    pending: list[tuple[TileConfig, int, int]] = []  # config, num_tiles, num_splits
-    if len(dec_reqs):
-        groups = triton.cdiv(queries_per_kv, decode.heads_per_prog)
-        programs = len(dec_reqs) * num_kv_heads * groups
-        # a step with prefill tiles keeps its decodes whole: the prefill fills the GPU, and
-        # one variant fewer is compiled while serving
-        splits = num_splits or (
-            1
-            if len(pre_reqs)
-            else choose_num_splits(programs, int(seq_lens[dec_reqs].max()), _num_sms(device))
-        )
-        pending.append((decode, len(dec_reqs), splits))
-        if len(pre_reqs):
-            host_maps += [dec_reqs, np.zeros_like(dec_reqs)]
-    if len(pre_reqs):
-        tile_req, tile_q = _tile_map(pre_reqs, q_lens, seq_lens, prefill.block_q)
-        pending.append((prefill, len(tile_req), 1))
-        host_maps += [tile_req, tile_q]
-
-    maps = _to_device(host_maps, device)
-    launches = []
-    for config, num_tiles, splits in pending:
-        tile_req, tile_q = (maps.pop(0), maps.pop(0)) if maps else (None, None)
-        launches.append(Launch(config, num_tiles, splits, tile_req, tile_q))
-    return AttentionPlan(num_heads, num_kv_heads, head_dim, launches)
-
-
-def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """One (pinned, async) host-to-device copy for all tile maps.
-
-    Each map starts on a 16-byte boundary: Triton specializes a kernel on its pointers'
-    alignment, and maps packed back to back would compile new variants as lengths vary.
-    """
-    if not arrays:
-        return []
-    padded = [-(-len(a) // 4) * 4 for a in arrays]  # int32 elements, 16-byte multiples
-    flat_host = np.zeros(sum(padded), dtype=np.int32)
-    starts = np.cumsum([0, *padded[:-1]])
-    for start, a in zip(starts, arrays):
-        flat_host[start : start + len(a)] = a
-    host = torch.from_numpy(flat_host)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
-    return [flat[start : start + len(a)] for start, a in zip(starts, arrays)]
 
 
 def _check_inputs(
