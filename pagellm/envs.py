@@ -26,3 +26,8 @@ def cache_dir() -> str:
 def log_level() -> str:
     """PAGELLM_LOGGING_LEVEL: INFO by default."""
     return os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO").upper()
+
+
+def cpu_prepack() -> bool:
+    """PAGELLM_CPU_PREPACK=0 keeps plain Linear weights on x86 CPUs (no oneDNN packing)."""
+    return _bool("PAGELLM_CPU_PREPACK", True)

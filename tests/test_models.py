@@ -19,6 +19,7 @@ from model_utils import (
 from transformers import AutoModelForCausalLM
 
 from pagellm.models import get_model_cls
+from pagellm.models.layers import cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
 ATOL, RTOL = 1e-4, 1e-5
@@ -139,6 +140,23 @@ def test_quantized_gguf_matches_hf(qtype, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
     ours = load_our_model(str(tmp_path / "tiny.gguf"))
     _assert_matches_hf(hf.eval(), run_paged(ours, _prompts(11, 4), num_decode_steps=3))
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama-llama3rope-tied"])
+def test_prepacked_cpu_weights_match_hf(variant, tmp_path, monkeypatch):
+    """Linear weights (and a tied LM head) packed for oneDNN, as the CPU runner does."""
+    if not cpu_prepack_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN weight packing needs an x86 CPU")
+    arch, overrides = VARIANTS[variant]
+    folder = make_tiny_hf_model(arch, tmp_path, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_our_model(folder)
+    ours.prepack_cpu_weights(batch_hint=8)
+    assert ours.model.layers[0].mlp.gate_up_proj.weight is None  # only the packed copy is kept
+    assert (ours.packed_tied_head is not None) == ours.tie_word_embeddings
+    _assert_matches_hf(hf, run_paged(ours, _prompts(9, 1, 20), num_decode_steps=3, shuffle=True))
+    monkeypatch.setenv("PAGELLM_CPU_PREPACK", "0")
+    assert not cpu_prepack_supported(torch.device("cpu"), torch.float32)
 
 
 def test_registry():

@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-
 from conftest import PROMPTS
+
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core_client import EngineDeadError, SyncMPClient

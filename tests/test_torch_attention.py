@@ -152,20 +152,25 @@ def test_random_batches():
         _check(_Case(reqs, heads, kv_heads, 8, rng.choice([1, 4, 16]), seed=seed))
 
 
-def test_metadata_decode_rows():
-    contiguous = _Case([(1, 3), (1, 4), (5, 0)], 2, 2, 8, 4, seed=0)
-    split = _Case([(1, 3), (5, 0), (1, 4)], 2, 2, 8, 4, seed=0)
-    md = TorchAttentionBackend.build_metadata(contiguous.inputs()[3])
-    assert md.decodes.rows == slice(0, 2)
-    assert md.decodes.slots.shape == (2, 5)  # max seq_len: 1 + 4
-    assert [(p.start, p.end, p.slots) for p in md.prefills] == [(2, 7, None)]
-    md = TorchAttentionBackend.build_metadata(split.inputs()[3])
-    assert md.decodes.rows.tolist() == [0, 6]
-
-
-def test_decodes_in_chunks(monkeypatch):
-    """Decodes gathered a few requests at a time (a small gather budget) give the same output."""
+def test_metadata_decode_groups(monkeypatch):
+    """Decodes are sorted longest first and grouped under the padded-key budget."""
     from pagellm.attention import torch_backend
 
-    monkeypatch.setattr(torch_backend, "DECODE_GATHER_BYTES", 2 * 40 * 2 * 8 * 4)
+    case = _Case([(1, 3), (5, 0), (1, 9), (1, 4), (1, 8)], 2, 2, 8, 4, seed=0)
+    md = TorchAttentionBackend.build_metadata(case.inputs()[3])
+    assert [g.rows.tolist() for g in md.decodes] == [[6, 8, 7, 0]]  # seq_lens 10, 9, 5, 4
+    assert md.decodes[0].slots.shape == (4, 10)
+    assert [(p.start, p.end, p.slots) for p in md.prefills] == [(1, 6, None)]
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_TOKENS", 20)  # 2 rows of 10, then 4 of 5
+    md = TorchAttentionBackend.build_metadata(case.inputs()[3])
+    assert [g.rows.tolist() for g in md.decodes] == [[6, 8], [7, 0]]
+    assert [tuple(g.slots.shape) for g in md.decodes] == [(2, 10), (2, 5)]
+    assert md.decodes[1].mask[:, 0, 0].tolist() == [[True] * 5, [True] * 4 + [False]]
+
+
+def test_decodes_in_groups(monkeypatch):
+    """Decodes attended a few requests at a time (a small group budget) give the same output."""
+    from pagellm.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "DECODE_GROUP_TOKENS", 50)
     _check(_Case([(1, 7), (3, 0), (1, 30), (1, 39), (1, 0), (1, 12)], 4, 2, 8, 4, seed=9))

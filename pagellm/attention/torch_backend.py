@@ -2,10 +2,12 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), batched together wherever they sit in the flat batch: their keys
-  are gathered through `slots [num_decodes, max_seq_len]`, flat cache slots where padding
-  repeats the request's last slot (so a gather never reads a slot the request does not own),
-  and one `scaled_dot_product_attention` call with a padding mask runs them all;
+- decodes (query length 1), wherever they sit in the flat batch, sorted by length and cut into
+  groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
+  each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
+  padding repeats the request's last slot (so a gather never reads a slot the request does
+  not own), and runs one `scaled_dot_product_attention` call with a padding mask. Sorting
+  cuts the padding; small groups keep the gathered keys in cache while SDPA reads them;
 - prefill chunks (query length > 1), one attention call each: a chunk without context attends
   causally to this step's own keys; a chunk after a cached context gathers its request's
   keys from the cache and uses a causal mask shifted right by the context length.
@@ -25,16 +27,18 @@ import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
 
-DECODE_GATHER_BYTES = 32 << 20  # K (and V) gathered per decode chunk, at most about this
+# padded keys (rows x longest length) per decode group; 2048 x 3 KV heads x 64 dims x fp32 is
+# 1.5 MiB of K and of V, which stay in cache between the gather and SDPA
+DECODE_GROUP_TOKENS = 2048
 
 
 @dataclass
-class DecodeBatch:
-    """All query-length-1 requests of a step."""
+class DecodeGroup:
+    """Query-length-1 requests of similar lengths, attended together."""
 
-    rows: torch.Tensor | slice  # their rows in the flat batch: [num_decodes] int64 or a slice
-    slots: torch.Tensor  # [num_decodes, max_seq_len] int64 flat cache slots
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_seq_len] bool, True where a key is attended
+    rows: torch.Tensor  # [n] int64: their rows in the flat batch
+    slots: torch.Tensor  # [n, max_seq_len] int64 flat cache slots
+    mask: torch.Tensor  # [n, 1, 1, max_seq_len] bool, True where a key is attended
 
 
 @dataclass
@@ -51,7 +55,7 @@ class PrefillChunk:
 class TorchAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
-    decodes: DecodeBatch | None
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -65,7 +69,7 @@ class TorchAttentionBackend(AttentionBackend):
         context_lens = common.seq_lens_cpu - query_lens
         decode_reqs = np.flatnonzero(query_lens == 1)
         prefill_reqs = np.flatnonzero(query_lens > 1)
-        decodes = _build_decodes(common, decode_reqs) if len(decode_reqs) else None
+        decodes = _build_decode_groups(common, decode_reqs) if len(decode_reqs) else []
         prefills = [_build_prefill(common, int(r), int(context_lens[r])) for r in prefill_reqs]
         return TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
@@ -87,38 +91,24 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         key_cache.index_copy_(0, metadata.slot_mapping, k[:n])
         value_cache.index_copy_(0, metadata.slot_mapping, v[:n])
-        decodes = metadata.decodes
-        if decodes is not None and _is_whole(decodes.rows, q.shape[0]):
-            return self._decode(q, key_cache, value_cache, decodes)  # a pure decode step
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
-        if decodes is not None:
-            out[decodes.rows] = self._decode(q, key_cache, value_cache, decodes)
+        for group in metadata.decodes:
+            out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group))
         for chunk in metadata.prefills:
             out[chunk.start : chunk.end] = self._prefill(q, k, v, key_cache, value_cache, chunk)
         return out
 
-    def _decode(self, q, key_cache, value_cache, batch: DecodeBatch) -> torch.Tensor:
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup) -> torch.Tensor:
         # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
-        n_dec, max_len = batch.slots.shape
-        q_d = q[batch.rows].reshape(n_dec, self.num_kv_heads, -1, self.head_dim)
-        row_bytes = max_len * self.num_kv_heads * self.head_dim * key_cache.element_size()
-        step = max(1, DECODE_GATHER_BYTES // row_bytes)  # bounds the gathered K/V's memory
-        outs = [
-            self._decode_rows(q_d[i : i + step], key_cache, value_cache, batch, slice(i, i + step))
-            for i in range(0, n_dec, step)
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.reshape(n_dec, self.num_heads, self.head_dim)
-
-    def _decode_rows(self, q_d, key_cache, value_cache, batch: DecodeBatch, rows: slice):
-        # q_d: [n, H_kv, group, D]; keys, values: [n, H_kv, max_seq_len, D]
-        slots = batch.slots[rows]
-        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
-        keys = key_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, slots.reshape(-1)).view(shape).transpose(1, 2)
-        mask = batch.mask[rows]
-        return F.scaled_dot_product_attention(q_d, keys, values, mask, scale=self.scale)
+        n = group.slots.shape[0]
+        q_d = q.index_select(0, group.rows).view(n, self.num_kv_heads, -1, self.head_dim)
+        shape = (*group.slots.shape, self.num_kv_heads, self.head_dim)
+        flat = group.slots.view(-1)
+        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
+        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q_d, keys, values, group.mask, scale=self.scale)
+        return out.reshape(n, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)
@@ -139,16 +129,26 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1)  # [query_len, H, D]
 
 
-def _build_decodes(common: CommonAttentionMetadata, reqs: np.ndarray) -> DecodeBatch:
+def _build_decode_groups(common: CommonAttentionMetadata, reqs: np.ndarray) -> list[DecodeGroup]:
+    """Decode requests, longest first, in groups of at most ~DECODE_GROUP_TOKENS padded keys."""
     device = common.block_table.device
-    seq_lens = common.seq_lens_cpu[reqs]
-    rows_np = common.query_start_loc_cpu[reqs].astype(np.int64)
-    max_len = int(seq_lens.max())
-    # positions clamped to each request's last token: padding re-reads a slot it owns
-    pos = np.minimum(np.arange(max_len)[None, :], seq_lens[:, None] - 1)  # [n_dec, max_len]
-    slots = _slots(common, torch.from_numpy(reqs).to(device), torch.from_numpy(pos).to(device))
-    mask = torch.from_numpy(np.arange(max_len)[None, :] < seq_lens[:, None]).to(device)
-    return DecodeBatch(rows=_rows(rows_np, device), slots=slots, mask=mask[:, None, None, :])
+    all_lens = common.seq_lens_cpu[reqs]
+    order = np.argsort(-all_lens, kind="stable")
+    reqs, all_lens = reqs[order], all_lens[order]
+    groups, i = [], 0
+    while i < len(reqs):
+        max_len = int(all_lens[i])  # the group's longest: the first, lengths go down
+        n = max(1, DECODE_GROUP_TOKENS // max_len)
+        g_reqs, seq_lens = reqs[i : i + n], all_lens[i : i + n]
+        i += n
+        # positions clamped to each request's last token: padding re-reads a slot it owns
+        pos = np.minimum(np.arange(max_len)[None, :], seq_lens[:, None] - 1)  # [n, max_len]
+        g_reqs_t, pos_t = torch.from_numpy(g_reqs).to(device), torch.from_numpy(pos).to(device)
+        slots = _slots(common, g_reqs_t, pos_t)
+        mask = torch.from_numpy(np.arange(max_len)[None, :] < seq_lens[:, None]).to(device)
+        rows = torch.from_numpy(common.query_start_loc_cpu[g_reqs].astype(np.int64)).to(device)
+        groups.append(DecodeGroup(rows=rows, slots=slots, mask=mask[:, None, None, :]))
+    return groups
 
 
 def _build_prefill(common: CommonAttentionMetadata, req: int, context_len: int) -> PrefillChunk:
@@ -170,14 +170,3 @@ def _slots(common: CommonAttentionMetadata, reqs: torch.Tensor, pos: torch.Tenso
     bs = common.block_size
     blocks = torch.gather(common.block_table[reqs].long(), 1, pos // bs)  # [n, L]
     return blocks * bs + pos % bs
-
-
-def _rows(rows: np.ndarray, device: torch.device) -> torch.Tensor | slice:
-    """Decode rows as a slice when contiguous (the common case), else an index tensor."""
-    if rows[-1] - rows[0] == len(rows) - 1:
-        return slice(int(rows[0]), int(rows[-1]) + 1)
-    return torch.from_numpy(rows).to(device)
-
-
-def _is_whole(rows: torch.Tensor | slice, num_tokens: int) -> bool:
-    return isinstance(rows, slice) and rows == slice(0, num_tokens)

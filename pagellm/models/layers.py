@@ -6,18 +6,24 @@ Models are built on the `meta` device; weights arrive through `load_weights` (se
 
 On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton kernel each
 (`pagellm/kernels/fused.py`); on the CPU they stay plain torch, the reference path.
+
+On x86 CPUs the model runner pre-packs every `Linear` weight once into oneDNN's blocked layout
+(`Linear.prepack`): a plain weight is re-laid for the matmul on every call, which costs
+1.1-1.4x at decode batch sizes (see docs/benchmarks.md). The plain weight is then freed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import platform
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import envs
 from pagellm.attention.base import AttentionBackend
 
 
@@ -126,7 +132,45 @@ def llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, out)
 
 
-class FusedLinear(nn.Linear):
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear.prepack` is used: x86 CPU, float32 or bfloat16, oneDNN present."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and envs.cpu_prepack()
+    )
+
+
+def prepack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """`weight [out, in]` re-laid in oneDNN's blocked format (an opaque tensor) for
+    `packed_linear`; `batch_hint` is the typical number of rows it will multiply."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None):
+    # x: [T, in] -> [T, out]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`)."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self, batch_hint: int) -> None:
+        """Keep only a oneDNN-packed copy of the weight (x86 CPUs; see the module doc)."""
+        self.packed_weight = prepack_weight(self.weight, batch_hint)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
     """A linear layer whose output rows stack several checkpoint projections.
 
     `shards` maps each checkpoint projection (e.g. "q_proj") to its number of output rows,
@@ -175,7 +219,7 @@ class GatedMLP(nn.Module):
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = FusedLinear(hidden_size, shards, bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -21,9 +21,12 @@ from pagellm.models.layers import (
     Attention,
     FusedLinear,
     GatedMLP,
+    Linear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    packed_linear,
+    prepack_weight,
 )
 from pagellm.models.weights import load_packed_weights
 
@@ -60,7 +63,7 @@ class LlamaAttention(nn.Module):
         shards = {"q_proj": self.num_heads * hd, "k_proj": self.num_kv_heads * hd}
         shards["v_proj"] = self.num_kv_heads * hd
         self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=options.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=options.o_bias)
+        self.o_proj = Linear(self.num_heads * hd, config.hidden_size, bias=options.o_bias)
         if options.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -169,8 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend_cls = attn_backend_cls
         self.model = LlamaModel(config, attn_backend_cls, self.attention_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.packed_tied_head: torch.Tensor | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -183,8 +187,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] float32
-        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        if not self.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        if self.packed_tied_head is not None:
+            return packed_linear(hidden, self.packed_tied_head).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def prepack_cpu_weights(self, batch_hint: int) -> None:
+        """Pack every Linear weight for oneDNN (x86 CPUs; see `pagellm.models.layers`); a tied
+        LM head gets a packed copy, the embedding keeps its plain weight for lookups."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack(batch_hint)
+        if self.tie_word_embeddings:
+            self.packed_tied_head = prepack_weight(self.model.embed_tokens.weight, batch_hint)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; return the names of the parameters fully loaded."""

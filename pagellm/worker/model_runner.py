@@ -22,6 +22,7 @@ import torch
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
@@ -66,6 +67,8 @@ class ModelRunner:
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         self.model = loader.load_model(self.model_config, self.device, self.attn_backend_cls)
         sc = config.scheduler_config
+        if cpu_prepack_supported(self.device, self.model_config.dtype):
+            self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
         self.input_batch = InputBatch(
             sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
