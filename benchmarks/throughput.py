@@ -9,18 +9,20 @@ medians are compared (this machine's speed swings between runs).
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
 
-GPU workloads (`--workload standard | fixed512`, pagellm alone unless `--peer hf`):
+GPU workloads (`--workload standard | fixed512 | batch1`, pagellm alone unless `--peer hf`):
 
     python benchmarks/throughput.py --workload standard --model qwen3-0.6b --load-format dummy
     python benchmarks/throughput.py --workload fixed512 --model qwen3-0.6b --load-format dummy
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy
 
 `standard` is nano-vllm's bench.py, generated in its order: `random.seed(0)`; 256 prompts of
 `randint(100, 1024)` token ids each drawn with `randint(0, 10000)`; then 256
 `max_tokens = randint(100, 1024)`; temperature 0.6, ignore_eos; one short warm-up generate;
 output tok/s = sum(max_tokens) / wall time. `fixed512` uses the same prompts with 512 output
-tokens each. `--peer hf` also runs HF transformers' `generate_batch` (continuous batching,
-paged attention) on the first `--peer-requests` requests with the same settings. Start-up
-(`LLM(...)` to ready) is timed too.
+tokens each. `batch1` is one request of 128 random token ids and 512 output tokens (latency
+of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer hf` also runs
+HF transformers' `generate_batch` (continuous batching, paged attention) on the first
+`--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
 
 The last line is one JSON object with every number.
 """
@@ -94,7 +96,7 @@ def run_hf(model, prompts: list[list[int]], max_tokens: int, batch_size: int = 8
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512"], default="cpu")
+    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512", "batch1"], default="cpu")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=256)
@@ -105,6 +107,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
     ap.add_argument("--load-format", default="dummy", help="GPU workloads only")
     ap.add_argument("--enforce-eager", action="store_true", help="GPU workloads only")
+    ap.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="GPU workloads only; default: the engine's (on for CUDA)",
+    )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
     args = ap.parse_args()
     gpu = args.workload != "cpu"
@@ -169,8 +175,11 @@ def standard_requests(fixed_max_tokens: int | None) -> tuple[list[list[int]], li
 
 
 def main_gpu(args: argparse.Namespace) -> None:
-    fixed = 512 if args.workload == "fixed512" else None
-    prompts, max_tokens = standard_requests(fixed)
+    if args.workload == "batch1":
+        rng = random.Random(0)
+        prompts, max_tokens = [[rng.randint(0, 10000) for _ in range(128)]], [512]
+    else:
+        prompts, max_tokens = standard_requests(512 if args.workload == "fixed512" else None)
     start = time.perf_counter()
     from pagellm import LLM, SamplingParams
 
@@ -180,6 +189,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         load_format=args.load_format,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)

@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        if hint is bool:
+        if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             group.add_argument(flag, type=_scalar_type(hint), default=f.default)

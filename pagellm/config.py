@@ -45,6 +45,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
     device: str = "auto"  # auto | cpu | cuda
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
@@ -87,6 +88,9 @@ class EngineArgs:
             device=str(device),
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            async_scheduling=(
+                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
             log_stats=not self.disable_log_stats,
         )
 
@@ -215,4 +219,5 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True

@@ -55,3 +55,34 @@ def test_chunked_prefill_gives_same_outputs(reference):
     # a budget of 8 tokens a step splits every prompt into several chunks
     with LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=8) as llm:
         assert _token_ids(llm, PREFIXED) == reference
+
+
+def test_async_scheduling_gives_same_outputs(llm, reference):
+    """Scheduling step N+1 before step N's tokens are back (the CUDA default; it runs on the
+    CPU too) changes no token, finish reason or stop, even under preemption and chunking."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 17, 48)
+    ]
+    stop_id = reference[5][9]  # the token prompt 5 produces at step 10
+    early_id = reference[6][3]  # prompt 6's 4th token, banned before min_tokens
+    params += [
+        SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=12, stop_token_ids=[early_id]),
+        SamplingParams(temperature=0.0, max_tokens=48),  # stops at EOS, if it comes
+    ]
+    prompts = PREFIXED[: len(params)]
+    sync = llm.generate(prompts, params, use_tqdm=False)
+    args = dict(dtype="float32", max_model_len=1024, async_scheduling=True)
+    with LLM(**args, num_gpu_blocks_override=14, max_num_batched_tokens=32) as async_llm:
+        assert _token_ids(async_llm, PREFIXED) == reference
+        assert async_llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0
+        outputs = async_llm.generate(prompts, params, use_tqdm=False)
+        for got, want in zip(outputs, sync, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+            assert got.outputs[0].stop_reason == want.outputs[0].stop_reason
+        assert [len(o.outputs[0].token_ids) for o in outputs[:5]] == [1, 2, 5, 17, 48]
+        assert outputs[5].outputs[0].stop_reason == stop_id
+        assert len(outputs[5].outputs[0].token_ids) <= 10
+        assert len(outputs[6].outputs[0].token_ids) >= 12
+        assert async_llm.llm_engine.call_utility("get_num_free_blocks") == 13

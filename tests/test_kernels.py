@@ -166,6 +166,7 @@ class Batch:
             self.num_kv_heads,
             self.head_dim,
             DEVICE,
+            element_size=self.dtype.itemsize,
             **kwargs,
         )
 

@@ -100,11 +100,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 64,
     enable_prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -117,14 +119,43 @@ def step(
     scheduler: Scheduler, runner: FakeRunner, results: dict[str, list] | None = None
 ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
     """One engine step, with the budget checks; outputs are collected into `results`."""
-    so = scheduler.schedule()
-    assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-    assert so.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
-    assert len(so.num_scheduled_tokens) <= scheduler.max_num_seqs
+    so = checked_schedule(scheduler)
     outs = scheduler.update_from_output(so, runner.execute_model(so))
     if results is not None:
         collect(results, outs)
     return so, outs
+
+
+def checked_schedule(scheduler: Scheduler) -> SchedulerOutput:
+    so = scheduler.schedule()
+    assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+    assert so.total_num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert len(so.num_scheduled_tokens) <= scheduler.max_num_seqs
+    for req_id in so.num_scheduled_tokens:  # never past the token that samples the last output
+        r, max_tokens = (
+            scheduler.requests[req_id],
+            scheduler.requests[req_id].sampling_params.max_tokens,
+        )
+        last = min(r.num_prompt_tokens + (max_tokens or 10**9), scheduler.max_request_len)
+        assert r.num_computed_tokens <= max(last - 1, r.num_prompt_tokens), req_id
+    return so
+
+
+class AsyncStepper:
+    """Async scheduling's order: schedule and run step N+1, then update from step N."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
+        self.scheduler, self.runner = scheduler, runner
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def __call__(self, scheduler: Scheduler, runner: FakeRunner, results: dict) -> None:
+        queued = None
+        if scheduler.has_unfinished_requests():
+            so = checked_schedule(scheduler)
+            queued = (so, runner.execute_model(so))
+        if self.in_flight is not None:
+            collect(results, scheduler.update_from_output(*self.in_flight))
+        self.in_flight = queued
 
 
 def run(
@@ -222,7 +253,8 @@ def test_max_num_seqs_limits_admission():
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
-def test_random_workload_keeps_budgets_and_outputs(enable_prefix_caching):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_random_workload_keeps_budgets_and_outputs(enable_prefix_caching, async_scheduling):
     rng = random.Random(1234)
     max_model_len = 48
     scheduler = make_scheduler(
@@ -231,8 +263,10 @@ def test_random_workload_keeps_budgets_and_outputs(enable_prefix_caching):
         max_num_batched_tokens=24,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
+        async_scheduling=async_scheduling,
     )
     runner = FakeRunner()
+    stepper = AsyncStepper(scheduler, runner) if async_scheduling else step
     prefixes = [[rng.randrange(10, 1000) for _ in range(rng.randrange(4, 20))] for _ in range(4)]
     pending, expected, aborted, results = [], {}, set(), {}
     for i in range(80):
@@ -249,9 +283,10 @@ def test_random_workload_keeps_budgets_and_outputs(enable_prefix_caching):
             victim = rng.choice(scheduler.running).request_id
             scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
             aborted.add(victim)
-        if not pending and not scheduler.has_unfinished_requests():
+        in_flight = async_scheduling and stepper.in_flight is not None
+        if not pending and not scheduler.has_unfinished_requests() and not in_flight:
             break
-        step(scheduler, runner, results)
+        stepper(scheduler, runner, results)
     assert not pending and not scheduler.has_unfinished_requests()
     for req_id, tokens in expected.items():
         if req_id not in aborted:

@@ -28,10 +28,12 @@ class TritonAttentionMetadata:
     """One step's metadata; `plan()` is computed once per head layout and cached here."""
 
     common: CommonAttentionMetadata
-    _plans: dict[tuple[int, int, int], AttentionPlan] = field(default_factory=dict)
+    _plans: dict[tuple[int, int, int, int], AttentionPlan] = field(default_factory=dict)
 
-    def plan(self, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionPlan:
-        key = (num_heads, num_kv_heads, head_dim)
+    def plan(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, element_size: int = 2
+    ) -> AttentionPlan:
+        key = (num_heads, num_kv_heads, head_dim, element_size)
         if key not in self._plans:
             c = self.common
             self._plans[key] = plan_attention(
@@ -41,6 +43,7 @@ class TritonAttentionMetadata:
                 num_kv_heads,
                 head_dim,
                 c.query_start_loc.device,
+                element_size=element_size,
             )
         return self._plans[key]
 
@@ -65,7 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] > common.num_actual_tokens:
             out[common.num_actual_tokens :].zero_()  # padded rows: defined, never attended
-        plan = metadata.plan(self.num_heads, self.num_kv_heads, self.head_dim)
+        plan = metadata.plan(self.num_heads, self.num_kv_heads, self.head_dim, q.element_size())
         return paged_attention(
             q,
             kv_cache,

@@ -36,8 +36,9 @@ _FINISH_REASONS = {
 class Request:
     """Prompt and output tokens of one sequence and how far the KV cache has caught up.
 
-    Invariant: num_computed_tokens <= num_tokens. A request needs compute while
-    num_computed_tokens < num_tokens; it samples when a step brings it to num_tokens.
+    Invariant: num_computed_tokens <= num_tokens + num_output_placeholders. A request needs
+    compute while num_computed_tokens is below that; it samples when a step brings it there.
+    Placeholders are only non-zero under async scheduling (see `pagellm.engine.core`).
     """
 
     __slots__ = (
@@ -54,6 +55,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "stop_reason",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -78,6 +80,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.stop_reason: int | str | None = None
+        # async scheduling: tokens being sampled by a step whose output has not come back
+        self.num_output_placeholders = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -14,6 +14,13 @@ at most `max_num_seqs` requests:
 
 `num_computed_tokens` advances as soon as a request is scheduled; `update_from_output`
 appends the sampled tokens and decides who stops.
+
+With `async_scheduling` the next step is scheduled before the last one's tokens are back:
+a step that samples for a request adds an output placeholder, so the request is scheduled
+for one more token (its id reaches the runner on the device), and `update_from_output`
+replaces the placeholder with the token. A request is not scheduled past the token that
+samples its last possible output (max_tokens, max_model_len); one that stops on EOS or a stop
+token costs one wasted token, whose output is dropped.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         log_stats: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -76,6 +84,7 @@ class Scheduler:
         # a request stops at max_model_len tokens, or earlier if the whole cache holds fewer
         self.max_request_len = self._max_request_len(num_kv_blocks, cache_config.block_size)
         self.log_stats = log_stats
+        self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, in admission order
         self.running: list[Request] = []  # RUNNING, oldest admission first
@@ -163,6 +172,9 @@ class Scheduler:
         while i < len(self.running) and step.token_budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step)
+            if num_new == 0:  # async: its last useful token is already in flight
+                i += 1
+                continue
             new_block_ids = self._allocate_or_preempt(request, num_new, step)
             if new_block_ids is None:
                 return  # it preempted itself, the last running request
@@ -227,15 +239,27 @@ class Scheduler:
         return True
 
     def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int:
-        """Tokens still to compute, capped by the budget and by max_request_len."""
-        num_left = min(request.num_tokens, self.max_request_len) - num_computed
+        """Tokens still to compute, capped by the budget and by the request's length limit."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        num_left = min(num_tokens, self._max_computed_tokens(request)) - num_computed
         return min(num_left, step.token_budget)
 
-    @staticmethod
-    def _advance(request: Request, num_new: int, step: _Step) -> None:
+    def _max_computed_tokens(self, request: Request) -> int:
+        """Tokens worth computing: up to the one that samples the last possible output."""
+        max_tokens = request.sampling_params.max_tokens
+        prompt = request.num_prompt_tokens
+        last = self.max_request_len if max_tokens is None else prompt + max_tokens
+        return max(min(last, self.max_request_len) - 1, prompt)
+
+    def _advance(self, request: Request, num_new: int, step: _Step) -> None:
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
         request.num_computed_tokens += num_new
+        reaches_end = request.num_computed_tokens == (
+            request.num_tokens + request.num_output_placeholders
+        )
+        if self.async_scheduling and reaches_end:
+            request.num_output_placeholders += 1  # this step samples it
 
     # ---- outputs -------------------------------------------------------------------------
 
@@ -247,11 +271,16 @@ class Scheduler:
         outputs = self._report_finished_on_arrival()
         for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
             request = self.requests.get(req_id)
-            # no token: a partial prefill; not running: aborted since it was scheduled
-            if token_ids and request is not None and request.status == RequestStatus.RUNNING:
-                outputs.append(self._process_sampled(request, token_ids, mro, i))
+            # no token: a partial prefill; no request: finished since it was scheduled.
+            # A request preempted since (async scheduling) keeps its token.
+            if not token_ids or request is None:
+                continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
+            outputs.append(self._process_sampled(request, token_ids, mro, i))
         if any(output.finished for output in outputs):
             self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         stats = self.make_stats() if self.log_stats else None
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 

@@ -3,6 +3,11 @@
 `step()` is the whole engine loop body: Scheduler.schedule() -> ModelRunner.execute_model()
 -> Scheduler.update_from_output(). EngineCoreProc (the child-process wrapper that runs
 `step()` in a busy loop behind ZMQ sockets) lives beside it.
+
+With async scheduling (the default on CUDA) one step stays in flight: `step()` schedules and
+queues step N+1 on the device while step N still runs there, then waits for step N's tokens
+and returns its outputs. The host's scheduling, input preparation and output handling thus
+overlap the device's work instead of adding to it.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +34,15 @@ class EngineCore:
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_kv_blocks, config.log_stats
+            config.scheduler_config,
+            config.cache_config,
+            self.num_kv_blocks,
+            config.log_stats,
+            async_scheduling=config.async_scheduling,
         )
+        self.async_scheduling = config.async_scheduling
+        # async scheduling: the step queued on the device whose outputs are not yet reported
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -39,14 +52,28 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
+        if self.async_scheduling:
+            return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Queue the next step, then report the one before it (empty on the first call)."""
+        previous, self._in_flight = self._in_flight, None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            queued = self.model_runner.execute_model_async(scheduler_output)
+            self._in_flight = (scheduler_output, queued)
+        if previous is None:
+            return EngineCoreOutputs(timestamp=time.monotonic())
+        scheduler_output, queued = previous
+        return self.scheduler.update_from_output(scheduler_output, queued.get_output())
 
     # ---- utility calls (by name, from the client) -----------------------------------------
 

@@ -77,8 +77,8 @@ class EngineCoreProc(EngineCore):
 
     def run_busy_loop(self) -> None:
         while True:
-            self._drain_input_queue(block=not self.scheduler.has_unfinished_requests())
-            if self.scheduler.has_unfinished_requests():
+            self._drain_input_queue(block=not self.has_unfinished_requests())
+            if self.has_unfinished_requests():
                 outputs = self.step()
                 if outputs.outputs:
                     self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))

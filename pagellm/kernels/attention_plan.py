@@ -42,13 +42,16 @@ def decode_config(queries_per_kv: int, head_dim: int) -> TileConfig:
     return TileConfig(heads, max(1, 16 // heads), block_n, num_warps=4, num_stages=3)
 
 
-def prefill_config(queries_per_kv: int, head_dim: int) -> TileConfig:
+def prefill_config(queries_per_kv: int, head_dim: int, element_size: int = 2) -> TileConfig:
     """BLOCK_M = 128 rows (query tokens x heads of one KV head): compute-bound."""
     heads = min(triton.next_power_of_2(queries_per_kv), 8)
     if head_dim <= 64:
         return TileConfig(heads, 128 // heads, 64, num_warps=4, num_stages=3)
     if head_dim <= 128:
-        return TileConfig(heads, 128 // heads, 64, num_warps=8, num_stages=3)
+        # 16-bit: key steps of 128, 427-438 TFLOP/s against 404 for 64 (docs/benchmarks.md);
+        # fp32 tiles that size would not fit in shared memory
+        block_n = 128 if element_size <= 2 else 64
+        return TileConfig(heads, 128 // heads, block_n, num_warps=8, num_stages=3)
     return TileConfig(heads, 64 // heads, 32, num_warps=8, num_stages=2)
 
 
@@ -115,6 +118,7 @@ def plan_attention(
     num_splits: int | None = None,
     decode: TileConfig | None = None,
     prefill: TileConfig | None = None,
+    element_size: int = 2,
 ) -> AttentionPlan:
     """Split the step's requests into a decode launch and a prefill launch (host work only).
 
@@ -122,13 +126,13 @@ def plan_attention(
     decode launch; when every request does, that launch needs no tile map (tile i is
     request i), which keeps it CUDA-graph friendly. A decode-only launch splits its keys
     (`choose_num_splits`), one beside prefill tiles does not, unless `num_splits` forces a
-    count. The rest become
-    prefill tiles, ordered heaviest first.
+    count. The rest become prefill tiles, ordered heaviest first. `element_size` is the
+    bytes of one q/K/V element (it bounds the prefill tile).
     """
     device = torch.device(device)
     queries_per_kv = num_heads // num_kv_heads
     decode = decode or decode_config(queries_per_kv, head_dim)
-    prefill = prefill or prefill_config(queries_per_kv, head_dim)
+    prefill = prefill or prefill_config(queries_per_kv, head_dim, element_size)
     qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
     seq_lens = np.asarray(seq_lens_cpu, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]

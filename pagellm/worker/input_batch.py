@@ -80,17 +80,12 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        # rows, token_ids: [S]; each row gets one new token at its end
-        self.token_ids[rows, self.num_tokens[rows]] = token_ids
-        self.num_tokens[rows] += 1
-
     def sampling_metadata(self, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
         temperature = self.temperature[rows]
         greedy = temperature < 1e-5
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
         return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(device),
+            temperature=to_device(temperature, device),
             all_greedy=bool(greedy.all()),
             all_random=not greedy.any(),
             top_k=_optional(top_k, top_k > 0, device),
@@ -120,4 +115,14 @@ class InputBatch:
 
 
 def _optional(values: np.ndarray, used: np.ndarray, device: torch.device) -> torch.Tensor | None:
-    return torch.from_numpy(values).to(device) if used.any() else None
+    return to_device(values, device) if used.any() else None
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the device: on CUDA through pinned memory
+    and a non-blocking copy (a plain `.to(device)` synchronizes the stream, which would stall
+    async scheduling until the step in flight is done)."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

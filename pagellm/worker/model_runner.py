@@ -9,6 +9,13 @@ and samples on the device with one host sync (the sampled ids).
 On CUDA the KV cache is sized from a profiling forward over `max_num_batched_tokens` dummy
 tokens and `gpu_memory_utilization`, and decode-only steps replay CUDA graphs captured for a
 ladder of batch sizes (`cuda_graphs.py`) unless `enforce_eager`; other steps run eagerly.
+
+`execute_model_async` returns as soon as the step is queued on the device: its sampled ids
+are copied back without blocking, and `AsyncModelRunnerOutput.get_output()` waits for them.
+Meanwhile the next step can be prepared and queued (async scheduling): a request's newest
+token, sampled by the step still in flight, is not on the host yet, so its row counts it as
+a placeholder and the next step's input id is copied from the previous step's sampled
+tensor on the device (`_patch_pending_inputs`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
-from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.input_batch import InputBatch, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +62,41 @@ class StepBatch:
         return int(self.query_start_loc[-1]) == len(self.rows)
 
 
+class AsyncModelRunnerOutput:
+    """A queued step's output; `get_output()` waits for its sampled ids (once)."""
+
+    def __init__(self, runner: ModelRunner, output: ModelRunnerOutput, pending=None) -> None:
+        self._runner = runner
+        self._output = output
+        self._pending: _Sampled | None = pending
+
+    def get_output(self) -> ModelRunnerOutput:
+        if self._pending is not None:
+            self._runner._read_back(self._output, self._pending)
+            self._pending = None
+        return self._output
+
+
+class _Sampled:
+    """What one step sampled, on the device and (once copied back) on the host."""
+
+    __slots__ = (
+        "sample_idx", "rows", "req_ids", "positions", "device_ids", "host", "result", "copied"
+    )  # fmt: skip
+
+    def __init__(self, sample_idx, rows, req_ids, positions, result, device: torch.device):
+        self.sample_idx = sample_idx  # [S] indices into the step's requests
+        self.rows = rows  # [S] InputBatch rows
+        self.req_ids = req_ids  # [S] who held each row when it sampled
+        self.positions = positions  # [S] where each token goes in its row
+        self.device_ids = result.sampled  # [S] int64 on the device
+        self.result = result
+        self.host = result.sampled.to("cpu", non_blocking=device.type == "cuda")
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        if self.copied is not None:
+            self.copied.record()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from pagellm import loader
@@ -78,6 +120,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        # the last queued step's samples: their ids feed the next step's inputs on the device
+        self._last_sampled: _Sampled | None = None
+        self._last_sampled_src = np.full(sc.max_num_seqs, -1, np.int64)  # row -> index, -1
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -199,19 +244,26 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Queue the step on the device; the result's get_output() waits for its tokens."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return AsyncModelRunnerOutput(self, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self._prepare_batch(sched)
         arrays = self._host_arrays(batch)
         block_rows = self._block_rows(batch)
         size = self._graph_size(batch)
         if size is None:
-            hidden = self._forward(arrays, block_rows, self.kv_caches)
+            dev = self._stage(arrays, block_rows)
+            self._patch_pending_inputs(batch, dev["input_ids"])
+            hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
-            self._stage(pad_decode(arrays, size), block_rows)
+            dev = self._stage(pad_decode(arrays, size), block_rows)
+            self._patch_pending_inputs(batch, dev["input_ids"])
             hidden = self.graphs.replay(size)
         return self._sample(batch, hidden)
 
@@ -223,6 +275,9 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         ib = self.input_batch
         for req_id in sched.finished_req_ids:
+            row = ib.req_id_to_row.get(req_id)
+            if row is not None:
+                self._last_sampled_src[row] = -1  # the row's next owner has no pending token
             ib.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new)
@@ -295,7 +350,24 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _patch_pending_inputs(self, batch: StepBatch, input_ids: torch.Tensor) -> None:
+        """Input ids sampled by the step still in flight: copy them on the device."""
+        last = self._last_sampled
+        if last is None:
+            return
+        src = self._last_sampled_src[batch.rows]  # [R] index into last.device_ids, or -1
+        ends = batch.query_start_loc[1:] - 1  # each request's last token in the flat batch
+        # a request's last token is the pending one iff it sits where that token went
+        pending = (src >= 0) & (
+            batch.positions[ends] == self.input_batch.num_tokens[batch.rows] - 1
+        )
+        if not pending.any():
+            return
+        dst = to_device(ends[pending].astype(np.int64), self.device)
+        idx = to_device(src[pending], self.device)
+        input_ids.index_copy_(0, dst, last.device_ids.index_select(0, idx))
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool
@@ -303,24 +375,44 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
         if len(sample_idx) == 0:
-            return output
+            return AsyncModelRunnerOutput(self, output)
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
         result = self.sampler(logits, ib.sampling_metadata(rows, self.device))  # [S, vocab]
-        tokens = result.sampled.cpu().numpy()  # the step's one host sync
-        ib.append_sampled(rows, tokens)
-        for i, token in zip(sample_idx.tolist(), tokens.tolist()):
-            sampled_ids[i].append(token)
-        if result.logprobs is not None:
-            self._attach_logprobs(output, sample_idx, result)
-        return output
+        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
+        sampled = _Sampled(sample_idx, rows, req_ids, ib.num_tokens[rows], result, self.device)
+        ib.num_tokens[rows] += 1  # a placeholder until the id is read back
+        self._last_sampled = sampled
+        self._last_sampled_src[:] = -1
+        self._last_sampled_src[rows] = np.arange(len(rows))
+        return AsyncModelRunnerOutput(self, output, sampled)
+
+    def _read_back(self, output: ModelRunnerOutput, sampled: _Sampled) -> None:
+        """Wait for a step's sampled ids; put them in the output and in their rows."""
+        if sampled.copied is not None:
+            sampled.copied.synchronize()  # the step's one host sync
+        if sampled is self._last_sampled:
+            self._last_sampled = None  # every id is on the host now: nothing to patch
+        tokens = sampled.host.numpy()
+        ib = self.input_batch
+        for i, token in zip(sampled.sample_idx.tolist(), tokens.tolist()):
+            output.sampled_token_ids[i].append(token)
+        # rows still held by the request that sampled get the id at its position
+        held = np.fromiter(
+            (ib.req_id_to_row.get(r) == row for r, row in zip(sampled.req_ids, sampled.rows)),
+            bool,
+            len(sampled.req_ids),
+        )
+        ib.token_ids[sampled.rows[held], sampled.positions[held]] = tokens[held]
+        if sampled.result.logprobs is not None:
+            self._attach_logprobs(output, sampled.sample_idx, sampled.result)
 
     def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
         """Rows of `hidden` to take logits from: each sampling request's last token."""
         if batch.is_decode_only and len(sample_idx) == len(batch.rows):
             return slice(0, len(batch.rows))  # every token samples: no index copy
         idx = batch.query_start_loc[1:][sample_idx] - 1
-        return torch.from_numpy(idx).to(self.device, non_blocking=True)
+        return to_device(idx.astype(np.int64), self.device)
 
     def _attach_logprobs(self, output: ModelRunnerOutput, sample_idx: np.ndarray, result) -> None:
         values = result.logprobs.cpu().tolist()
