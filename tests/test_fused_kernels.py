@@ -131,3 +131,17 @@ def test_sample_spans_several_blocks_and_respects_temperature():
     assert (cold == 2500).all()  # at T=0.05, token 7 is e^-20 as likely
     hot = sample(logits.to(DEVICE), torch.full((64,), 5.0, device=DEVICE)).cpu()
     assert set(hot.tolist()) == {7, 2500}  # at T=5 both appear (p = 0.45 / 0.55)
+
+
+def test_sample_picks_across_vocabulary_chunks():
+    """Rows longer than one program's chunk: the best chunk wins, ties go to the lowest id."""
+    from pagellm.kernels.sampling import CHUNK, sample
+
+    vocab = 2 * CHUNK + 500
+    logits = torch.full((8, vocab), -1e4)
+    logits[:, CHUNK + 3] = 1.0  # a tie for the maximum in chunks 1 and 2: greedy takes the first
+    logits[:, 2 * CHUNK + 7] = 1.0
+    logits[4:, 2 * CHUNK + 7] = 30.0  # rows 4..7: one token dominates, in the last chunk
+    temperature = torch.tensor([0.0] * 4 + [1.0] * 4)
+    out = sample(logits.to(DEVICE), temperature.to(DEVICE)).cpu()
+    assert out.tolist() == [CHUNK + 3] * 4 + [2 * CHUNK + 7] * 4

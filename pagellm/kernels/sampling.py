@@ -5,6 +5,10 @@ exponential race; see `pagellm/sample/sampler.py`). In log space that is
 `argmax(logits / T - log E)`: no softmax, no normalization, one read of the logits. The
 noise comes from Philox (`tl.rand`) keyed by (seed, row, token), with a fresh seed drawn
 on the host every step (no device sync). Rows with temperature < 1e-5 take the argmax.
+
+Each row's vocabulary is cut into chunks of CHUNK tokens, one program each (a lone row of
+128K tokens read by one program is serial: ~160 us on an H200); a second kernel picks each
+row's best chunk. The noise depends only on (seed, row, token), so chunking changes nothing.
 """
 
 from __future__ import annotations
@@ -13,24 +17,31 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK = 1024  # tokens per loop iteration
+CHUNK = 8 * BLOCK  # tokens per program
+
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: no variants
-def _sample_kernel(
+def _sample_chunk_kernel(
     logits_ptr,  # [B, vocab] float32
     temperature_ptr,  # [B] float32
-    out_ptr,  # [B] int64
+    best_ptr,  # [B, num_chunks] float32: each chunk's best score
+    best_idx_ptr,  # [B, num_chunks] int32: and its token
     vocab,
     stride_b,
+    num_chunks,
     seed,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature < 1e-5
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
     best = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: best score and its token
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    best_idx = tl.full([BLOCK], 2**31 - 1, tl.int32)
+    for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_b + offs, mask=mask, other=float("-inf"))
@@ -42,8 +53,28 @@ def _sample_kernel(
         best_idx = tl.where(take, offs, best_idx)
     top = tl.max(best, 0)
     # lowest token id among lanes holding the maximum (argmax's tie rule)
-    idx = tl.min(tl.where(best == top, best_idx, vocab), 0)
-    tl.store(out_ptr + row, idx.to(tl.int64))
+    idx = tl.min(tl.where(best == top, best_idx, 2**31 - 1), 0)
+    tl.store(best_ptr + row * num_chunks + chunk, top)
+    tl.store(best_idx_ptr + row * num_chunks + chunk, idx)
+
+
+@triton.jit
+def _pick_chunk_kernel(
+    best_ptr,  # [B, num_chunks] float32
+    best_idx_ptr,  # [B, num_chunks] int32
+    out_ptr,  # [B] int64
+    vocab,
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < num_chunks
+    best = tl.load(best_ptr + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    best_idx = tl.load(best_idx_ptr + row * num_chunks + offs, mask=mask, other=2**31 - 1)
+    top = tl.max(best, 0)
+    idx = tl.min(tl.where(best == top, best_idx, 2**31 - 1), 0)
+    tl.store(out_ptr + row, tl.minimum(idx, vocab - 1).to(tl.int64))  # all -inf: some token
 
 
 def sample(
@@ -57,8 +88,15 @@ def sample(
     if temperature.shape != logits.shape[:1] or temperature.dtype != torch.float32:
         raise ValueError(f"sample: temperature must be [B] float32, got {tuple(temperature.shape)}")
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _sample_kernel[(logits.shape[0],)](
-        logits, temperature, out, logits.shape[1], logits.stride(0), seed, BLOCK=1024, num_warps=4
-    )
+    rows, vocab = logits.shape
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    best = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _sample_chunk_kernel[(rows, num_chunks)](
+        logits, temperature, best, best_idx, vocab, logits.stride(0), num_chunks, seed,
+        BLOCK=BLOCK, CHUNK=CHUNK, num_warps=4,
+    )  # fmt: skip
+    block_c = triton.next_power_of_2(num_chunks)
+    _pick_chunk_kernel[(rows,)](best, best_idx, out, vocab, num_chunks, BLOCK_C=block_c)
     return out
