@@ -104,6 +104,13 @@ def test_async_iterators_all_raise_when_core_dies():
             async for _ in engine.generate(PROMPTS[i % len(PROMPTS)], params, f"req-{i}"):
                 pass
 
+        idle = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=256))
+        assert not idle.errored
+        os.kill(idle.engine_core.proc.pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        assert idle.errored  # noticed with nothing running, no request needed
+        idle.shutdown()
+
         tasks = [asyncio.create_task(consume(i)) for i in range(8)]
         await asyncio.sleep(1.5)
         os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
@@ -115,12 +122,14 @@ def test_async_iterators_all_raise_when_core_dies():
     assert all(isinstance(r, EngineDeadError) for r in results)
 
 
-def test_many_concurrent_async_requests_and_abort_frees_blocks(llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_many_concurrent_async_requests_and_abort_frees_blocks(llm, async_scheduling):
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 9)][:72]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    args = EngineArgs(dtype="float32", max_model_len=1024, async_scheduling=async_scheduling)
 
     async def main():
-        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=1024))
+        engine = AsyncLLM.from_engine_args(args)
         total = await engine.call_utility("get_num_free_blocks")
 
         async def run(i: int) -> list[int]:

@@ -144,3 +144,8 @@ def test_logprobs_only_where_asked(llm):
         assert token in entry and 2 <= len(entry) <= 3
     total = sum(e[t].logprob for t, e in zip(with_lp.token_ids, with_lp.logprobs))
     assert with_lp.cumulative_logprob == pytest.approx(total)
+    greedy = SamplingParams(max_tokens=3, logprobs=2, temperature=0.0)
+    (out,) = llm.generate(["Hello"], greedy, use_tqdm=False)
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert entry[token].rank == 1  # the argmax is the top-1 entry, with its rank
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2]

@@ -40,6 +40,9 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
+        """True once the core is dead, even while idle (the core process is checked)."""
+        if self.dead_error is None and not self.engine_core.is_alive():
+            self._fail_all(EngineDeadError("EngineCore process exited unexpectedly"))
         return self.dead_error is not None
 
     async def generate(

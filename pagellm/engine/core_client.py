@@ -88,6 +88,10 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def is_alive(self) -> bool:
+        """Whether the core can still run requests (a core in this process always can)."""
+        return True
+
 
 class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig) -> None:
@@ -183,6 +187,9 @@ class MPClient(EngineCoreClient):
         if kind == EngineCoreOutputType.FAILED.value:
             self._mark_dead(f"EngineCore died: {msgspec.msgpack.decode(payload)[1]}")
         return self.decoder.decode(payload)
+
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self.proc.poll() is None
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:

@@ -178,8 +178,10 @@ class OutputProcessor:
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         for values, ids in zip(out.new_logprobs, out.new_top_logprob_ids):
-            entry = {ids[0]: Logprob(values[0])}
-            for rank, (tid, val) in enumerate(zip(ids[1:], values[1:]), start=1):
+            top = ids[1:]  # the top-k ids, best first: a sampled id among them has that rank
+            rank = top.index(ids[0]) + 1 if ids[0] in top else None
+            entry = {ids[0]: Logprob(values[0], rank=rank)}
+            for rank, (tid, val) in enumerate(zip(top, values[1:]), start=1):
                 entry.setdefault(tid, Logprob(val, rank=rank))
             state.logprobs.append(entry)
             state.cumulative_logprob += values[0]
