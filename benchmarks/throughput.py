@@ -5,7 +5,7 @@ token ids, 128 output tokens each, greedy, ignore_eos. The peer is HF transforme
 `generate` in static batches of 8 with left padding. Rounds alternate A B A B and the
 medians are compared (this machine's speed swings between runs).
 
-    python benchmarks/throughput.py                     # pagellm vs HF, 2 rounds
+    python benchmarks/throughput.py                     # pagellm vs HF, 3 rounds
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
 
@@ -101,7 +101,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--peer", choices=["hf", "inproc", "none"], default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
