@@ -26,7 +26,7 @@ def _token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
 
 
 def test_prefix_cache_hits_do_not_change_outputs(llm, reference):
-    assert llm.llm_engine.call_utility("reset_prefix_cache")
+    assert llm.reset_prefix_cache()
     first = llm.generate(PREFIXED[:1], PARAMS, use_tqdm=False)
     again = llm.generate(PREFIXED, PARAMS, use_tqdm=False)
     assert first[0].num_cached_tokens == 0

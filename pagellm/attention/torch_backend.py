@@ -117,15 +117,16 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             keys = key_cache.index_select(0, chunk.slots)
             values = value_cache.index_select(0, chunk.slots)
+        # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
         out = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),  # [H, query_len, D]
-            keys.transpose(0, 1),  # [H_kv, seq_len, D]
-            values.transpose(0, 1),
+            q[rows].transpose(0, 1)[None],  # [1, H, query_len, D]
+            keys.transpose(0, 1)[None],  # [1, H_kv, seq_len, D]
+            values.transpose(0, 1)[None],
             chunk.mask,
             is_causal=chunk.mask is None,
             scale=self.scale,
             enable_gqa=True,
-        )
+        )[0]
         return out.transpose(0, 1)  # [query_len, H, D]
 
 

@@ -109,6 +109,10 @@ class LLM:
             bar.close()
         return [finished[r] for r in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (False, changing nothing, while requests run)."""
+        return self.llm_engine.call_utility("reset_prefix_cache")
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 
