@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import triton
 
+from pagellm.utils import to_device
+
 TARGET_WAVES = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -160,7 +162,7 @@ def plan_attention(
         pending.append((prefill, len(tile_req), 1))
         host_maps += [tile_req, tile_q]
 
-    maps = _to_device(host_maps, device)
+    maps = _maps_to_device(host_maps, device)
     launches = []
     for config, num_tiles, splits in pending:
         tile_req, tile_q = (maps.pop(0), maps.pop(0)) if maps else (None, None)
@@ -168,7 +170,7 @@ def plan_attention(
     return AttentionPlan(num_heads, num_kv_heads, head_dim, launches)
 
 
-def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def _maps_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """One (pinned, async) host-to-device copy for all tile maps.
 
     Each map starts on a 16-byte boundary: Triton specializes a kernel on its pointers'
@@ -181,8 +183,5 @@ def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Ten
     starts = np.cumsum([0, *padded[:-1]])
     for start, a in zip(starts, arrays):
         flat_host[start : start + len(a)] = a
-    host = torch.from_numpy(flat_host)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    flat = host.to(device, non_blocking=True)
+    flat = to_device(flat_host, device)
     return [flat[start : start + len(a)] for start, a in zip(starts, arrays)]

@@ -14,6 +14,7 @@ import torch
 from pagellm.core.sched_output import NewRequestData
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sampling_params import SamplingParams
+from pagellm.utils import to_device
 
 
 class InputBatch:
@@ -116,13 +117,3 @@ class InputBatch:
 
 def _optional(values: np.ndarray, used: np.ndarray, device: torch.device) -> torch.Tensor | None:
     return to_device(values, device) if used.any() else None
-
-
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without waiting for the device: on CUDA through pinned memory
-    and a non-blocking copy (a plain `.to(device)` synchronizes the stream, which would stall
-    async scheduling until the step in flight is done)."""
-    tensor = torch.from_numpy(array)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)

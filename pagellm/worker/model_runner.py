@@ -32,8 +32,9 @@ from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler
+from pagellm.utils import to_device
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
-from pagellm.worker.input_batch import InputBatch, to_device
+from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
