@@ -255,10 +255,9 @@ class Scheduler:
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
         request.num_computed_tokens += num_new
-        reaches_end = request.num_computed_tokens == (
-            request.num_tokens + request.num_output_placeholders
-        )
-        if self.async_scheduling and reaches_end:
+        if not self.async_scheduling:
+            return
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1  # this step samples it
 
     # ---- outputs -------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from pagellm.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from pagellm.worker.async_output import AsyncModelRunnerOutput
+from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

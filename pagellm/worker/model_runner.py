@@ -15,7 +15,7 @@ are copied back without blocking, and `AsyncModelRunnerOutput.get_output()` wait
 Meanwhile the next step can be prepared and queued (async scheduling): a request's newest
 token, sampled by the step still in flight, is not on the host yet, so its row counts it as
 a placeholder and the next step's input id is copied from the previous step's sampled
-tensor on the device (`_patch_pending_inputs`).
+tensor on the device (`async_output.PendingTokens`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler
 from pagellm.utils import to_device
+from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
 from pagellm.worker.input_batch import InputBatch
 
@@ -63,41 +64,6 @@ class StepBatch:
         return int(self.query_start_loc[-1]) == len(self.rows)
 
 
-class AsyncModelRunnerOutput:
-    """A queued step's output; `get_output()` waits for its sampled ids (once)."""
-
-    def __init__(self, runner: ModelRunner, output: ModelRunnerOutput, pending=None) -> None:
-        self._runner = runner
-        self._output = output
-        self._pending: _Sampled | None = pending
-
-    def get_output(self) -> ModelRunnerOutput:
-        if self._pending is not None:
-            self._runner._read_back(self._output, self._pending)
-            self._pending = None
-        return self._output
-
-
-class _Sampled:
-    """What one step sampled, on the device and (once copied back) on the host."""
-
-    __slots__ = (
-        "sample_idx", "rows", "req_ids", "positions", "device_ids", "host", "result", "copied"
-    )  # fmt: skip
-
-    def __init__(self, sample_idx, rows, req_ids, positions, result, device: torch.device):
-        self.sample_idx = sample_idx  # [S] indices into the step's requests
-        self.rows = rows  # [S] InputBatch rows
-        self.req_ids = req_ids  # [S] who held each row when it sampled
-        self.positions = positions  # [S] where each token goes in its row
-        self.device_ids = result.sampled  # [S] int64 on the device
-        self.result = result
-        self.host = result.sampled.to("cpu", non_blocking=device.type == "cuda")
-        self.copied = torch.cuda.Event() if device.type == "cuda" else None
-        if self.copied is not None:
-            self.copied.record()
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from pagellm import loader
@@ -122,8 +88,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
-        self._last_sampled: _Sampled | None = None
-        self._last_sampled_src = np.full(sc.max_num_seqs, -1, np.int64)  # row -> index, -1
+        self.pending = PendingTokens(sc.max_num_seqs)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -253,18 +218,16 @@ class ModelRunner:
         """Queue the step on the device; the result's get_output() waits for its tokens."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return AsyncModelRunnerOutput(self, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         batch = self._prepare_batch(sched)
         arrays = self._host_arrays(batch)
-        block_rows = self._block_rows(batch)
         size = self._graph_size(batch)
+        staged = arrays if size is None else pad_decode(arrays, size)
+        dev = self._stage(staged, self._block_rows(batch))
+        self.pending.patch_inputs(batch, self.input_batch.num_tokens, dev["input_ids"])
         if size is None:
-            dev = self._stage(arrays, block_rows)
-            self._patch_pending_inputs(batch, dev["input_ids"])
             hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
-            dev = self._stage(pad_decode(arrays, size), block_rows)
-            self._patch_pending_inputs(batch, dev["input_ids"])
             hidden = self.graphs.replay(size)
         return self._sample(batch, hidden)
 
@@ -278,7 +241,7 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             row = ib.req_id_to_row.get(req_id)
             if row is not None:
-                self._last_sampled_src[row] = -1  # the row's next owner has no pending token
+                self.pending.drop_row(row)
             ib.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new)
@@ -351,23 +314,6 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
-    def _patch_pending_inputs(self, batch: StepBatch, input_ids: torch.Tensor) -> None:
-        """Input ids sampled by the step still in flight: copy them on the device."""
-        last = self._last_sampled
-        if last is None:
-            return
-        src = self._last_sampled_src[batch.rows]  # [R] index into last.device_ids, or -1
-        ends = batch.query_start_loc[1:] - 1  # each request's last token in the flat batch
-        # a request's last token is the pending one iff it sits where that token went
-        pending = (src >= 0) & (
-            batch.positions[ends] == self.input_batch.num_tokens[batch.rows] - 1
-        )
-        if not pending.any():
-            return
-        dst = to_device(ends[pending].astype(np.int64), self.device)
-        idx = to_device(src[pending], self.device)
-        input_ids.index_copy_(0, dst, last.device_ids.index_select(0, idx))
-
     def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
@@ -376,25 +322,21 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
         if len(sample_idx) == 0:
-            return AsyncModelRunnerOutput(self, output)
+            return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
         result = self.sampler(logits, ib.sampling_metadata(rows, self.device))  # [S, vocab]
         req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
-        sampled = _Sampled(sample_idx, rows, req_ids, ib.num_tokens[rows], result, self.device)
+        positions = ib.num_tokens[rows]
+        sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, self.device)
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
-        self._last_sampled = sampled
-        self._last_sampled_src[:] = -1
-        self._last_sampled_src[rows] = np.arange(len(rows))
-        return AsyncModelRunnerOutput(self, output, sampled)
+        self.pending.record(sampled)
+        return AsyncModelRunnerOutput(output, sampled, self._read_back)
 
-    def _read_back(self, output: ModelRunnerOutput, sampled: _Sampled) -> None:
+    def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""
-        if sampled.copied is not None:
-            sampled.copied.synchronize()  # the step's one host sync
-        if sampled is self._last_sampled:
-            self._last_sampled = None  # every id is on the host now: nothing to patch
-        tokens = sampled.host.numpy()
+        tokens = sampled.wait()
+        self.pending.read_back(sampled)
         ib = self.input_batch
         for i, token in zip(sampled.sample_idx.tolist(), tokens.tolist()):
             output.sampled_token_ids[i].append(token)
