@@ -122,6 +122,16 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+CPU_ONLY = ("num_requests", "min_prompt", "max_prompt", "max_tokens")
+GPU_ONLY = ("model", "load_format", "enforce_eager", "async_scheduling", "peer_requests")
+
+
+def workload_of(args: argparse.Namespace) -> dict:
+    """The arguments that shaped this run (the other path's options left out)."""
+    skip = GPU_ONLY if args.workload == "cpu" else CPU_ONLY
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
 def main() -> None:
     args = parse_args()
     if args.workload != "cpu":
@@ -154,7 +164,7 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-        "workload": vars(args),
+        "workload": workload_of(args),
         "output_tok_s": {n: round(total_out / statistics.median(t), 1) for n, t in times.items()},
         "runs_s": {n: [round(x, 2) for x in t] for n, t in times.items()},
     }
@@ -213,7 +223,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "?",
         "torch": torch.__version__,
-        "workload": vars(args),
+        "workload": workload_of(args),
         "total_output_tokens": sum(max_tokens),
         "output_tok_s": {"pagellm": round(median, 1)},  # median round
         "best_round_tok_s": round(sum(max_tokens) / min(times), 1),

@@ -135,7 +135,7 @@ class PagedRunner:
         metadata = self.model.attn_backend_cls.build_metadata(common)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-            logits = self.model.compute_logits(hidden).cpu()
+            logits = self.model.compute_logits(hidden).float().cpu()
         out, start = {}, 0
         for seq_id, n in schedule:
             out[seq_id] = logits[start : start + n]

@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()  # the sampling kernel loops to a runtime bound
 
 from pagellm.kernels import fused  # noqa: E402
-from pagellm.models.layers import SiluAndMul, apply_rotary  # noqa: E402
+from pagellm.models.layers import RMSNorm, SiluAndMul, apply_rotary, qk_norm_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -84,6 +84,34 @@ def test_rotary_matches_torch_on_a_strided_view(dtype, heads, head_dim):
         _close(apply_rotary(x, cos_sin), ref, dtype)
 
 
+def _torch_rotary(x, cos_sin):
+    cos, sin = cos_sin.float().chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 32), (16, 8, 128)])
+def test_qk_norm_rotary_matches_norm_then_rotary(dtype, heads, kv_heads, head_dim):
+    """Qwen3's q/k RMSNorm + rotary in one kernel = the two ops of the torch path."""
+    qkv = _randn(5, heads + 2 * kv_heads, head_dim, dtype=dtype)
+    q_w, k_w = _randn(head_dim, dtype=dtype, seed=5), _randn(head_dim, dtype=dtype, seed=6)
+    angles = _randn(5, 1, head_dim // 2, dtype=torch.float32, seed=4)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+    q, k = fused.qk_norm_rotary(qkv, q_w, k_w, cos_sin, heads, kv_heads, 1e-6)
+    assert q.shape == (5, heads, head_dim) and k.shape == (5, kv_heads, head_dim)
+    ref_q = _torch_rotary(_torch_rms_norm(qkv[:, :heads], q_w, 1e-6), cos_sin)
+    ref_k = _torch_rotary(_torch_rms_norm(qkv[:, heads : heads + kv_heads], k_w, 1e-6), cos_sin)
+    _close(q, ref_q, dtype)
+    _close(k, ref_k, dtype)
+    if DEVICE == "cuda":  # the layer dispatches to the kernel on CUDA
+        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE, dtype) for _ in range(2)]
+        norms[0].weight.data.copy_(q_w)
+        norms[1].weight.data.copy_(k_w)
+        q2, k2 = qk_norm_rotary(qkv, *norms, cos_sin, heads, kv_heads)
+        assert torch.equal(q2, q) and torch.equal(k2, k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [96, 3000])
 def test_silu_and_mul(dtype, n):
@@ -103,6 +131,9 @@ def test_wrappers_reject_bad_shapes():
         fused.rotary(_randn(2, 1, 6, dtype=torch.float32), _randn(2, 1, 6, dtype=torch.float32))
     with pytest.raises(ValueError, match="silu_and_mul"):
         fused.silu_and_mul(_randn(2, 7, dtype=torch.float32))
+    w = _randn(8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="qk_norm_rotary"):  # 5 heads is not 2 + 2 * 1
+        fused.qk_norm_rotary(_randn(2, 5, 8, dtype=torch.float32), w, w, x[:, None], 2, 1, 1e-6)
 
 
 def test_sample_greedy_rows_take_the_argmax_and_others_follow_the_distribution():

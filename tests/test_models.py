@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from model_utils import (
     PagedRunner,
     hf_logits,
@@ -19,7 +20,7 @@ from model_utils import (
 from transformers import AutoModelForCausalLM
 
 from pagellm.models import get_model_cls
-from pagellm.models.layers import cpu_prepack_supported
+from pagellm.models.layers import PackedWeight, cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
 ATOL, RTOL = 1e-4, 1e-5
@@ -157,6 +158,23 @@ def test_prepacked_cpu_weights_match_hf(variant, tmp_path, monkeypatch):
     _assert_matches_hf(hf, run_paged(ours, _prompts(9, 1, 20), num_decode_steps=3, shuffle=True))
     monkeypatch.setenv("PAGELLM_CPU_PREPACK", "0")
     assert not cpu_prepack_supported(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weight_any_batch_size(dtype):
+    """One packed copy (MKL for float32, oneDNN for bfloat16) serves every row count."""
+    if not cpu_prepack_supported(torch.device("cpu"), dtype):
+        pytest.skip("weight packing needs an x86 CPU")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 72, generator=gen).to(dtype)
+    bias = torch.randn(300, generator=gen).to(dtype)
+    packed = PackedWeight(weight, batch_hint=64)
+    assert (packed.mkl is not None) == (dtype == torch.float32)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for rows in (1, 2, 63, 64, 65, 700):
+        x = torch.randn(rows, 72, generator=gen).to(dtype)
+        torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), **tol)
+        torch.testing.assert_close(packed(x), F.linear(x, weight), **tol)
 
 
 def test_registry():

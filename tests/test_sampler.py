@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.sampler import Sampler
+from pagellm.sample.sampler import Sampler, argmax_rows
 
 
 def _meta(b, temperature=1.0, top_k=None, top_p=None, min_p=None, **kw) -> SamplingMetadata:
@@ -29,6 +29,17 @@ def test_greedy_is_argmax():
     logits = _logits()
     out = Sampler()(logits.clone(), _meta(4, temperature=0.0))
     assert torch.equal(out.sampled, logits.argmax(-1))
+
+
+def test_argmax_rows_equals_argmax_with_ties():
+    """The chunked CPU argmax gives torch's indices, the first of tied maxima included."""
+    gen = torch.Generator().manual_seed(1)
+    for width in (50, 1024, 4096, 49152, 151936, 3000):  # one chunk, several, 128-wide, none
+        x = torch.randn(7, width, generator=gen)
+        x[1, width // 3] = x[1, width - 1] = x[1].max() + 1  # tie across chunks
+        x[2, 5] = x[2, 6] = x[2].max() + 1  # tie inside one chunk
+        x[3] = 0.0  # all equal: index 0
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), width
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

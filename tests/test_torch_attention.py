@@ -166,6 +166,9 @@ def test_metadata_decode_groups(monkeypatch):
     assert [g.rows.tolist() for g in md.decodes] == [[6, 8], [7, 0]]
     assert [tuple(g.slots.shape) for g in md.decodes] == [(2, 10), (2, 5)]
     assert md.decodes[1].mask[:, 0, 0].tolist() == [[True] * 5, [True] * 4 + [False]]
+    bias = md.decodes[1].bias(torch.float32)  # SDPA's additive form, made once per step
+    assert bias[:, 0, 0].tolist() == [[0.0] * 5, [0.0] * 4 + [float("-inf")]]
+    assert md.decodes[1].bias(torch.float32) is bias
 
 
 def test_decodes_in_groups(monkeypatch):

@@ -39,6 +39,15 @@ class DecodeGroup:
     rows: torch.Tensor  # [n] int64: their rows in the flat batch
     slots: torch.Tensor  # [n, max_seq_len] int64 flat cache slots
     mask: torch.Tensor  # [n, 1, 1, max_seq_len] bool, True where a key is attended
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as SDPA's additive form (0 or -inf), made once per step for all layers:
+        given the bool mask, SDPA converts it on every call."""
+        if dtype not in self._bias:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = bias.masked_fill_(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 @dataclass
@@ -107,7 +116,8 @@ class TorchAttentionBackend(AttentionBackend):
         flat = group.slots.view(-1)
         keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
         values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q_d, keys, values, group.mask, scale=self.scale)
+        bias = group.bias(q.dtype)
+        out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=self.scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:

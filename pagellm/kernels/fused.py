@@ -1,4 +1,5 @@
-"""Fused small ops of the decoder layer (Triton): RMSNorm (+ residual add), rotary, SiLU-and-mul.
+"""Fused small ops of the decoder layer (Triton): RMSNorm (+ residual add), rotary, SiLU-and-mul,
+and Qwen3's per-head q/k RMSNorm followed by rotary (`qk_norm_rotary`, one kernel for four).
 
 In eager PyTorch each of these is 3-9 elementwise kernels; a decode step of a small model
 is then mostly launch gaps (Qwen3-0.6B: ~35 tiny kernels per layer, about 4 ms of an H200
@@ -81,6 +82,52 @@ def _rotary_kernel(
 
 
 @triton.jit
+def _qk_norm_rotary_kernel(
+    qkv_ptr,  # [T, H + 2 * H_kv, 2 * HALF] (any token stride; heads contiguous)
+    q_w_ptr,  # [2 * HALF] q_norm weight
+    k_w_ptr,  # [2 * HALF] k_norm weight
+    cs_ptr,  # [T, 1, 2 * HALF]: cos | sin
+    q_out_ptr,  # [T, H, 2 * HALF] contiguous
+    k_out_ptr,  # [T, H_kv, 2 * HALF] contiguous
+    num_heads,
+    num_kv_heads,
+    stride_t,
+    stride_ct,
+    eps,
+    HEADS_PAD: tl.constexpr,  # >= H + H_kv
+    HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]  # q heads, then k heads
+    offs = tl.arange(0, HALF)[None, :]
+    mask = h < num_heads + num_kv_heads
+    x1_ptr = qkv_ptr + t * stride_t + h * (2 * HALF) + offs
+    x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF]
+    x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    # RMSNorm per head, rounded as the torch path rounds (see the module doc)
+    dtype = q_out_ptr.dtype.element_ty
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+    is_q = h < num_heads
+    w1 = tl.where(is_q, tl.load(q_w_ptr + offs), tl.load(k_w_ptr + offs)).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(q_w_ptr + HALF + offs), tl.load(k_w_ptr + HALF + offs))
+    w2 = w2.to(tl.float32)
+    x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    # then rotary, in fp32 with one rounding
+    cos = tl.load(cs_ptr + t * stride_ct + offs).to(tl.float32)  # [1, HALF]
+    sin = tl.load(cs_ptr + t * stride_ct + HALF + offs).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    q_ptr = q_out_ptr + (t * num_heads + h) * (2 * HALF) + offs
+    tl.store(q_ptr, y1, mask=is_q)
+    tl.store(q_ptr + HALF, y2, mask=is_q)
+    k_ptr = k_out_ptr + (t * num_kv_heads + h - num_heads) * (2 * HALF) + offs
+    k_mask = mask & (h >= num_heads)
+    tl.store(k_ptr, y1, mask=k_mask)
+    tl.store(k_ptr + HALF, y2, mask=k_mask)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2 * n]: gate | up
     out_ptr,  # [T, n]
@@ -149,6 +196,34 @@ def rotary(
         num_warps=_num_warps(heads * d),
     )  # fmt: skip
     return out
+
+
+def qk_norm_rotary(
+    qkv: torch.Tensor,  # [T, H + 2 * H_kv, D]; heads contiguous
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    cos_sin: torch.Tensor,  # [T, 1, D]: cos | sin, in qkv's dtype
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, H_kv, D], both contiguous
+    """`rotary(rms_norm(q, q_weight))` and the same for k, in one kernel (Qwen3)."""
+    t, heads, d = qkv.shape
+    if heads != num_heads + 2 * num_kv_heads or qkv.stride(2) != 1 or qkv.stride(1) != d:
+        raise ValueError(f"qk_norm_rotary: qkv {tuple(qkv.shape)} for {num_heads}/{num_kv_heads}")
+    if q_weight.shape != (d,) or k_weight.shape != (d,) or not supports_rotary(d):
+        raise ValueError(f"qk_norm_rotary: weights {tuple(q_weight.shape)}, head_dim {d}")
+    if cos_sin.shape != (t, 1, d) or cos_sin.stride(-1) != 1:
+        raise ValueError(f"qk_norm_rotary: cos_sin {tuple(cos_sin.shape)}")
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    heads_pad = triton.next_power_of_2(num_heads + num_kv_heads)
+    _qk_norm_rotary_kernel[(t,)](
+        qkv, q_weight, k_weight, cos_sin, q, k, num_heads, num_kv_heads,
+        qkv.stride(0), cos_sin.stride(0), eps, HEADS_PAD=heads_pad, HALF=d // 2,
+        num_warps=_num_warps(heads_pad * d),
+    )  # fmt: skip
+    return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

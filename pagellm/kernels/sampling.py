@@ -23,7 +23,7 @@ CHUNK = 8 * BLOCK  # tokens per program
 
 @triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: no variants
 def _sample_chunk_kernel(
-    logits_ptr,  # [B, vocab] float32
+    logits_ptr,  # [B, vocab] float32, bfloat16 or float16
     temperature_ptr,  # [B] float32
     best_ptr,  # [B, num_chunks] float32: each chunk's best score
     best_idx_ptr,  # [B, num_chunks] int32: and its token
@@ -44,7 +44,8 @@ def _sample_chunk_kernel(
     for start in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, vocab), BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_b + offs, mask=mask, other=float("-inf"))
+        x_ptr = logits_ptr + row.to(tl.int64) * stride_b + offs
+        x = tl.load(x_ptr, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, row.to(tl.int64) * vocab + offs)  # [0, 1)
         noise = -tl.log(-tl.log(tl.maximum(u, 1e-10)))  # Gumbel: -log(E), E = -log(u)
         score = tl.where(greedy, x, x * inv_t + noise)
@@ -78,13 +79,14 @@ def _pick_chunk_kernel(
 
 
 def sample(
-    logits: torch.Tensor,  # [B, vocab] float32, contiguous rows
+    logits: torch.Tensor,  # [B, vocab] float32 / bfloat16 / float16, contiguous rows
     temperature: torch.Tensor,  # [B] float32
     generator: torch.Generator | None = None,  # host RNG for the step's seed
 ) -> torch.Tensor:  # [B] int64
-    if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype != torch.float32:
-        shape = tuple(logits.shape)
-        raise ValueError(f"sample: logits must be [B, vocab] float32 rows, got {shape}")
+    float_types = (torch.float32, torch.bfloat16, torch.float16)
+    if logits.dim() != 2 or logits.stride(-1) != 1 or logits.dtype not in float_types:
+        shape, dtype = tuple(logits.shape), logits.dtype
+        raise ValueError(f"sample: logits must be [B, vocab] float rows, got {shape} {dtype}")
     if temperature.shape != logits.shape[:1] or temperature.dtype != torch.float32:
         raise ValueError(f"sample: temperature must be [B] float32, got {tuple(temperature.shape)}")
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))

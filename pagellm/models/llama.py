@@ -22,11 +22,11 @@ from pagellm.models.layers import (
     FusedLinear,
     GatedMLP,
     Linear,
+    PackedWeight,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
-    packed_linear,
-    prepack_weight,
+    qk_norm_rotary,
 )
 from pagellm.models.weights import load_packed_weights
 
@@ -80,8 +80,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H+2H_kv, D]
         num_qk = self.num_heads + self.num_kv_heads
         if self.qk_norm:
-            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            q, k = apply_rotary(self.q_norm(q), cos_sin), apply_rotary(self.k_norm(k), cos_sin)
+            heads = (self.num_heads, self.num_kv_heads)
+            q, k = qk_norm_rotary(qkv, self.q_norm, self.k_norm, cos_sin, *heads)
+            v = qkv[:, num_qk:]
         else:  # rotate q and k in one go
             qk = apply_rotary(qkv[:, :num_qk], cos_sin)
             q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
@@ -172,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.attn_backend_cls = attn_backend_cls
         self.model = LlamaModel(config, attn_backend_cls, self.attention_options(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.packed_tied_head: torch.Tensor | None = None  # see prepack_cpu_weights
+        self.packed_tied_head: PackedWeight | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -186,21 +187,21 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> [N, vocab] float32
+        # hidden: [N, hidden] -> [N, vocab] in the model's dtype (the sampler works in float32)
         if not self.tie_word_embeddings:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if self.packed_tied_head is not None:
-            return packed_linear(hidden, self.packed_tied_head).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return self.packed_tied_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def prepack_cpu_weights(self, batch_hint: int) -> None:
-        """Pack every Linear weight for oneDNN (x86 CPUs; see `pagellm.models.layers`); a tied
+        """Pack every Linear weight (x86 CPUs; see `pagellm.models.layers`); a tied
         LM head gets a packed copy, the embedding keeps its plain weight for lookups."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_hint)
         if self.tie_word_embeddings:
-            self.packed_tied_head = prepack_weight(self.model.embed_tokens.weight, batch_hint)
+            self.packed_tied_head = PackedWeight(self.model.embed_tokens.weight, batch_hint)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; return the names of the parameters fully loaded."""

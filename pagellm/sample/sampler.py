@@ -32,22 +32,23 @@ class SamplerOutput:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # logits: [B, vocab] float32
+        # logits: [B, vocab] in the model's dtype (bf16 on GPUs: the fused kernel reads them
+        # as they are, half the bytes of a float32 copy); everything else runs in float32
         _ban_tokens(logits, meta.banned_tokens)
-        raw = logits if meta.max_num_logprobs is not None else None
         sampled = self._sample(logits, meta)
-        if raw is None:
+        if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
+        raw = logits.float()
         return SamplerOutput(sampled, *_gather_logprobs(raw, sampled, meta.max_num_logprobs))
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         fused = _fused_sampling(logits, meta)
         if fused is not None:
             return fused.sample(logits, meta.temperature)
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)  # converting to float32 is exact: the same argmax
         if meta.all_greedy:
             return greedy
-        probs = _probs(logits, meta)
+        probs = _probs(logits.float(), meta)
         sampled = _exponential_race(probs, meta.generators)
         if meta.all_random:
             return sampled
@@ -104,7 +105,27 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     noise = torch.empty_like(probs).exponential_()
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
+
+
+_ARGMAX_CHUNKS = (1024, 512, 256, 128)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for `x [B, V]`, the same indices (ties: the first), faster on CPU.
+
+    The CPU argmax kernel is not vectorized (~4.5 GB/s) while `amax` is (~50 GB/s): take
+    each row's first chunk (1024 wide, or the widest of `_ARGMAX_CHUNKS` that divides V) that
+    holds its maximum, then the argmax inside that chunk.
+    """
+    rows, width = x.shape
+    size = next((c for c in _ARGMAX_CHUNKS if width % c == 0 and width > c), None)
+    if x.is_cuda or size is None:
+        return x.argmax(dim=-1)
+    chunks = x.view(rows, width // size, size)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # [B] first chunk holding the row maximum
+    inside = chunks[torch.arange(rows, device=x.device), best].argmax(dim=-1)
+    return best * size + inside
 
 
 def _gather_logprobs(
