@@ -164,7 +164,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -175,11 +175,12 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     tile_req_ptr,  # [num_tiles] int32 request of each tile (HAS_TILE_MAP)
     tile_q_ptr,  # [num_tiles] int32 first query (within the request) of each tile
-    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS, HEAD_DIM] fp32 (NUM_SPLITS > 1)
-    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
-    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits, HEAD_DIM] fp32 (SPLIT)
+    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
     qk_scale,  # softmax scale * log2(e)
     num_heads,
+    num_splits,  # KV segments per tile (grid axis 2); > 1 only with SPLIT
     stride_qt,
     stride_qh,
     stride_ot,
@@ -196,7 +197,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     HAS_TILE_MAP: tl.constexpr,  # False: tile i is request i, starting at query 0
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # write partial results for _combine_splits_kernel
     FP32_DOT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
@@ -232,8 +233,8 @@ def _paged_attention_kernel(
     full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
     lo = 0
     hi = kv_end
-    if NUM_SPLITS > 1:
-        seg = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * seg
         hi = tl.minimum(lo + seg, kv_end)
 
@@ -253,9 +254,9 @@ def _paged_attention_kernel(
         BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT,
     )  # fmt: skip
 
-    if NUM_SPLITS > 1:
+    if SPLIT:
         # partial results of row (tile, token-in-tile, head, split)
-        part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * NUM_SPLITS
+        part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * num_splits
         part = part.to(tl.int64) + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
@@ -267,23 +268,23 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS, HEAD_DIM] fp32
-    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
-    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, NUM_SPLITS] fp32
+    part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits, HEAD_DIM] fp32
+    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
+    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
     query_start_loc_ptr,
     tile_req_ptr,
     tile_q_ptr,
     num_heads,
+    num_splits,
     stride_ot,
     stride_oh,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_TILE_MAP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # >= num_splits: next_power_of_2(MAX_SPLITS), one variant
 ):
     head = tl.program_id(0)
     row = tl.program_id(1)  # tile * BLOCK_Q + token in tile
@@ -301,8 +302,8 @@ def _combine_splits_kernel(
 
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    split_ok = offs_s < NUM_SPLITS
-    part = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    split_ok = offs_s < num_splits
+    part = (row.to(tl.int64) * num_heads + head) * num_splits + offs_s  # [SPLITS_PAD]
     m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(
@@ -420,7 +421,7 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
     args = (
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         tile_req, tile_q, part_acc, part_max, part_sum,
-        scale * LOG2E, plan.num_heads,
+        scale * LOG2E, plan.num_heads, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
@@ -433,19 +434,18 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
         HEAD_DIM=plan.head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
         HAS_TILE_MAP=has_map,
-        NUM_SPLITS=splits,
+        SPLIT=splits > 1,
         FP32_DOT=q.dtype == torch.float32,
     )
     _launch_fitting(grid, args, constexprs, cfg, q.dtype)
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
             out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
-            plan.num_heads, out.stride(0), out.stride(1),
+            plan.num_heads, splits, out.stride(0), out.stride(1),
             BLOCK_Q=cfg.block_q,
             HEAD_DIM=plan.head_dim,
             HAS_TILE_MAP=has_map,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
             num_warps=4,
         )  # fmt: skip
 

@@ -74,10 +74,15 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         torch.manual_seed(config.seed)
         self.attn_backend_cls = get_attn_backend_cls(self.device)
+        start = time.perf_counter()
         self.model = loader.load_model(self.model_config, self.device, self.attn_backend_cls)
         sc = config.scheduler_config
         if cpu_prepack_supported(self.device, self.model_config.dtype):
             self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
+        logger.info(
+            "model %s loaded in %.1f s (%s, %s)", self.model_config.model,
+            time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
+        )  # fmt: skip
         self.input_batch = InputBatch(
             sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
@@ -121,8 +126,10 @@ class ModelRunner:
         full-budget step, and a margin."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
+        start = time.perf_counter()
+        self.profile_run()  # also compiles the Triton kernels (cached on disk by Triton)
         torch.cuda.synchronize(self.device)
+        logger.info("profiling forward pass in %.1f s", time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         not_torch = total - free - torch.cuda.memory_reserved(self.device)
