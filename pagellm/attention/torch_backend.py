@@ -39,7 +39,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [n] int64: their rows in the flat batch
     slots: torch.Tensor  # [n, max_seq_len] int64 flat cache slots
     mask: torch.Tensor  # [n, 1, 1, max_seq_len] bool, True where a key is attended
-    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """`mask` as SDPA's additive form (0 or -inf), made once per step for all layers:
