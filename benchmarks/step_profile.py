@@ -1,0 +1,145 @@
+"""Where an offline run's time goes, step by step: steps with prompt tokens vs decode-only steps.
+
+    python benchmarks/step_profile.py                                  # CPU workload
+    python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b --load-format dummy
+    python benchmarks/step_profile.py --workload fixed512 --kernels    # + a kernel table (CUDA)
+
+The engine runs in this process (`PAGELLM_ENABLE_MULTIPROCESSING=0`) with async scheduling
+off, and every `ModelRunner.execute_model` call is timed between two device syncs, so each
+step's time is its own (inputs, forward, sampling; not the scheduler's or the detokenizer's).
+Workloads are those of `benchmarks/throughput.py`, with the prefix cache reset before each
+round. `--kernels` then profiles a few decode-only steps at the workload's full batch
+(eager, so every kernel shows) and prints torch.profiler's table.
+
+This is a diagnostic, not a benchmark against a peer: sync scheduling and the syncs add
+host time that the async default hides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "0"
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from throughput import make_requests, standard_requests  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def requests_of(args) -> tuple[list[list[int]], list[int]]:
+    if args.workload == "cpu":
+        return make_requests(64, 32, 256, seed=0), [128] * 64
+    return standard_requests(512 if args.workload == "fixed512" else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512"], default="cpu")
+    ap.add_argument("--model", default=None, help="default: the embedded model on CPU")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kernels", action="store_true", help="also a kernel table (CUDA)")
+    args = ap.parse_args()
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.worker.model_runner import ModelRunner
+
+    steps: list[tuple[int, int, float]] = []  # (tokens, requests, seconds)
+    execute = ModelRunner.execute_model
+
+    def timed(runner, scheduler_output):
+        _sync(runner.device)
+        start = time.perf_counter()
+        out = execute(runner, scheduler_output)
+        _sync(runner.device)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        steps.append(
+            (tokens, len(scheduler_output.num_scheduled_tokens), time.perf_counter() - start)
+        )
+        return out
+
+    ModelRunner.execute_model = timed
+    gpu = args.workload != "cpu"
+    llm = LLM(
+        model=args.model, load_format=args.load_format, async_scheduling=False,
+        max_num_seqs=256 if gpu else 64,
+    )  # fmt: skip
+    prompts, max_tokens = requests_of(args)
+    temperature = 0.6 if gpu else 0.0
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in max_tokens
+    ]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)
+    for r in range(args.rounds):
+        llm.reset_prefix_cache()
+        steps.clear()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        report(r, wall, sum(max_tokens), steps)
+
+    if args.kernels:
+        kernel_table(llm, prompts, temperature)
+    llm.shutdown()
+
+
+def report(r: int, wall: float, out_tokens: int, steps: list[tuple[int, int, float]]) -> None:
+    mixed = [s for s in steps if s[0] > s[1]]  # more tokens than requests: prompt tokens in
+    decode = [s for s in steps if s[0] == s[1]]
+    print(f"round {r}: {out_tokens / wall:.1f} out tok/s, wall {wall:.2f} s, {len(steps)} steps "
+          f"taking {sum(s[2] for s in steps):.2f} s")  # fmt: skip
+    print(f"  steps with prompt tokens: {len(mixed)}, {sum(s[0] for s in mixed)} tokens, "
+          f"{sum(s[2] for s in mixed):.2f} s")  # fmt: skip
+    if decode:
+        per_step = statistics.median(s[2] for s in decode) * 1e3
+        print(f"  decode-only steps: {len(decode)}, {sum(s[2] for s in decode):.2f} s, "
+              f"median {per_step:.2f} ms")  # fmt: skip
+        batch = max(s[1] for s in decode)
+        full = [s[2] for s in decode if s[1] == batch]
+        print(f"  at the full batch ({batch}): {len(full)} steps, median "
+              f"{statistics.median(full) * 1e3:.2f} ms")  # fmt: skip
+
+
+def kernel_table(llm, prompts: list[list[int]], temperature: float) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagellm import SamplingParams
+
+    engine = llm.llm_engine
+    runner = engine.engine_core.engine_core.model_runner
+    runner.graphs = None  # eager: every kernel shows in the table
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": p}, params)
+    while any(req.num_computed_tokens < req.num_prompt_tokens for req in _requests(engine)):
+        engine.step()  # past the prefills
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        _sync(runner.device)
+    sort = "cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
+    engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
+
+
+def _requests(engine):
+    scheduler = engine.engine_core.engine_core.scheduler
+    return list(scheduler.requests.values())
+
+
+if __name__ == "__main__":
+    main()
