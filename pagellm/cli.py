@@ -62,6 +62,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
@@ -81,6 +84,9 @@ def run_generate(ns: argparse.Namespace) -> int:
         temperature=ns.temperature,
         top_p=ns.top_p,
         top_k=ns.top_k,
+        repetition_penalty=ns.repetition_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        presence_penalty=ns.presence_penalty,
         seed=ns.sampling_seed,
         ignore_eos=ns.ignore_eos,
         stop=ns.stop,

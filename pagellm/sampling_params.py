@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # minus this, once, for every token already in the output
+    frequency_penalty: float = 0.0  # minus this per occurrence in the output
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / r (> 0) or * r
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -48,6 +51,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.top_k = 0
         self._verify()
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
     def _verify(self) -> None:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(
@@ -56,6 +65,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (disable) or at least 1, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be greater than zero, got {self.repetition_penalty}",
+        )
         _check(
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.sample.penalties import PenaltyParams
+
 
 @dataclass
 class SamplingMetadata:
@@ -19,3 +21,4 @@ class SamplingMetadata:
     # rows still under min_tokens: (row, token ids that may not be sampled yet)
     banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None: no logprobs this step
+    penalties: PenaltyParams | None = None  # None when no row has a penalty

@@ -1,5 +1,6 @@
 """Sampler: logits -> next token ids for one step, without a host sync until the caller asks.
 
+Penalties (repetition, frequency, presence; `pagellm/sample/penalties.py`) come first.
 Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
 token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
@@ -35,11 +36,14 @@ class Sampler:
         # logits: [B, vocab] in the model's dtype (bf16 on GPUs: the fused kernel reads them
         # as they are, half the bytes of a float32 copy); everything else runs in float32
         _ban_tokens(logits, meta.banned_tokens)
+        raw = logits  # logprobs are the model's (min_tokens bans in), before penalties
+        if meta.penalties is not None:
+            logits = meta.penalties.apply(logits)  # a float32 copy
         sampled = self._sample(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
-        raw = logits.float()
-        return SamplerOutput(sampled, *_gather_logprobs(raw, sampled, meta.max_num_logprobs))
+        logprobs = _gather_logprobs(raw.float(), sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, *logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         fused = _fused_sampling(logits, meta)

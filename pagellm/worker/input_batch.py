@@ -13,6 +13,7 @@ import torch
 
 from pagellm.core.sched_output import NewRequestData
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sampling_params import SamplingParams
 from pagellm.utils import to_device
 
@@ -24,8 +25,10 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        vocab_size: int | None = None,  # needed once a request has a penalty
     ) -> None:
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.device = torch.device(device)  # where seeded generators draw
         max_blocks = -(-max_model_len // block_size)
         # one extra column: a request may sample at position max_model_len
@@ -39,6 +42,10 @@ class InputBatch:
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.penalties: PenaltyState | None = None  # device state, made for the first penalty
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -56,7 +63,16 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.append_block_ids(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_id)
+        if new.sampling_params.has_penalties:
+            self.penalty_state().add_request(row, new.prompt_token_ids, new.output_token_ids)
         return row
+
+    def penalty_state(self) -> PenaltyState:
+        if self.penalties is None:
+            if self.vocab_size is None:
+                raise ValueError("penalties need the vocabulary size (InputBatch vocab_size)")
+            self.penalties = PenaltyState(len(self.params), self.vocab_size, self.device)
+        return self.penalties
 
     def _set_sampling(self, row: int, params: SamplingParams, eos_token_id: int | None) -> None:
         self.params[row] = params
@@ -65,6 +81,9 @@ class InputBatch:
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
         if params.seed is not None:
             self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
@@ -95,6 +114,21 @@ class InputBatch:
             generators={i: self.generators[r] for i, r in enumerate(rows) if r in self.generators},
             banned_tokens=self._banned_tokens(rows),
             max_num_logprobs=self._max_num_logprobs(rows),
+            penalties=self._penalty_params(rows, device),
+        )
+
+    def _penalty_params(self, rows: np.ndarray, device: torch.device) -> PenaltyParams | None:
+        presence, frequency = self.presence_penalty[rows], self.frequency_penalty[rows]
+        repetition = self.repetition_penalty[rows]
+        used = (presence != 0) | (frequency != 0) | (repetition != 1)
+        if self.penalties is None or not used.any():
+            return None
+        return PenaltyParams(
+            state=self.penalties,
+            rows=to_device(rows.astype(np.int64), device),
+            presence=to_device(presence, device),
+            frequency=to_device(frequency, device),
+            repetition=to_device(repetition, device),
         )
 
     def _banned_tokens(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:

@@ -31,6 +31,7 @@ from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.penalties import PenaltyParams
 from pagellm.sample.sampler import Sampler
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
@@ -84,8 +85,9 @@ class ModelRunner:
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
         )  # fmt: skip
         self.input_batch = InputBatch(
-            sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
-        )
+            sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
+            vocab_size=self.model_config.vocab_size,
+        )  # fmt: skip
         max_blocks = self.input_batch.block_table.shape[1]
         max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
@@ -169,7 +171,13 @@ class ModelRunner:
         kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
         hidden = self._forward(arrays, block_rows, kv)
         rows = min(sc.max_num_seqs, n)
-        self.sampler(self.model.compute_logits(hidden[:rows]), _profile_sampling(rows, self.device))
+        meta = _profile_sampling(rows, self.device)
+        # penalties too: their device state stays allocated, their copies count in the peak
+        state = self.input_batch.penalty_state()
+        neutral = torch.zeros(rows, device=self.device)
+        row_ids = torch.arange(rows, device=self.device)
+        meta.penalties = PenaltyParams(state, row_ids, neutral, neutral, neutral + 1.0)
+        self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -332,7 +340,10 @@ class ModelRunner:
             return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
-        result = self.sampler(logits, ib.sampling_metadata(rows, self.device))  # [S, vocab]
+        meta = ib.sampling_metadata(rows, self.device)
+        result = self.sampler(logits, meta)  # [S, vocab]
+        if meta.penalties is not None:  # counted on the device: the next step sees them
+            meta.penalties.record(result.sampled)
         req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
         positions = ib.num_tokens[rows]
         sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, self.device)
@@ -375,7 +386,8 @@ class ModelRunner:
 
 
 def _profile_sampling(rows: int, device: torch.device) -> SamplingMetadata:
-    """Random sampling with top-k and top-p: the most memory the sampler may take."""
+    """Random sampling with top-k and top-p (the runner adds penalties): the most memory the
+    sampler may take."""
     return SamplingMetadata(
         temperature=torch.ones(rows, device=device),
         all_greedy=False,

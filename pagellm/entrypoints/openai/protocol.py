@@ -41,6 +41,7 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension of the OpenAI API
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -53,15 +54,15 @@ class SamplingRequest(OpenAIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server; leave it at 0")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

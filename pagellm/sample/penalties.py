@@ -1,0 +1,72 @@
+"""Repetition, frequency and presence penalties, with vLLM's and OpenAI's meanings.
+
+For a request with penalties, before temperature and sampling:
+
+- repetition_penalty r (HF / vLLM): every token seen in the prompt or the output so far has
+  its logit divided by r if positive, multiplied by r if negative;
+- frequency_penalty f (OpenAI): minus f times the token's count in the output so far;
+- presence_penalty p (OpenAI): minus p once for every token that appeared in the output.
+
+What the penalties need lives on the device, one row per InputBatch row (`PenaltyState`):
+the output token counts `[rows, vocab]` int32 and the prompt tokens as a `[rows, vocab]` bool
+mask. Sampled ids are counted on the device right after sampling, in stream order, so the
+next step sees them even when the host has not read them back yet (async scheduling). The
+state is allocated when the first request with a penalty arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PenaltyState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+        self.output_counts = torch.zeros(
+            (max_num_reqs, vocab_size), dtype=torch.int32, device=device
+        )
+        self.prompt_mask = torch.zeros((max_num_reqs, vocab_size), dtype=torch.bool, device=device)
+
+    def add_request(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """A request took `row`: its prompt, and any output it had before a preemption."""
+        device = self.output_counts.device
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row, torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        self.output_counts[row].zero_()
+        if output_ids:
+            ids = torch.tensor(output_ids, dtype=torch.int64, device=device)
+            self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def record(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Count this step's samples: `rows [S]` InputBatch rows, `sampled [S]` ids (device)."""
+        ones = torch.ones_like(sampled, dtype=torch.int32)
+        self.output_counts.index_put_((rows, sampled), ones, accumulate=True)
+
+
+@dataclass
+class PenaltyParams:
+    """One step's penalty settings, one entry per sampling row; neutral where unused."""
+
+    state: PenaltyState
+    rows: torch.Tensor  # [S] int64 InputBatch rows (indices into the state)
+    presence: torch.Tensor  # [S] float32, 0 = off
+    frequency: torch.Tensor  # [S] float32, 0 = off
+    repetition: torch.Tensor  # [S] float32, 1 = off
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits [S, vocab]` -> float32 logits with the penalties applied (neutral values
+        change nothing: x / 1, x * 1 and x - 0 are exact)."""
+        logits = logits.float()
+        counts = self.state.output_counts[self.rows]  # [S, vocab]
+        in_output = counts > 0
+        seen = in_output | self.state.prompt_mask[self.rows]
+        r = self.repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        logits -= self.frequency.unsqueeze(1) * counts
+        logits -= self.presence.unsqueeze(1) * in_output
+        return logits
+
+    def record(self, sampled: torch.Tensor) -> None:
+        """Count what this step sampled (`sampled [S]`, on the device)."""
+        self.state.record(self.rows, sampled)
