@@ -28,6 +28,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     presence_penalty: float = 0.0  # minus this, once, for every token already in the output
     frequency_penalty: float = 0.0  # minus this per occurrence in the output
     repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / r (> 0) or * r
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -49,6 +51,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:  # JSON gives string keys: "50256" -> 50256
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(
+                    "SamplingParams.logit_bias must map token ids to numbers, "
+                    f"got {self.logit_bias!r}"
+                ) from None
         self._verify()
 
     @property
@@ -68,6 +78,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids",
+            "must not be empty",
+        )
         _check(
             self.repetition_penalty > 0.0,
             "repetition_penalty",

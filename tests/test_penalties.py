@@ -1,14 +1,20 @@
-"""Repetition, frequency and presence penalties: the sampler's arithmetic, validation, and
-greedy continuations against HF transformers' generation loop with the same penalties
-(HF's own RepetitionPenaltyLogitsProcessor; frequency/presence as OpenAI defines them),
-with async scheduling on and off."""
+"""Logits processing before sampling: repetition, frequency and presence penalties,
+logit_bias and allowed_token_ids. The sampler's arithmetic, validation, and greedy
+continuations against HF transformers' generation loop with the same processing (HF's own
+RepetitionPenaltyLogitsProcessor and SequenceBiasLogitsProcessor; frequency/presence as
+OpenAI defines them; a whitelist mask), with async scheduling on and off."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from model_utils import make_tiny_hf_model
-from transformers import AutoModelForCausalLM, LogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import (
+    AutoModelForCausalLM,
+    LogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from pagellm import LLM, SamplingParams
 from pagellm.entrypoints.openai.protocol import CompletionRequest
@@ -52,12 +58,35 @@ def test_invalid_penalties_raise(field, value):
         SamplingParams(**{field: value})
 
 
-def test_server_requests_carry_penalties():
-    request = CompletionRequest(prompt="hi", presence_penalty=0.5, repetition_penalty=1.2)
+def test_server_requests_carry_penalties_and_biases():
+    request = CompletionRequest(
+        prompt="hi", presence_penalty=0.5, repetition_penalty=1.2, logit_bias={"7": 250.0}
+    )
     params = request.to_sampling_params(max_tokens=4, logprobs=None)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, 0.0)
     assert params.repetition_penalty == 1.2 and params.has_penalties
+    assert params.logit_bias == {7: 100.0}  # string keys to ids, clamped to OpenAI's range
     assert not SamplingParams().has_penalties
+
+
+def test_bias_and_allowed_tokens_are_checked(tmp_path):
+    folder = make_tiny_hf_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with LLM(model=folder, dtype="float32") as llm:
+        vocab = llm.llm_engine.config.model_config.vocab_size
+        for bad in (
+            SamplingParams(logit_bias={vocab: 1.0}),
+            SamplingParams(allowed_token_ids=[-1]),
+        ):
+            with pytest.raises(ValueError, match="out of vocabulary"):
+                llm.generate({"prompt_token_ids": [1, 2]}, bad, use_tqdm=False)
+        out = llm.generate(
+            {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3), use_tqdm=False
+        )
+        assert len(out[0].outputs[0].token_ids) == 3  # the engine still serves
 
 
 class _OpenAIPenalties(LogitsProcessor):
@@ -71,8 +100,23 @@ class _OpenAIPenalties(LogitsProcessor):
         return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
+class _AllowOnly(LogitsProcessor):
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, self.token_ids] = scores[:, self.token_ids]
+        return masked
+
+
 def _hf_greedy_with(model, prompt: list[int], new_tokens: int, params: SamplingParams):
-    processors = []
+    processors = []  # in vLLM's order: allowed tokens, logit bias, penalties
+    if params.allowed_token_ids:
+        processors.append(_AllowOnly(params.allowed_token_ids))
+    if params.logit_bias:
+        bias = {(token,): value for token, value in params.logit_bias.items()}
+        processors.append(SequenceBiasLogitsProcessor(bias))
     if params.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
     if params.frequency_penalty or params.presence_penalty:
@@ -94,13 +138,15 @@ def test_penalties_match_hf(tmp_path, async_scheduling):
     folder = make_tiny_hf_model("llama", tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (6, 19, 11, 30)]
+    prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (6, 19, 11, 30, 8, 14)]
     greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
     params = [
         SamplingParams(repetition_penalty=1.8, **greedy),
         SamplingParams(frequency_penalty=1.5, presence_penalty=1.0, **greedy),
         SamplingParams(**greedy),  # no penalty, batched with the others
         SamplingParams(repetition_penalty=0.7, presence_penalty=-0.5, **greedy),
+        SamplingParams(logit_bias={11: 3.0, 42: -1.5, 300: 2.5}, repetition_penalty=1.3, **greedy),
+        SamplingParams(allowed_token_ids=[5, 17, 99, 123, 400], **greedy),
     ]
     with LLM(
         model=folder, dtype="float32", block_size=4, max_num_batched_tokens=32,
@@ -111,5 +157,7 @@ def test_penalties_match_hf(tmp_path, async_scheduling):
     for prompt, sp, out, unpenalized in zip(prompts, params, outputs, plain):
         expected = _hf_greedy_with(hf, prompt, 24, sp)
         assert out.outputs[0].token_ids == expected
-        if sp.has_penalties:  # the penalty changed the continuation: the test can fail
-            assert expected != unpenalized
+        if sp.has_penalties or sp.logit_bias or sp.allowed_token_ids:
+            assert expected != unpenalized  # the processing changed it: the test can fail
+        if sp.allowed_token_ids:
+            assert set(expected) <= set(sp.allowed_token_ids)

@@ -35,6 +35,7 @@ class InputProcessor:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids)
+        self._validate_token_fields(params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -76,6 +77,21 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab})")
+
+    def _validate_token_fields(self, params: SamplingParams) -> None:
+        """Sampling fields that name token ids must name ids of this model's vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or {}),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"SamplingParams.{name} has token id {bad}, out of vocabulary "
+                    f"(vocab size {vocab})"
+                )
 
 
 def _eos_token_id(model_config: ModelConfig, tokenizer: Any | None) -> int | None:

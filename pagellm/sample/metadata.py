@@ -20,5 +20,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded RNG
     # rows still under min_tokens: (row, token ids that may not be sampled yet)
     banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
+    # rows with a logit bias: (row, token ids, biases); rows limited to some tokens: (row, ids)
+    logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None: no logprobs this step
     penalties: PenaltyParams | None = None  # None when no row has a penalty

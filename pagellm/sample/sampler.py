@@ -1,6 +1,7 @@
 """Sampler: logits -> next token ids for one step, without a host sync until the caller asks.
 
-Penalties (repetition, frequency, presence; `pagellm/sample/penalties.py`) come first.
+First, as in vLLM: min_tokens bans, allowed_token_ids, logit_bias, then the penalties
+(repetition, frequency, presence; `pagellm/sample/penalties.py`).
 Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
 token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
@@ -36,7 +37,11 @@ class Sampler:
         # logits: [B, vocab] in the model's dtype (bf16 on GPUs: the fused kernel reads them
         # as they are, half the bytes of a float32 copy); everything else runs in float32
         _ban_tokens(logits, meta.banned_tokens)
-        raw = logits  # logprobs are the model's (min_tokens bans in), before penalties
+        raw = logits  # logprobs are the model's (min_tokens bans in), before what follows
+        if meta.allowed_tokens or meta.logit_bias:  # in float32, on a copy (raw stays)
+            logits = logits.to(torch.float32, copy=True)
+            _allow_only(logits, meta.allowed_tokens)
+            _add_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             logits = meta.penalties.apply(logits)  # a float32 copy
         sampled = self._sample(logits, meta)
@@ -74,6 +79,19 @@ def _fused_sampling(logits: torch.Tensor, meta: SamplingMetadata):
 def _ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
     for row, token_ids in banned:
         logits[row, token_ids] = _NEG_INF
+
+
+def _allow_only(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
+    for row, token_ids in allowed:
+        keep = logits[row, token_ids]
+        logits[row] = _NEG_INF
+        logits[row, token_ids] = keep
+
+
+def _add_bias(logits: torch.Tensor, biases: list[tuple[int, list[int], list[float]]]) -> None:
+    for row, token_ids, values in biases:
+        bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        logits[row, token_ids] += bias
 
 
 def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

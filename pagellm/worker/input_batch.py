@@ -113,6 +113,16 @@ class InputBatch:
             min_p=_optional(min_p, min_p > 0.0, device),
             generators={i: self.generators[r] for i, r in enumerate(rows) if r in self.generators},
             banned_tokens=self._banned_tokens(rows),
+            logit_bias=[
+                (i, list(p.logit_bias), list(p.logit_bias.values()))
+                for i, p in enumerate(self.params[r] for r in rows)
+                if p.logit_bias
+            ],
+            allowed_tokens=[
+                (i, p.allowed_token_ids)
+                for i, p in enumerate(self.params[r] for r in rows)
+                if p.allowed_token_ids
+            ],
             max_num_logprobs=self._max_num_logprobs(rows),
             penalties=self._penalty_params(rows, device),
         )

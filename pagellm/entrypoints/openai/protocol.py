@@ -42,6 +42,8 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension of the OpenAI API
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -63,6 +65,11 @@ class SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            # OpenAI's range for a bias is [-100, 100]; vLLM clamps to it too
+            logit_bias=None
+            if self.logit_bias is None
+            else {k: min(max(v, -100.0), 100.0) for k, v in self.logit_bias.items()},
+            allowed_token_ids=self.allowed_token_ids,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
