@@ -320,6 +320,10 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"prompt": "x", "max_tokens": "many"}, ["max_tokens"]),
         ({"max_tokens": 3}, ["prompt"]),
         ({"prompt": [10**9]}, ["vocab"]),
+        ({"prompt": "x", "suffix": "y"}, ["suffix", "not supported"]),
+        ({"prompt": "x", "best_of": 3}, ["best_of"]),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, ["response_format"]),
+        ({"prompt": "x", "logit_bias": {"-5": 1}}, ["logit_bias", "vocab"]),
     ],
 )
 def test_bad_completion_requests_are_400(server, body, words):
@@ -332,6 +336,8 @@ def test_bad_chat_requests_are_400(server):
     assert "1024" in _error(_post(server, "/v1/chat/completions", too_long), 400)["message"]
     _error(_post(server, "/v1/chat/completions", {"messages": []}), 400)
     _error(_post(server, "/v1/chat/completions", {"messages": "hi"}), 400)
+    tools = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    assert "tools" in _error(_post(server, "/v1/chat/completions", tools), 400)["message"]
 
 
 def test_api_key_is_required_on_v1_only(server):

@@ -2,8 +2,11 @@
 
 Field names and defaults are OpenAI's; vLLM's extra sampling fields (`top_k`, `min_p`,
 `ignore_eos`, `min_tokens`, ...) are accepted too. Unknown fields are ignored, as OpenAI
-clients send a few this engine has no use for. `to_sampling_params()` is where a request
-becomes a `SamplingParams` (which raises ValueError for values out of range).
+clients send a few this engine has no use for; known OpenAI features that would change the
+output and that this engine lacks (`response_format` other than text, `tools`, `suffix`,
+`best_of` above `n`) are refused with a 400 instead of being ignored. `to_sampling_params()`
+is where a request becomes a `SamplingParams` (which raises ValueError for values out of
+range).
 """
 
 from __future__ import annotations
@@ -55,7 +58,18 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field asking for something this engine cannot do, or None."""
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return None
+
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        field = self.unsupported()
+        if field is not None:
+            raise ValueError(f"{field} is not supported by this server")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -91,6 +105,15 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of > self.n:
+            return "best_of"
+        return super().unsupported()
 
 
 class ChatMessage(OpenAIModel):
@@ -118,6 +141,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+
+    def unsupported(self) -> str | None:
+        return "tools" if self.tools else super().unsupported()
 
 
 # ---- responses -----------------------------------------------------------------------------
