@@ -340,6 +340,20 @@ def test_bad_chat_requests_are_400(server):
     assert "tools" in _error(_post(server, "/v1/chat/completions", tools), 400)["message"]
 
 
+def test_tokenize_and_detokenize(server, llm):
+    tokenizer = llm.get_tokenizer()
+    got = _post(server, "/tokenize", {"prompt": PROMPTS[0]}, headers={}).json()
+    assert got["tokens"] == tokenizer.encode(PROMPTS[0]) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 1024
+    chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat = _post(server, "/tokenize", {"messages": CHAT}, headers={}).json()
+    assert chat["tokens"] == tokenizer.encode(chat_text, add_special_tokens=False)
+    text = _post(server, "/detokenize", {"tokens": got["tokens"]}, headers={}).json()["prompt"]
+    assert text == tokenizer.decode(got["tokens"])
+    _error(_post(server, "/tokenize", {"prompt": "x", "messages": CHAT}), 400)
+    assert "vocab" in _error(_post(server, "/detokenize", {"tokens": [10**9]}), 400)["message"]
+
+
 def test_api_key_is_required_on_v1_only(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         error = _error(_post(server, "/v1/completions", {"prompt": "x"}, headers), 401)

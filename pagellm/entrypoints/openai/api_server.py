@@ -2,7 +2,8 @@
 
 `build_app()` makes the app; its lifespan starts the engine inside the running event loop and
 shuts it down (the EngineCore process with it) when the server stops. `/v1/*` needs
-`Authorization: Bearer KEY` when an API key is set; `/health`, `/version` and `/metrics` are open.
+`Authorization: Bearer KEY` when an API key is set; `/health`, `/version`, `/metrics`,
+`/tokenize` and `/detokenize` are open (as in vLLM, whose key guards `/v1` only).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,18 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
+@open_routes.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
+    return await serving.tokenize(request)
+
+
+@open_routes.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
+    return await serving.detokenize(request)
+
+
 @open_routes.get("/version")
 async def version() -> JSONResponse:
     return JSONResponse({"version": pagellm.__version__})
@@ -123,6 +139,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, api_key: str | None) -> None:
     state.metrics = ServerMetrics(names[0])
     state.serving_completion = OpenAIServingCompletion(engine, names, state.metrics)
     state.serving_chat = OpenAIServingChat(engine, names, state.metrics)
+    state.serving_tokenization = OpenAIServingTokenization(engine, names, state.metrics)
 
 
 def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str = "") -> FastAPI:

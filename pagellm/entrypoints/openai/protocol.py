@@ -147,6 +147,21 @@ class ChatCompletionRequest(SamplingRequest):
         return "tools" if self.tools else super().unsupported()
 
 
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompts only: a chat template adds its own
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses -----------------------------------------------------------------------------
 
 

@@ -1,0 +1,40 @@
+"""`POST /tokenize` and `POST /detokenize` (vLLM's endpoints): the server's tokenizer and chat
+template, without generating."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from pagellm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+
+class OpenAIServingTokenization(OpenAIServingChat):
+    """Shares the chat server's tokenizer, model names and template rendering."""
+
+    async def tokenize(self, request: TokenizeRequest) -> JSONResponse:
+        self.model_name(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        if request.messages is not None:
+            text = self._render(request)  # the template adds its own special tokens
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = self.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: DetokenizeRequest) -> JSONResponse:
+        self.model_name(request.model)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        vocab = self.engine.config.model_config.vocab_size
+        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab})")
+        return JSONResponse({"prompt": self.tokenizer.decode(request.tokens)})
