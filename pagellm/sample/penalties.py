@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from pagellm.utils import to_device
 
 
 class PenaltyState:
@@ -32,10 +35,10 @@ class PenaltyState:
         """A request took `row`: its prompt, and any output it had before a preemption."""
         device = self.output_counts.device
         self.prompt_mask[row].zero_()
-        self.prompt_mask[row, torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        self.prompt_mask[row, to_device(np.asarray(prompt_ids, np.int64), device)] = True
         self.output_counts[row].zero_()
         if output_ids:
-            ids = torch.tensor(output_ids, dtype=torch.int64, device=device)
+            ids = to_device(np.asarray(output_ids, np.int64), device)
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def record(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:

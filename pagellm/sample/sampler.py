@@ -11,9 +11,11 @@ rows) samples in one Triton pass over the logits (`pagellm/kernels/sampling.py`)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.utils import to_device
 
 _NEG_INF = float("-inf")
 
@@ -78,20 +80,26 @@ def _fused_sampling(logits: torch.Tensor, meta: SamplingMetadata):
 
 def _ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
     for row, token_ids in banned:
-        logits[row, token_ids] = _NEG_INF
+        logits[row, _ids(token_ids, logits.device)] = _NEG_INF
 
 
 def _allow_only(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
     for row, token_ids in allowed:
-        keep = logits[row, token_ids]
+        ids = _ids(token_ids, logits.device)
+        keep = logits[row, ids]
         logits[row] = _NEG_INF
-        logits[row, token_ids] = keep
+        logits[row, ids] = keep
 
 
 def _add_bias(logits: torch.Tensor, biases: list[tuple[int, list[int], list[float]]]) -> None:
     for row, token_ids, values in biases:
-        bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
-        logits[row, token_ids] += bias
+        bias = to_device(np.asarray(values, np.float32), logits.device)
+        logits[row, _ids(token_ids, logits.device)] += bias
+
+
+def _ids(token_ids: list[int], device: torch.device) -> torch.Tensor:
+    # a Python list as an index would be copied to a GPU with a stream sync
+    return to_device(np.asarray(token_ids, np.int64), device)
 
 
 def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
