@@ -7,6 +7,7 @@ ValueError that says what is wrong and what the limit is.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from pagellm.config import ModelConfig
@@ -73,25 +74,22 @@ class InputProcessor:
                 f"The prompt (length {len(token_ids)}) is longer than the maximum model "
                 f"length of {max_len} tokens"
             )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab})")
+        check_in_vocab(token_ids, self.model_config.vocab_size)
 
     def _validate_token_fields(self, params: SamplingParams) -> None:
         """Sampling fields that name token ids must name ids of this model's vocabulary."""
         vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias or {}),
-            ("allowed_token_ids", params.allowed_token_ids or []),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(
-                    f"SamplingParams.{name} has token id {bad}, out of vocabulary "
-                    f"(vocab size {vocab})"
-                )
+        check_in_vocab(params.logit_bias or {}, vocab, "SamplingParams.logit_bias")
+        check_in_vocab(params.allowed_token_ids or [], vocab, "SamplingParams.allowed_token_ids")
+        check_in_vocab(params.stop_token_ids, vocab, "SamplingParams.stop_token_ids")
+
+
+def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None = None) -> None:
+    """ValueError naming the first id outside [0, vocab_size) (and whose ids they are)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        message = f"token id {bad} is out of vocabulary (vocab size {vocab_size})"
+        raise ValueError(f"{owner}: {message}" if owner else message.capitalize())
 
 
 def _eos_token_id(model_config: ModelConfig, tokenizer: Any | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from pagellm.engine.input_processor import check_in_vocab
 from pagellm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -33,8 +34,5 @@ class OpenAIServingTokenization(OpenAIServingChat):
         self.model_name(request.model)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        vocab = self.engine.config.model_config.vocab_size
-        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"Token id {bad} is out of vocabulary (vocab size {vocab})")
+        check_in_vocab(request.tokens, self.engine.config.model_config.vocab_size)
         return JSONResponse({"prompt": self.tokenizer.decode(request.tokens)})
