@@ -46,6 +46,7 @@ class InputBatch:
         self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.penalties: PenaltyState | None = None  # device state, made for the first penalty
+        self._token_field_rows: set[int] = set()  # rows with logit_bias or allowed_token_ids
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -84,6 +85,8 @@ class InputBatch:
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
+        if params.logit_bias or params.allowed_token_ids:
+            self._token_field_rows.add(row)
         if params.seed is not None:
             self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
@@ -93,6 +96,7 @@ class InputBatch:
             return
         self.params[row] = None
         self.generators.pop(row, None)
+        self._token_field_rows.discard(row)
         self._free_rows.append(row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -113,25 +117,33 @@ class InputBatch:
             min_p=_optional(min_p, min_p > 0.0, device),
             generators={i: self.generators[r] for i, r in enumerate(rows) if r in self.generators},
             banned_tokens=self._banned_tokens(rows),
-            logit_bias=[
-                (i, list(p.logit_bias), list(p.logit_bias.values()))
-                for i, p in enumerate(self.params[r] for r in rows)
-                if p.logit_bias
-            ],
-            allowed_tokens=[
-                (i, p.allowed_token_ids)
-                for i, p in enumerate(self.params[r] for r in rows)
-                if p.allowed_token_ids
-            ],
+            **self._token_fields(rows),
             max_num_logprobs=self._max_num_logprobs(rows),
             penalties=self._penalty_params(rows, device),
         )
 
+    def _token_fields(self, rows: np.ndarray) -> dict[str, list]:
+        """logit_bias and allowed_tokens of the rows that have them (most steps: none)."""
+        fields: dict[str, list] = {"logit_bias": [], "allowed_tokens": []}
+        if not self._token_field_rows:
+            return fields
+        for i, row in enumerate(rows.tolist()):
+            if row in self._token_field_rows:
+                params = self.params[row]
+                if params.logit_bias:
+                    bias = params.logit_bias
+                    fields["logit_bias"].append((i, list(bias), list(bias.values())))
+                if params.allowed_token_ids:
+                    fields["allowed_tokens"].append((i, params.allowed_token_ids))
+        return fields
+
     def _penalty_params(self, rows: np.ndarray, device: torch.device) -> PenaltyParams | None:
+        if self.penalties is None:
+            return None
         presence, frequency = self.presence_penalty[rows], self.frequency_penalty[rows]
         repetition = self.repetition_penalty[rows]
         used = (presence != 0) | (frequency != 0) | (repetition != 1)
-        if self.penalties is None or not used.any():
+        if not used.any():
             return None
         return PenaltyParams(
             state=self.penalties,

@@ -31,7 +31,7 @@ from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.penalties import PenaltyParams
+from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.sampler import Sampler
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
@@ -171,12 +171,7 @@ class ModelRunner:
         kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
         hidden = self._forward(arrays, block_rows, kv)
         rows = min(sc.max_num_seqs, n)
-        meta = _profile_sampling(rows, self.device)
-        # penalties too: their device state stays allocated, their copies count in the peak
-        state = self.input_batch.penalty_state()
-        neutral = torch.zeros(rows, device=self.device)
-        row_ids = torch.arange(rows, device=self.device)
-        meta.penalties = PenaltyParams(state, row_ids, neutral, neutral, neutral + 1.0)
+        meta = _profile_sampling(rows, self.device, self.input_batch.penalty_state())
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -385,9 +380,11 @@ class ModelRunner:
             output.logprob_token_ids[i] = ids[j]
 
 
-def _profile_sampling(rows: int, device: torch.device) -> SamplingMetadata:
-    """Random sampling with top-k and top-p (the runner adds penalties): the most memory the
-    sampler may take."""
+def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
+    """Random sampling with top-k, top-p and (neutral) penalties: the most memory the sampler
+    may take. The penalty state stays allocated, so it counts against the KV budget too."""
+    neutral = torch.zeros(rows, device=device)
+    row_ids = torch.arange(rows, device=device)
     return SamplingMetadata(
         temperature=torch.ones(rows, device=device),
         all_greedy=False,
@@ -395,4 +392,5 @@ def _profile_sampling(rows: int, device: torch.device) -> SamplingMetadata:
         top_k=torch.full((rows,), 50, dtype=torch.int64, device=device),
         top_p=torch.full((rows,), 0.9, device=device),
         min_p=None,
+        penalties=PenaltyParams(penalties, row_ids, neutral, neutral, neutral + 1.0),
     )
