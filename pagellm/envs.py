@@ -28,6 +28,12 @@ def log_level() -> str:
     return os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO").upper()
 
 
+def triton_compile_ahead() -> bool:
+    """PAGELLM_TRITON_COMPILE_AHEAD=0: compile Triton kernels as the first forward meets them
+    (one after another) instead of side by side before it (`pagellm.kernels.compile_ahead`)."""
+    return _bool("PAGELLM_TRITON_COMPILE_AHEAD", True)
+
+
 def cpu_prepack() -> bool:
     """PAGELLM_CPU_PREPACK=0 keeps plain Linear weights on x86 CPUs (no oneDNN packing)."""
     return _bool("PAGELLM_CPU_PREPACK", True)

@@ -26,9 +26,11 @@ import time
 import numpy as np
 import torch
 
+from pagellm import envs
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
@@ -148,13 +150,39 @@ class ModelRunner:
     def profile_run(self) -> None:
         """One forward over max_num_batched_tokens dummy tokens (prefill chunks and one decode,
         so both launch variants compile now; cache writes skipped, reads from a one-block
-        cache), then logits and sampling for max_num_seqs rows."""
+        cache), then logits and sampling for max_num_seqs rows.
+
+        On CUDA the Triton kernels of this forward and of the decode-only forwards that CUDA
+        graphs capture are compiled first, side by side (`compile_ahead`: dry passes)."""
         sc, mc = self.config.scheduler_config, self.model_config
         n = sc.max_num_batched_tokens
         lens = [mc.max_model_len] * ((n - 1) // mc.max_model_len) + [(n - 1) % mc.max_model_len]
         query_lens = np.array([x for x in lens if x] + [1], dtype=np.int32)
         seq_lens = query_lens.copy()
         seq_lens[-1] = min(self.block_size + 1, mc.max_model_len)  # the decode: a short context
+        shape = self.attn_backend_cls.kv_cache_shape(
+            1, self.block_size, mc.num_kv_heads, mc.head_dim
+        )
+        kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        if self.device.type == "cuda" and envs.triton_compile_ahead():
+            sizes = capture_sizes(sc.max_num_seqs)
+            graph_seq_len = min(mc.max_model_len, GRAPH_PLAN_SEQ_LEN)
+            with compile_ahead(self.device):
+                self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
+                for size in sorted({sizes[0], sizes[min(1, len(sizes) - 1)], sizes[-1]}):
+                    ones = np.ones(size, np.int32)
+                    self._forward(*self._dummy_inputs(ones, ones * graph_seq_len), kv)
+        hidden = self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
+        rows = min(sc.max_num_seqs, n)
+        meta = _profile_sampling(rows, self.device, self.input_batch.penalty_state())
+        self.sampler(self.model.compute_logits(hidden[:rows]), meta)
+
+    def _dummy_inputs(
+        self, query_lens: np.ndarray, seq_lens: np.ndarray
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """A step's host arrays for dummy requests: token 0 everywhere, no cache writes, every
+        block-table entry block 0."""
+        n = int(query_lens.sum())
         arrays = {
             "input_ids": np.zeros(n, np.int64),
             "positions": np.concatenate(
@@ -162,17 +190,10 @@ class ModelRunner:
             ),
             "slot_mapping": np.full(n, -1, np.int64),
             "query_start_loc": np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
-            "seq_lens": seq_lens,
+            "seq_lens": np.asarray(seq_lens, np.int32),
         }
         block_rows = np.zeros((len(seq_lens), -(-int(seq_lens.max()) // self.block_size)), np.int32)
-        shape = self.attn_backend_cls.kv_cache_shape(
-            1, self.block_size, mc.num_kv_heads, mc.head_dim
-        )
-        kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
-        hidden = self._forward(arrays, block_rows, kv)
-        rows = min(sc.max_num_seqs, n)
-        meta = _profile_sampling(rows, self.device, self.input_batch.penalty_state())
-        self.sampler(self.model.compute_logits(hidden[:rows]), meta)
+        return arrays, block_rows
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
