@@ -230,6 +230,11 @@ class Linear(nn.Linear):
 
     packed_weight: PackedWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
+        nn.Linear's init goes through torch's reference ops, whose first use imports
+        torch._dynamo: 1-7 s of start-up.)"""
+
     def prepack(self, batch_hint: int) -> None:
         """Keep only a packed copy of the weight (x86 CPUs; see the module doc)."""
         self.packed_weight = PackedWeight(self.weight, batch_hint)
@@ -239,6 +244,13 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return self.packed_weight(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random init (see `Linear.reset_parameters`)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class FusedLinear(Linear):

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.models.layers import (
     Attention,
+    Embedding,
     FusedLinear,
     GatedMLP,
     Linear,
@@ -29,6 +29,9 @@ from pagellm.models.layers import (
     qk_norm_rotary,
 )
 from pagellm.models.weights import load_packed_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # the child process never imports transformers
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class LlamaModel(nn.Module):
         options: AttentionOptions,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend_cls, options)
             for _ in range(config.num_hidden_layers)

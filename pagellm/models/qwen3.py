@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from pagellm.models.llama import AttentionOptions, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # the child process never imports transformers
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
