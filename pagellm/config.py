@@ -8,7 +8,9 @@ returns an `EngineConfig`, the one object handed to the engine core.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -103,11 +105,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class HFConfigView(SimpleNamespace):
+    """An HF config's attributes (its `to_dict()`) without transformers: the EngineCore
+    process builds its model from this, so it never imports transformers (whose config
+    classes pull in torchvision, torch._dynamo and sklearn on some machines: seconds)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # what the user named (a path, a shipped config name or the default's file)
     source: Any  # pagellm.loader.ModelSource: where weights and tokenizer come from
-    hf_config: PretrainedConfig
+    hf_config: PretrainedConfig | HFConfigView  # the view in the EngineCore process
     dtype: torch.dtype
     max_model_len: int
     served_model_name: str
@@ -221,3 +229,45 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for the EngineCore process (msgpack): the HF config as its dict."""
+        mc = self.model_config
+        hf_config = mc.hf_config
+        hf_dict = (
+            vars(hf_config)
+            if isinstance(hf_config, HFConfigView)
+            else json.loads(hf_config.to_json_string(use_diff=False))
+        )
+        model = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
+        model.update(
+            source=dataclasses.asdict(mc.source),
+            hf_config=hf_dict,
+            dtype=str(mc.dtype).removeprefix("torch."),
+        )
+        wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        wire.update(
+            model_config=model,
+            cache_config=dataclasses.asdict(self.cache_config),
+            scheduler_config=dataclasses.asdict(self.scheduler_config),
+        )
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> EngineConfig:
+        from pagellm.loader.source import ModelSource
+
+        model = dict(wire["model_config"])
+        model.update(
+            source=ModelSource(**model["source"]),
+            hf_config=HFConfigView(**model["hf_config"]),
+            dtype=getattr(torch, model["dtype"]),
+        )
+        return cls(
+            **{
+                **wire,
+                "model_config": ModelConfig(**model),
+                "cache_config": CacheConfig(**wire["cache_config"]),
+                "scheduler_config": SchedulerConfig(**wire["scheduler_config"]),
+            }
+        )

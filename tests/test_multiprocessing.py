@@ -11,12 +11,15 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 from conftest import PROMPTS
 
 from pagellm import LLM, EngineArgs, SamplingParams
+from pagellm.attention.base import get_attn_backend_cls
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core_client import EngineDeadError, SyncMPClient
+from pagellm.loader import load_model
 from pagellm.sampling_params import RequestOutputKind
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -207,3 +210,41 @@ def test_interpreter_exit_stops_the_core():
     info = json.loads(out.stdout.decode().splitlines()[-1])
     assert _wait_gone(info["pid"], timeout=2)
     assert not os.path.exists(info["ipc_dir"])
+
+
+_CORE_SIDE = r"""
+import sys
+import msgspec
+import pagellm.engine.core_proc  # everything the EngineCore process imports
+from pagellm.attention.base import get_attn_backend_cls
+from pagellm.config import EngineConfig
+from pagellm.loader import load_model
+config = EngineConfig.from_wire(msgspec.msgpack.decode(sys.stdin.buffer.read()))
+mc = config.model_config
+model = load_model(mc, "cpu", get_attn_backend_cls("cpu"))
+print(mc.head_dim, mc.num_kv_heads, mc.dtype, sum(p.numel() for p in model.parameters()))
+print("transformers" in sys.modules, "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("model", [None, "tiny-qwen3"])
+def test_core_process_builds_from_the_wire_config_without_transformers(model, tmp_path):
+    """The EngineCore process gets its config as plain data and builds the model from it
+    without importing transformers or torch._dynamo (seconds each at start-up)."""
+    from model_utils import make_tiny_hf_model
+
+    args = EngineArgs(dtype="float32", device="cpu")  # the embedded GGUF model
+    if model is not None:
+        args = EngineArgs(model=make_tiny_hf_model("qwen3", tmp_path), device="cpu")
+    config = args.create_engine_config()
+    mc = config.model_config
+    wire = msgspec.msgpack.encode(config.to_wire())
+    out = subprocess.run(
+        [sys.executable, "-c", _CORE_SIDE], input=wire, capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    shape_line, imports_line = out.stdout.decode().splitlines()[-2:]
+    expected = load_model(mc, "cpu", get_attn_backend_cls("cpu"))  # here, from the real config
+    numel = sum(p.numel() for p in expected.parameters())
+    assert shape_line == f"{mc.head_dim} {mc.num_kv_heads} {mc.dtype} {numel}"
+    assert imports_line == "False False"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import itertools
 import os
 import shutil
@@ -49,17 +48,18 @@ class EngineDeadError(RuntimeError):
 def start_engine(engine_args: EngineArgs, asyncio_mode: bool = False) -> tuple:
     """(EngineConfig, tokenizer, client) for LLMEngine / AsyncLLM.
 
-    With multiprocessing the core process starts first, so that its imports and model load
-    overlap the caller's own config resolution and tokenizer load.
+    With multiprocessing the core process starts first: its imports (torch, the kernels)
+    overlap the caller's config resolution (transformers), whose result it then receives.
     """
     from pagellm import loader
 
     if not envs.enable_multiprocessing():
         config = engine_args.create_engine_config()
         return config, loader.load_tokenizer(config.model_config.source), InprocClient(config)
-    client = (AsyncMPClient if asyncio_mode else SyncMPClient)(engine_args)
+    client = (AsyncMPClient if asyncio_mode else SyncMPClient)()
     try:
         config = engine_args.create_engine_config()
+        client.start_core(config)
         tokenizer = loader.load_tokenizer(config.model_config.source)
         client.wait_for_ready()
     except BaseException:
@@ -136,15 +136,20 @@ class InprocClient(EngineCoreClient):
 class MPClient(EngineCoreClient):
     """Starts the core process, waits for READY, owns the sockets and the clean-up."""
 
-    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix="pagellm-")  # mode 0700
-        input_path, output_path = (f"ipc://{self.ipc_dir}/{n}" for n in ("input", "output"))
+        self.paths = tuple(f"ipc://{self.ipc_dir}/{n}" for n in ("input", "output"))
+        input_path, output_path = self.paths
         self.ctx = ctx
         self.input_socket = zmq.Context.instance().socket(zmq.PUSH)
         self.input_socket.bind(input_path)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_path)
-        self.proc = _start_core_process(engine_args, input_path, output_path, self.ipc_dir)
+        self.proc = subprocess.Popen(  # imports, then waits for start_core()
+            [sys.executable, "-m", "pagellm.engine.core_proc"],
+            stdin=subprocess.PIPE,
+            env=os.environ,
+        )
         self._finalizer = weakref.finalize(
             self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
         )
@@ -153,6 +158,15 @@ class MPClient(EngineCoreClient):
         self.encoder = msgspec.msgpack.Encoder()
         self.call_ids = itertools.count()
         self.ready: EngineCoreReady | None = None
+
+    def start_core(self, config: EngineConfig) -> None:
+        """Hand the core process its config (and the socket paths): it builds the engine."""
+        message = (config.to_wire(), *self.paths, self.ipc_dir)
+        try:
+            self.proc.stdin.write(msgspec.msgpack.encode(message))
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the process died while importing: wait_for_ready() reports it
 
     def wait_for_ready(self) -> EngineCoreReady:
         """Blocks until the core reports READY; raises the core's own start-up error."""
@@ -213,8 +227,8 @@ class MPClient(EngineCoreClient):
 
 
 class SyncMPClient(MPClient):
-    def __init__(self, engine_args: EngineArgs) -> None:
-        super().__init__(engine_args, zmq.Context.instance())
+    def __init__(self) -> None:
+        super().__init__(zmq.Context.instance())
         self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
 
     def _recv(self) -> EngineCoreOutputs:
@@ -241,8 +255,8 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """For AsyncLLM: one reader (AsyncLLM's output handler) calls get_output_async()."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        super().__init__(engine_args, zmq.asyncio.Context.instance())
+    def __init__(self) -> None:
+        super().__init__(zmq.asyncio.Context.instance())
         self.utility_futures: dict[int, asyncio.Future] = {}
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
@@ -290,23 +304,16 @@ class AsyncMPClient(MPClient):
         raise NotImplementedError("AsyncMPClient uses call_utility_async()")
 
 
-def _start_core_process(
-    engine_args: EngineArgs, input_path: str, output_path: str, ipc_dir: str
-) -> subprocess.Popen:
-    message = (dataclasses.asdict(engine_args), input_path, output_path, ipc_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagellm.engine.core_proc"], stdin=subprocess.PIPE, env=os.environ
-    )
-    proc.stdin.write(msgspec.msgpack.encode(message))
-    proc.stdin.close()
-    return proc
-
-
 def _cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
     """Stop the core process (politely, then not), close sockets, remove the IPC files.
 
     Runs once: from shutdown(), when the client is garbage-collected, or at interpreter exit.
     """
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()  # a core still waiting for its config reads EOF and exits
+        except BrokenPipeError:
+            pass
     if proc.poll() is None:
         try:
             in_sock.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b"\xc0"), zmq.NOBLOCK)

@@ -1,9 +1,11 @@
 """EngineCoreProc: the EngineCore in its own process, behind two ZMQ sockets.
 
-The client starts `python -m pagellm.engine.core_proc` with the engine arguments as msgpack
-on stdin (nothing of the caller's `__main__` is re-imported, so no `if __name__ ==
-"__main__":` guard is needed). Two threads move bytes: one decodes input messages into
-a queue, one encodes outputs from a queue, so serialization overlaps the forward pass.
+The client starts `python -m pagellm.engine.core_proc` (nothing of the caller's `__main__`
+is re-imported, so no `if __name__ == "__main__":` guard is needed); while it imports, the
+caller resolves the `EngineConfig` and sends it as msgpack on stdin (`to_wire()`: the HF
+config as a plain dict, so this process never imports transformers). Two threads move
+bytes: one decodes input messages into a queue, one encodes outputs from a queue, so
+serialization overlaps the forward pass.
 `run_busy_loop()` blocks on the input queue while there is nothing to do, and otherwise
 drains it and runs `EngineCore.step()`.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagellm.config import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.engine.core import EngineCore
 from pagellm.engine.protocol import (
     EngineCoreOutputs,
@@ -41,8 +43,8 @@ _POLL_S = 0.5  # how often an idle core checks that its parent is alive
 
 
 class EngineCoreProc(EngineCore):
-    def __init__(self, engine_args: EngineArgs, ctx: zmq.Context, input_path: str) -> None:
-        super().__init__(engine_args.create_engine_config())
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, input_path: str) -> None:
+        super().__init__(config)
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
@@ -116,7 +118,7 @@ def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
     os._exit(0)
 
 
-def run_engine_core(engine_args: EngineArgs, input_path: str, output_path: str, ipc_dir: str):
+def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc_dir: str):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     threading.Thread(target=_watch_parent, args=(os.getppid(), ipc_dir), daemon=True).start()
@@ -124,7 +126,7 @@ def run_engine_core(engine_args: EngineArgs, input_path: str, output_path: str, 
     out = ctx.socket(zmq.PUSH)
     out.connect(output_path)
     try:
-        core = EngineCoreProc(engine_args, ctx, input_path)
+        core = EngineCoreProc(config, ctx, input_path)
     except BaseException as e:
         _send_failure(out, [type(e).__name__, str(e)])
         raise
@@ -163,11 +165,14 @@ def main() -> None:
     from pagellm.cli import setup_logging
 
     setup_logging()
-    engine_args, input_path, output_path, ipc_dir = msgspec.msgpack.decode(sys.stdin.buffer.read())
-    engine_args = msgspec.convert(engine_args, EngineArgs)
+    logger.info("EngineCore process %d: imports done, waiting for the config", os.getpid())
+    message = sys.stdin.buffer.read()  # the caller's config, once it has resolved it
+    if not message:
+        return  # the caller gave up before sending it
+    wire_config, input_path, output_path, ipc_dir = msgspec.msgpack.decode(message)
     code = 0
     try:
-        run_engine_core(engine_args, input_path, output_path, ipc_dir)
+        run_engine_core(EngineConfig.from_wire(wire_config), input_path, output_path, ipc_dir)
     except BaseException:
         code = 1
     logging.shutdown()

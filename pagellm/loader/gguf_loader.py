@@ -8,18 +8,21 @@ interleaved one (pairs); `_unpermute` restores HF's order. Qwen2/Qwen3 files are
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFFile
 
-# GGUF general.architecture -> (config class, HF architecture name)
+if TYPE_CHECKING:  # the EngineCore process reads GGUF weights without importing transformers
+    from transformers import PretrainedConfig
+
+# GGUF general.architecture -> (transformers config class, HF architecture name)
 _ARCHITECTURES = {
-    "llama": (LlamaConfig, "LlamaForCausalLM"),
-    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
-    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -49,8 +52,10 @@ def config_from_gguf(gguf: GGUFFile) -> PretrainedConfig:
             f"{gguf.path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(_ARCHITECTURES)})"
         )
+    import transformers
+
     config_cls, hf_arch = _ARCHITECTURES[arch]
-    return config_cls(architectures=[hf_arch], **_config_kwargs(gguf, arch))
+    return getattr(transformers, config_cls)(architectures=[hf_arch], **_config_kwargs(gguf, arch))
 
 
 def _config_kwargs(gguf: GGUFFile, arch: str) -> dict:

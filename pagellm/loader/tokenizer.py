@@ -11,12 +11,14 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from pagellm import envs
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -24,6 +26,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     """A fast tokenizer, or None for a folder without tokenizer files (a shipped config, a test
     checkpoint): such a model can still be driven with token ids."""
+    from transformers import AutoTokenizer  # here: the EngineCore process never needs it
+
     if source.tokenizer is not None:
         return AutoTokenizer.from_pretrained(source.tokenizer)
     if source.path.endswith(".gguf"):
@@ -39,6 +43,8 @@ def has_tokenizer_files(folder: str) -> bool:
 
 def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The tokenizer and chat template stored in a GGUF file, through the disk cache."""
+    from transformers import AutoTokenizer
+
     cached = tokenizer_cache_dir(path)
     if (cached / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
