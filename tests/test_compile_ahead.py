@@ -6,6 +6,7 @@ interpreter, so the module is skipped without CUDA)."""
 from __future__ import annotations
 
 import importlib.util
+import threading
 
 import pytest
 import torch
@@ -34,11 +35,17 @@ def test_uncompiled_kernels_are_queued_then_cached():
     compiled = []
     from triton import knobs
 
+    other = torch.zeros(8, device=device)
     with compile_ahead(device):
         _fill_kernel[(1,)](out, 2.0, BLOCK=32)  # launches: already compiled
         _fill_kernel[(1,)](out[32:], 3.0, BLOCK=16)  # a new variant: queued, skipped
+        # another thread's launches are not this block's business: compiled and run
+        thread = threading.Thread(target=lambda: _fill_kernel[(1,)](other, 4.0, BLOCK=8))
+        thread.start()
+        thread.join()
         torch.cuda.synchronize()
         assert out[:32].eq(2.0).all() and out[32:].eq(0.0).all()
+        assert other.eq(4.0).all()
     assert knobs.runtime.jit_cache_hook is None  # the hook is removed on exit
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["key"])
     try:

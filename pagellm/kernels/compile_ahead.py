@@ -27,8 +27,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_pool_thread = threading.local()  # .compiling: this thread runs a queued compile
-
 
 @contextlib.contextmanager
 def compile_ahead(device: torch.device, max_workers: int | None = None) -> Iterator[None]:
@@ -39,16 +37,16 @@ def compile_ahead(device: torch.device, max_workers: int | None = None) -> Itera
         yield  # nothing is compiled off the GPU; never replace someone else's hook
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
+    owner = threading.get_ident()  # only this thread's launches run dry
     queued: dict[tuple[int, str], Future] = {}
 
     def compile_variant(jit_function, specialization_data: str) -> None:
-        _pool_thread.compiling = True
         torch.cuda.set_device(index)
         jit_function.preload(specialization_data)  # compiles into the kernel's cache
 
     def hook(*, key, fn, compile, **_) -> bool | None:
-        if getattr(_pool_thread, "compiling", False):
-            return None  # the pool's own compile: let it through
+        if threading.get_ident() != owner:
+            return None  # the pool's own compile, or another thread's launch: as usual
         variant = (id(fn.jit_function), key)
         if variant not in queued:
             queued[variant] = pool.submit(
