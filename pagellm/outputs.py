@@ -14,6 +14,8 @@ class Logprob:
 
 # one dict per generated token: token id -> Logprob
 SampleLogprobs = list[dict[int, Logprob]]
+# per prompt token: None for the first (nothing precedes it), then as SampleLogprobs
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -48,7 +50,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
     lora_request: None = None
     kv_transfer_params: dict | None = field(default=None)
 

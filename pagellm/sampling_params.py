@@ -40,6 +40,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token after the first: its logprob + top k
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -109,6 +110,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.logprobs is None or self.logprobs >= 0,
             "logprobs",
             f"must be non-negative, got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            f"must be non-negative, got {self.prompt_logprobs}",
         )
 
     @property

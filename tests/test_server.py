@@ -186,6 +186,24 @@ def test_token_id_prompts_and_echo(client, llm, reference):
     assert out.usage.prompt_tokens == len(ids) + 3
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    """`echo` + `logprobs`: the prompt's tokens carry their logprobs (the first: null), the
+    engine's prompt_logprobs, in the response and in the first streamed chunk."""
+    ids = llm.get_tokenizer().encode(PROMPTS[3])
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    want = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].prompt_logprobs
+    expected = [None] + [entry[t].logprob for entry, t in zip(want[1:], ids[1:])]
+    request = dict(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=1, temperature=0)
+    out = client.completions.create(**request).choices[0].logprobs
+    chunk = next(iter(client.completions.create(**request, stream=True))).choices[0].logprobs
+    for got in (out, chunk):
+        prompt_part = got.token_logprobs[: len(ids)]
+        assert prompt_part[0] is None and got.top_logprobs[0] is None
+        assert prompt_part[1:] == pytest.approx(expected[1:], abs=1e-4)
+        assert all(len(top) >= 2 for top in got.top_logprobs[1 : len(ids)])
+    assert len(out.token_logprobs) == len(ids) + 1  # and the generated token
+
+
 def test_chat_sync_and_stream(client, reference):
     out = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
     message = out.choices[0].message

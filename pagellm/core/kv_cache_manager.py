@@ -65,9 +65,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The cached blocks of the request's longest cached prefix, and its length in tokens.
 
-        The hit never covers the last token: it must be computed to sample the next one.
+        The hit never covers the last token: it must be computed to sample the next one. A
+        request that wants prompt logprobs gets no hit: every prompt position is computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request, request.num_tokens)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -56,6 +56,7 @@ class Request:
         "block_hashes",
         "stop_reason",
         "num_output_placeholders",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -78,6 +79,10 @@ class Request:
         # prompt tokens found in the prefix cache at first admission; -1: not yet looked up
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # SamplingParams.prompt_logprobs: rows gathered chunk by chunk, sent with the first token
+        self.prompt_logprobs: tuple[list[list[float]], list[list[int]]] | None = (
+            ([], []) if sampling_params.prompt_logprobs is not None else None
+        )
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.stop_reason: int | str | None = None
         # async scheduling: tokens being sampled by a step whose output has not come back

@@ -54,3 +54,5 @@ class ModelRunnerOutput:
     # per request: [sampled token logprob, then top-k logprobs] when requested, else []
     logprobs: list[list[float]] | None = None
     logprob_token_ids: list[list[int]] | None = None  # per request: [sampled id, then top-k ids]
+    # req_id -> (first prompt position of the chunk, its rows as in logprobs / logprob_token_ids)
+    prompt_logprobs: dict[str, tuple[int, list[list[float]], list[list[int]]]] | None = None

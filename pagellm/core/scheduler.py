@@ -268,6 +268,8 @@ class Scheduler:
         """Append sampled tokens, finish requests that stop, free their blocks."""
         mro = model_runner_output
         outputs = self._report_finished_on_arrival()
+        if mro.prompt_logprobs:
+            self._gather_prompt_logprobs(mro.prompt_logprobs)
         for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
             request = self.requests.get(req_id)
             # no token: a partial prefill; no request: finished since it was scheduled.
@@ -308,12 +310,26 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0) if first_output else 0,
         )
+        if first_output and request.prompt_logprobs is not None:
+            output.prompt_logprobs, output.prompt_logprob_ids = request.prompt_logprobs
         num_logprobs = request.sampling_params.logprobs
         if num_logprobs is not None and mro.logprobs is not None and mro.logprobs[i]:
             # the step computed the largest k any request asked for: keep this one's 1 + k
             output.new_logprobs = [mro.logprobs[i][: 1 + num_logprobs]]
             output.new_top_logprob_ids = [mro.logprob_token_ids[i][: 1 + num_logprobs]]
         return output
+
+    def _gather_prompt_logprobs(self, chunks: dict) -> None:
+        """Add each chunk's rows at its positions (a recomputed chunk, after a preemption,
+        replaces what it covers)."""
+        for req_id, (start, values, ids) in chunks.items():
+            request = self.requests.get(req_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            gathered_values, gathered_ids = request.prompt_logprobs
+            del gathered_values[start:], gathered_ids[start:]
+            gathered_values += values
+            gathered_ids += ids
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens up to the first that finishes the request; return those."""

@@ -15,7 +15,13 @@ import msgspec
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagellm.sampling_params import RequestOutputKind
 
 
@@ -64,6 +70,7 @@ class RequestState:
         "token_ids",
         "logprobs",
         "cumulative_logprob",
+        "prompt_logprobs",
         "metrics",
         "num_cached_tokens",
         "sent_tokens",
@@ -87,6 +94,7 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: PromptLogprobs | None = None  # arrives with the first token
         self.metrics = RequestMetrics(arrival_time=request.arrival_time)
         self.num_cached_tokens = 0
         self.sent_tokens = 0  # for DELTA outputs: what the caller has already been given
@@ -159,6 +167,9 @@ class OutputProcessor:
         state.metrics.last_token_time = now
         if out.new_logprobs is not None and state.logprobs is not None:
             self._update_logprobs(state, out)
+        if out.prompt_logprobs is not None:
+            entries = map(_logprob_entry, out.prompt_logprobs, out.prompt_logprob_ids)
+            state.prompt_logprobs = [None, *entries]  # nothing precedes the first token
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None:
             stop_string = self._detokenize(state, new_ids, finish_reason)
@@ -178,12 +189,7 @@ class OutputProcessor:
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         for values, ids in zip(out.new_logprobs, out.new_top_logprob_ids):
-            top = ids[1:]  # the top-k ids, best first: a sampled id among them has that rank
-            rank = top.index(ids[0]) + 1 if ids[0] in top else None
-            entry = {ids[0]: Logprob(values[0], rank=rank)}
-            for rank, (tid, val) in enumerate(zip(top, values[1:]), start=1):
-                entry.setdefault(tid, Logprob(val, rank=rank))
-            state.logprobs.append(entry)
+            state.logprobs.append(_logprob_entry(values, ids))
             state.cumulative_logprob += values[0]
 
     def _make_request_output(
@@ -238,6 +244,9 @@ class OutputProcessor:
     def _request_output(
         self, state: RequestState, request_id: str, completions: list, finished: bool
     ) -> RequestOutput:
+        prompt_logprobs = state.prompt_logprobs
+        if state.params.output_kind == RequestOutputKind.DELTA:
+            state.prompt_logprobs = None  # deltas carry them once
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -246,4 +255,16 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+def _logprob_entry(values: list[float], ids: list[int]) -> dict[int, Logprob]:
+    """{token: Logprob} from [its logprob, then the top k] and [its id, then theirs]; the
+    token keeps its rank when it is among the top k."""
+    top = ids[1:]  # best first
+    rank = top.index(ids[0]) + 1 if ids[0] in top else None
+    entry = {ids[0]: Logprob(values[0], rank=rank)}
+    for rank, (tid, val) in enumerate(zip(top, values[1:]), start=1):
+        entry.setdefault(tid, Logprob(val, rank=rank))
+    return entry

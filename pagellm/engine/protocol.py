@@ -40,6 +40,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
+    # with the first new token, per prompt token after the first: [its logprob, then the top
+    # `prompt_logprobs`] and [its id, then theirs]
+    prompt_logprobs: list[list[float]] | None = None
+    prompt_logprob_ids: list[list[int]] | None = None
 
     @property
     def finished(self) -> bool:

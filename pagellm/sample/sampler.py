@@ -49,7 +49,7 @@ class Sampler:
         sampled = self._sample(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
-        logprobs = _gather_logprobs(raw.float(), sampled, meta.max_num_logprobs)
+        logprobs = gather_logprobs(raw.float(), sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, *logprobs)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -158,9 +158,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best * size + inside
 
 
-def _gather_logprobs(
+def gather_logprobs(
     logits: torch.Tensor, sampled: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, 1 + k] logprobs, [B, 1 + k] ids): those of `sampled`, then the top k, best first."""
     logprobs = logits.log_softmax(dim=-1)  # [B, V]
     chosen = logprobs.gather(-1, sampled.unsqueeze(1))  # [B, 1]
     if k == 0:

@@ -47,6 +47,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.penalties: PenaltyState | None = None  # device state, made for the first penalty
         self._token_field_rows: set[int] = set()  # rows with logit_bias or allowed_token_ids
+        self.prompt_logprob_rows: set[int] = set()  # rows whose requests want prompt logprobs
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -87,6 +88,8 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         if params.logit_bias or params.allowed_token_ids:
             self._token_field_rows.add(row)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprob_rows.add(row)
         if params.seed is not None:
             self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
@@ -97,6 +100,7 @@ class InputBatch:
         self.params[row] = None
         self.generators.pop(row, None)
         self._token_field_rows.discard(row)
+        self.prompt_logprob_rows.discard(row)
         self._free_rows.append(row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:

@@ -66,7 +66,9 @@ class SamplingRequest(OpenAIModel):
             return "response_format"
         return None
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         field = self.unsupported()
         if field is not None:
             raise ValueError(f"{field} is not supported by this server")
@@ -93,6 +95,7 @@ class SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
 

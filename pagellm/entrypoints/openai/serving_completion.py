@@ -3,7 +3,7 @@
 A request with several prompts and `n` completions each returns one choice per (prompt, n),
 choice `i * n + j` being completion j of prompt i. `logprobs: N` returns OpenAI's legacy
 logprobs object (tokens, token_logprobs, top_logprobs, text_offset); `echo` puts the prompt
-in front of the text (its tokens have no logprobs).
+in front of the text, and with `logprobs` its tokens get theirs too (the first: null).
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.model_name(request.model)
         prompts = self._prompts(request.prompt)
+        prompt_logprobs = request.logprobs if request.echo else None
         params = [
             request.to_sampling_params(
-                self.max_tokens(len(p["prompt_token_ids"]), request.max_tokens), request.logprobs
+                self.max_tokens(len(p["prompt_token_ids"]), request.max_tokens),
+                request.logprobs,
+                prompt_logprobs,
             )
             for p in prompts
         ]
@@ -48,6 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
             events = self._stream_events(request, model, request_id, prompts, generation)
             return await self.stream(raw_request, generation, events)
         outputs = await self.collect(raw_request, generation)
+        for index, out in outputs:
+            _keep_prompt_logprobs(prompts[index], out.prompt_logprobs)
         choices = gather_choices(outputs, request.n)
         return JSONResponse(
             self._response(request, model, request_id, prompts, choices).model_dump()
@@ -86,7 +91,9 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = None
             if request.logprobs is not None:
                 echo_ids = prompt["prompt_token_ids"] if request.echo else []
-                logprobs, _ = self._logprobs(echo_ids, state.token_ids, state.logprobs, 0)
+                logprobs, _ = self._logprobs(
+                    echo_ids, state.token_ids, state.logprobs, 0, prompt.get("prompt_logprobs")
+                )
             out.append(
                 CompletionChoice(
                     index=index,
@@ -103,16 +110,30 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     def _logprobs(
-        self, echo_ids: list[int], token_ids: list[int], logprobs: list[dict], offset: int
+        self,
+        echo_ids: list[int],
+        token_ids: list[int],
+        logprobs: list[dict],
+        offset: int,
+        prompt_logprobs: list[dict | None] | None = None,
     ) -> tuple[CompletionLogProbs, int]:
-        """The logprobs object for these tokens, and the text offset of the token after them."""
+        """The logprobs object for these tokens, and the text offset of the token after them.
+        Echoed prompt tokens take theirs from `prompt_logprobs` (None: none, as for the first)."""
         result = CompletionLogProbs()
-        for token_id in echo_ids:  # prompt tokens: no logprobs (no prompt_logprobs here)
-            offset = self._append(result, token_id, None, None, offset)
+        for i, token_id in enumerate(echo_ids):
+            entry = prompt_logprobs[i] if prompt_logprobs else None
+            offset = self._append_entry(result, token_id, entry, offset)
         for token_id, entry in zip(token_ids, logprobs):
-            top = {self.decode_token(tid): lp.logprob for tid, lp in entry.items()}
-            offset = self._append(result, token_id, entry[token_id].logprob, top, offset)
+            offset = self._append_entry(result, token_id, entry, offset)
         return result, offset
+
+    def _append_entry(
+        self, result: CompletionLogProbs, token_id: int, entry: dict | None, offset: int
+    ) -> int:
+        if entry is None:
+            return self._append(result, token_id, None, None, offset)
+        top = {self.decode_token(tid): lp.logprob for tid, lp in entry.items()}
+        return self._append(result, token_id, entry[token_id].logprob, top, offset)
 
     def _append(
         self,
@@ -141,6 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         num_generated = 0
         async for prompt_index, out in generation.outputs():
+            _keep_prompt_logprobs(prompts[prompt_index], out.prompt_logprobs)
             for completion in out.outputs:
                 index = prompt_index * request.n + completion.index
                 num_generated += len(completion.token_ids)
@@ -182,7 +204,11 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs, offsets[index] = None, offsets.get(index, 0)
         if request.logprobs is not None:
             logprobs, offsets[index] = self._logprobs(
-                echo_ids, completion.token_ids, completion.logprobs or [], offsets[index]
+                echo_ids,
+                completion.token_ids,
+                completion.logprobs or [],
+                offsets[index],
+                prompt.get("prompt_logprobs"),
             )
         return CompletionChoice(
             index=index,
@@ -191,3 +217,9 @@ class OpenAIServingCompletion(OpenAIServing):
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _keep_prompt_logprobs(prompt: dict[str, Any], prompt_logprobs: list | None) -> None:
+    """The prompt's logprobs, from the first output that carries them (echo with logprobs)."""
+    if prompt_logprobs is not None and "prompt_logprobs" not in prompt:
+        prompt["prompt_logprobs"] = prompt_logprobs
