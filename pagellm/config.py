@@ -52,6 +52,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
     disable_log_stats: bool = False
+    max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -120,6 +121,7 @@ class ModelConfig:
     max_model_len: int
     served_model_name: str
     seed: int = 0
+    max_logprobs: int = 20
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -137,6 +139,7 @@ class ModelConfig:
             max_model_len=max_len,
             served_model_name=args.served_model_name or source.name,
             seed=args.seed,
+            max_logprobs=args.max_logprobs,
         )
 
     @property

@@ -71,6 +71,9 @@ def _check_k0(prompt_ids, prompt_logprobs, hf):
 def test_prompt_logprobs_stream_once_and_validate(llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+    for too_many in ({"logprobs": 10**6}, {"prompt_logprobs": 21}):  # max_logprobs: 20
+        with pytest.raises(ValueError, match="max_logprobs"):
+            llm.generate("Hi", SamplingParams(max_tokens=2, **too_many), use_tqdm=False)
     params = SamplingParams(
         max_tokens=5, temperature=0.0, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA
     )

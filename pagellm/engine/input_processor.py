@@ -36,7 +36,7 @@ class InputProcessor:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids)
-        self._validate_token_fields(params)
+        self._validate_sampling_fields(params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -76,12 +76,22 @@ class InputProcessor:
             )
         check_in_vocab(token_ids, self.model_config.vocab_size)
 
-    def _validate_token_fields(self, params: SamplingParams) -> None:
-        """Sampling fields that name token ids must name ids of this model's vocabulary."""
+    def _validate_sampling_fields(self, params: SamplingParams) -> None:
+        """Sampling fields that name token ids must name ids of this model's vocabulary, and
+        logprob counts stay within max_logprobs (a top-k wider than the vocabulary would
+        fail in the engine, for every request of the step)."""
         vocab = self.model_config.vocab_size
         check_in_vocab(params.logit_bias or {}, vocab, "SamplingParams.logit_bias")
         check_in_vocab(params.allowed_token_ids or [], vocab, "SamplingParams.allowed_token_ids")
         check_in_vocab(params.stop_token_ids, vocab, "SamplingParams.stop_token_ids")
+        limit = min(self.model_config.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise ValueError(
+                    f"SamplingParams.{name}={k} is more than the {limit} allowed "
+                    "(max_logprobs, at most the vocabulary size)"
+                )
 
 
 def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None = None) -> None:
