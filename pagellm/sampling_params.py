@@ -7,6 +7,7 @@ Invalid values raise ValueError naming the field, before a request reaches the e
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -76,6 +77,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (disable) or at least 1, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            not any(math.isnan(v) for v in (self.logit_bias or {}).values()),
+            "logit_bias",
+            "must not contain NaN",
+        )
+        _check(
+            self.seed is None or -(2**63) <= self.seed < 2**64,
+            "seed",
+            f"must fit in 64 bits (a torch generator seed), got {self.seed}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")

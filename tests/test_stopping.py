@@ -84,6 +84,8 @@ def test_max_model_len_caps_output(llm):
         ("min_tokens", {"min_tokens": 5, "max_tokens": 2}),
         ("n", {"n": 0}),
         ("stop", {"stop": [""]}),
+        ("seed", {"seed": 2**70}),  # the engine could not encode it
+        ("logit_bias", {"logit_bias": {5: float("nan")}}),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, kwargs):
