@@ -342,6 +342,8 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"prompt": "x", "best_of": 3}, ["best_of"]),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, ["response_format"]),
         ({"prompt": "x", "logit_bias": {"-5": 1}}, ["logit_bias", "vocab"]),
+        ({"prompt": "x", "n": 10**6}, ["n"]),  # would block the server while fanning out
+        ({"prompt": ["x"] * 2049}, ["prompt"]),
     ],
 )
 def test_bad_completion_requests_are_400(server, body, words):

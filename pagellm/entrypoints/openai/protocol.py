@@ -14,11 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20
+# OpenAI's limits: one request fans out into n x prompts engine requests, added in one go
+MAX_N = 128
+MAX_PROMPTS = 2048
 
 
 class OpenAIModel(BaseModel):
@@ -33,7 +36,7 @@ class SamplingRequest(OpenAIModel):
     """The fields completions and chat share."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -110,6 +113,14 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_enough_prompts(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+        return prompt
 
     def unsupported(self) -> str | None:
         if self.suffix:
