@@ -42,6 +42,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # per prompt token after the first: its logprob + top k
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -121,6 +122,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.logprobs is None or self.logprobs >= 0,
             "logprobs",
             f"must be non-negative, got {self.logprobs}",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or self.truncate_prompt_tokens == -1
+            or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            f"must be -1 (the model's length) or at least 1, got {self.truncate_prompt_tokens}",
         )
         _check(
             self.prompt_logprobs is None or self.prompt_logprobs >= 0,

@@ -204,6 +204,14 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm):
     assert len(out.token_logprobs) == len(ids) + 1  # and the generated token
 
 
+def test_truncate_prompt_tokens(client):
+    """vLLM's extra field: the last k prompt tokens, even of a prompt past the context."""
+    long = [7] * 1100  # the context is 1024
+    body = {"truncate_prompt_tokens": 10, "ignore_eos": True}
+    out = client.completions.create(model=MODEL, prompt=long, max_tokens=2, extra_body=body)
+    assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 2
+
+
 def test_chat_sync_and_stream(client, reference):
     out = client.chat.completions.create(model=MODEL, messages=CHAT, **GREEDY)
     message = out.choices[0].message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import PROMPTS
 
 from pagellm import SamplingParams
 
@@ -151,3 +152,24 @@ def test_logprobs_only_where_asked(llm):
     for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert entry[token].rank == 1  # the argmax is the top-1 entry, with its rank
         assert sorted(lp.rank for lp in entry.values()) == [1, 2]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = llm.get_tokenizer().encode(" ".join(PROMPTS))
+    greedy = dict(temperature=0.0, max_tokens=6)
+    cut = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(truncate_prompt_tokens=9, **greedy),
+        use_tqdm=False,
+    )[0]
+    tail = llm.generate({"prompt_token_ids": ids[-9:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-9:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    long = ids * (1100 // len(ids) + 1)  # longer than max_model_len (1024): refused, unless cut
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.generate({"prompt_token_ids": long}, SamplingParams(**greedy), use_tqdm=False)
+    params = SamplingParams(truncate_prompt_tokens=1000, **greedy)
+    out = llm.generate({"prompt_token_ids": long}, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-1000:] and len(out.outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)

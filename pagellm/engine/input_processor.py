@@ -35,6 +35,9 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last `keep` tokens (vLLM's truncate_prompt_tokens)
+            token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep) :]
         self._validate(token_ids)
         self._validate_sampling_fields(params)
         request = EngineCoreRequest(

@@ -50,6 +50,7 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: float = 1.0  # vLLM's extension of the OpenAI API
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
@@ -99,6 +100,7 @@ class SamplingRequest(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA,
         )
 

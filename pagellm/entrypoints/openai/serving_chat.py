@@ -43,7 +43,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         model = self.model_name(request.model)
         prompt = self._render(request)
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.truncated(request, self.encode(prompt))
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
             self.max_tokens(len(prompt_ids), requested), self._num_logprobs(request)

@@ -36,6 +36,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.model_name(request.model)
         prompts = self._prompts(request.prompt)
+        for p in prompts:
+            kept = self.truncated(request, p["prompt_token_ids"])
+            if len(kept) < len(p["prompt_token_ids"]):
+                p["prompt"], p["prompt_token_ids"] = None, kept  # echo: the kept tokens
         prompt_logprobs = request.logprobs if request.echo else None
         params = [
             request.to_sampling_params(

@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.errors import APIError, from_exception
 from pagellm.entrypoints.openai.metrics import ServerMetrics
-from pagellm.entrypoints.openai.protocol import UsageInfo
+from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -167,6 +167,13 @@ class OpenAIServing:
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+    def truncated(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), if set."""
+        keep = request.truncate_prompt_tokens
+        if keep is None or keep == 0 or keep < -1:
+            return prompt_ids  # SamplingParams says what is wrong with 0 or < -1
+        return prompt_ids[-(self.max_model_len if keep == -1 else keep) :]
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int | None:
         """The requested max_tokens, or all the room left; a ValueError past the context."""
