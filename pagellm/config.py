@@ -67,6 +67,11 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
+        if device.type == "cuda" and self.block_size < 16:
+            raise ValueError(
+                f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
+                f"got {self.block_size}"
+            )
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)

@@ -13,6 +13,7 @@ from model_utils import llama_cpp_permute, load_our_model, make_tiny_hf_model, w
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from pagellm import EngineArgs
 from pagellm.loader import (
     ModelSource,
     load_hf_config,
@@ -115,6 +116,12 @@ def test_llama31_rope_scaling():
 def test_bad_sources(model, load_format, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
         resolve_model_source(model, load_format, None)
+
+
+def test_small_blocks_are_refused_on_cuda_before_anything_loads():
+    # (no CUDA needed: the check comes before the model, and the device is only named)
+    with pytest.raises(ValueError, match="block_size must be at least 16 on CUDA"):
+        EngineArgs(model="/no/such/model", device="cuda", block_size=8).create_engine_config()
 
 
 def test_folder_sources(tmp_path):
