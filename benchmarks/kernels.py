@@ -3,11 +3,16 @@
     python benchmarks/kernels.py                  # decode + prefill, default shapes
     python benchmarks/kernels.py --sweep decode   # also try tile/warp/stage/split configs
     python benchmarks/kernels.py --sweep all
+    python benchmarks/kernels.py --only prompts --sweep prefill   # short prompts, varlen
 
 decode:  batch 64, context 4096, 32 query / 8 KV heads, head_dim 128, block 16, bf16;
          reported as TB/s of K/V read (2 * batch * seq_len * kv_heads * head_dim * 2 bytes).
 prefill: one 8192-token causal prompt, 32 heads, head_dim 128, bf16, no cached prefix;
          reported as TFLOP/s (4 * heads * head_dim * S * (S + 1) / 2).
+prompts: the prefill of a step of the standard workload: --prompts prompts of
+         randint(100, 1024) tokens (random.seed(0)), 16 query / 8 KV heads (Qwen3-0.6B),
+         in one varlen launch; against torch's varlen flash attention where it exists
+         (torch.nn.attention.varlen) and SDPA run prompt by prompt.
 SDPA runs on contiguous tensors with the flash and cuDNN backends. Times are medians of
 `triton.testing.do_bench` (warm-up and compilation excluded). The last line is JSON.
 """
@@ -241,6 +246,104 @@ def bench_prefill(args, sweep: bool) -> dict:
     }
 
 
+def bench_prompts(args, sweep: bool) -> dict:
+    """Many short causal prompts, no cached prefix: one varlen launch."""
+    import random
+
+    from triton.testing import do_bench
+
+    from pagellm.kernels.paged_attention import prefill_config
+
+    rng = random.Random(0)
+    lens = [rng.randint(100, 1024) for _ in range(args.prompts)]
+    h, kvh, d, bs = args.prompt_heads, args.prompt_kv_heads, args.head_dim, args.block_size
+    total = sum(lens)
+    blocks = [-(-n // bs) for n in lens]
+    kv_cache = torch.randn(2, sum(blocks), bs, kvh, d, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    perm, start = torch.randperm(sum(blocks), dtype=torch.int32), 0
+    for i, nb in enumerate(blocks):
+        table[i, :nb] = perm[start : start + nb]
+        start += nb
+    q = torch.randn(total, h, d, dtype=torch.bfloat16, device="cuda")
+    qsl_cpu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    inputs = (q, kv_cache, table.cuda(), qsl_cpu, torch.tensor(lens, dtype=torch.int32))
+    flops = sum(4 * h * d * n * (n + 1) / 2 for n in lens)
+    tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    scale = d**-0.5
+    plan, fn = triton_fn(inputs, scale)
+    ms = do_bench(fn, return_mode="median")
+    print(f"prompts: {len(lens)} of {min(lens)}-{max(lens)} tokens ({total}), heads {h}/{kvh}: "
+          f"triton {ms:.3f} ms {tflops(ms):.0f} TFLOP/s ({plan.launches[-1].config})")  # fmt: skip
+
+    # the same attention from contiguous K/V: varlen flash (one call), SDPA per prompt
+    k = torch.randn(total, kvh, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    others: dict[str, float | None] = {"varlen_flash": None, "sdpa_per_prompt": None}
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = qsl_cpu.cuda()
+        n_max = max(lens)
+        try:  # later torch: window_size=(-1, 0) is causal; 2.10: is_causal
+            call = lambda: varlen_attn(q, k, v, cu, cu, n_max, n_max, window_size=(-1, 0))  # noqa: E731
+            call()
+        except TypeError:
+            call = lambda: varlen_attn(q, k, v, cu, cu, n_max, n_max, is_causal=True)  # noqa: E731
+        others["varlen_flash"] = do_bench(call, return_mode="median")
+    except Exception as e:  # not in this torch, or it refuses GQA
+        print(f"  varlen flash: unavailable ({type(e).__name__}: {e})")
+    views = [
+        (q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None])
+        for a, b in itertools.pairwise(qsl_cpu.tolist())
+    ]
+
+    def per_prompt():
+        for qq, kk, vv in views:
+            torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, enable_gqa=True
+            )
+
+    others["sdpa_per_prompt"] = do_bench(per_prompt, return_mode="median")
+    for name, t in others.items():
+        if t is not None:
+            print(f"  {name}: {t:.3f} ms  {tflops(t):.0f} TFLOP/s")
+
+    best = None
+    if sweep:
+        base = prefill_config(h // kvh, d)
+        results = []
+        for block_m, block_n, warps, stages in itertools.product(
+            (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
+        ):
+            heads = base.heads_per_prog
+            if block_m < 16 * heads:
+                continue
+            cfg = replace(
+                base, block_q=block_m // heads, block_n=block_n, num_warps=warps,
+                num_stages=stages,
+            )  # fmt: skip
+            try:
+                _, f = triton_fn(inputs, scale, prefill=cfg)
+                t = do_bench(f, return_mode="median")
+            except Exception as e:
+                print(f"  sweep {cfg}: failed ({type(e).__name__})")
+                continue
+            if not fits(cfg, d, bs):
+                continue
+            results.append((t, cfg))
+            print(f"  sweep block_m={block_m} block_n={block_n} warps={warps} stages={stages}: "
+                  f"{tflops(t):.0f} TFLOP/s")  # fmt: skip
+        t, cfg = min(results, key=lambda r: r[0])
+        best = {"config": asdict(cfg), "tflop_per_s": tflops(t)}
+        print(f"  best: {best}")
+    return {
+        "triton_tflop_per_s": tflops(ms),
+        **{f"{k}_tflop_per_s": (tflops(t) if t else None) for k, t in others.items()},
+        "best_sweep": best,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=64)
@@ -252,7 +355,10 @@ def main() -> None:
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--prefill-heads", type=int, default=32)
     p.add_argument("--prefill-kv-heads", type=int, default=0, help="0: same as heads (MHA)")
-    p.add_argument("--only", choices=("decode", "prefill"), default=None)
+    p.add_argument("--prompts", type=int, default=14, help="prompts of the 'prompts' case")
+    p.add_argument("--prompt-heads", type=int, default=16)
+    p.add_argument("--prompt-kv-heads", type=int, default=8)
+    p.add_argument("--only", choices=("decode", "prefill", "prompts"), default=None)
     p.add_argument("--sweep", choices=("decode", "prefill", "all"), default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -264,6 +370,8 @@ def main() -> None:
         result["decode"] = bench_decode(args, sweep=args.sweep in ("decode", "all"))
     if args.only in (None, "prefill"):
         result["prefill"] = bench_prefill(args, sweep=args.sweep in ("prefill", "all"))
+    if args.only == "prompts":
+        result["prompts"] = bench_prompts(args, sweep=args.sweep in ("prefill", "all"))
     if (ceil := ceilings()) is not None:
         peak_tflops, peak_tbps = ceil
         if "decode" in result:
