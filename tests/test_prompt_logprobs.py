@@ -14,22 +14,34 @@ from pagellm.sampling_params import RequestOutputKind
 K = 3
 
 
-def _hf_prompt_logprobs(hf, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """([P - 1] logprob of each prompt token after the first, [P - 1, K] top-K ids)."""
+def _hf_prompt_logprobs(hf, prompt_ids: list[int]):
+    """Per prompt token after the first: (its logprob, the top-K ids, the [lowest, highest]
+    vocab rank it may have: tokens within 2e-4 of it may fall either side in the engine's
+    own float32 arithmetic)."""
     with torch.inference_mode():
         logits = hf(input_ids=torch.tensor([prompt_ids])).logits[0, :-1].float()
     logprobs = logits.log_softmax(-1)
     target = torch.tensor(prompt_ids[1:])
-    return logprobs[torch.arange(len(target)), target], logprobs.topk(K, -1).indices
+    chosen = logprobs[torch.arange(len(target)), target]
+    ranks = torch.stack(
+        [
+            (logprobs > chosen[:, None] + 2e-4).sum(-1) + 1,
+            (logprobs >= chosen[:, None] - 2e-4).sum(-1),
+        ],
+        dim=-1,
+    )
+    return chosen, logprobs.topk(K, -1).indices, ranks
 
 
 def _check(prompt_ids, prompt_logprobs, hf):
     assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
-    want, want_top = _hf_prompt_logprobs(hf, prompt_ids)
+    want, want_top, want_rank = _hf_prompt_logprobs(hf, prompt_ids)
     for pos, entry in enumerate(prompt_logprobs[1:]):
         token = prompt_ids[pos + 1]
         assert entry[token].logprob == pytest.approx(want[pos].item(), abs=2e-4)
-        top = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank is not None)
+        low, high = want_rank[pos].tolist()  # its rank in the whole vocabulary
+        assert low <= entry[token].rank <= high
+        top = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= K)
         assert [tid for _, tid in top] == want_top[pos].tolist()
 
 
@@ -63,7 +75,7 @@ def test_prompt_logprobs_match_hf(hf_smollm, async_scheduling):
 
 
 def _check_k0(prompt_ids, prompt_logprobs, hf):
-    want, _ = _hf_prompt_logprobs(hf, prompt_ids)
+    want, _, _ = _hf_prompt_logprobs(hf, prompt_ids)
     got = [entry[token].logprob for entry, token in zip(prompt_logprobs[1:], prompt_ids[1:])]
     assert got == pytest.approx(want.tolist(), abs=2e-4)
 
@@ -84,3 +96,17 @@ def test_prompt_logprobs_stream_once_and_validate(llm):
         seen += [o.prompt_logprobs for o in engine.step()]
     assert seen[0] is not None and len(seen[0]) == 4 and seen[0][0] is None
     assert all(p is None for p in seen[1:])
+
+
+def test_sampled_tokens_carry_their_vocab_rank(llm, hf_smollm):
+    """With temperature, sampled tokens are often outside the top k: their Logprob still
+    has their rank (vLLM's), checked against HF's distribution over the same tokens."""
+    prompt = llm.get_tokenizer().encode("Once upon a time")
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=12, logprobs=1, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    want, _, want_rank = _hf_prompt_logprobs(hf_smollm, prompt + out.token_ids)
+    n = len(prompt)
+    got = [entry[t].rank for entry, t in zip(out.logprobs, out.token_ids)]
+    for rank, (low, high) in zip(got, want_rank[n - 1 :].tolist()):
+        assert low <= rank <= high
+    assert max(got) > 1  # some token was not the argmax: the test can fail

@@ -570,9 +570,11 @@ def test_logprobs_are_passed_through():
         [[10], [11]],
         logprobs=[[-0.5, -0.5, -1.5], [-0.1, -0.1, -2.5]],
         logprob_token_ids=[[10, 10, 3], [11, 11, 7]],
+        logprob_ranks=[1, 1],
     )
     out_a, out_b = scheduler.update_from_output(so, mro).outputs
     assert out_a.new_logprobs == [[-0.5, -0.5]] and out_a.new_top_logprob_ids == [[10, 10]]
+    assert out_a.new_logprob_ranks == [1]
     assert out_b.new_logprobs is None and out_b.new_top_logprob_ids is None
 
 

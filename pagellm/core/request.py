@@ -80,8 +80,8 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         # SamplingParams.prompt_logprobs: rows gathered chunk by chunk, sent with the first token
-        self.prompt_logprobs: tuple[list[list[float]], list[list[int]]] | None = (
-            ([], []) if sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs: tuple[list[list[float]], list[list[int]], list[int]] | None = (
+            ([], [], []) if sampling_params.prompt_logprobs is not None else None
         )
         self.block_hashes: list[int] = []  # chain hashes of this request's full blocks
         self.stop_reason: int | str | None = None

@@ -54,5 +54,9 @@ class ModelRunnerOutput:
     # per request: [sampled token logprob, then top-k logprobs] when requested, else []
     logprobs: list[list[float]] | None = None
     logprob_token_ids: list[list[int]] | None = None  # per request: [sampled id, then top-k ids]
-    # req_id -> (first prompt position of the chunk, its rows as in logprobs / logprob_token_ids)
-    prompt_logprobs: dict[str, tuple[int, list[list[float]], list[list[int]]]] | None = None
+    logprob_ranks: list[int] | None = None  # per request: the sampled token's vocab rank
+    # req_id -> (first prompt position of the chunk, then per position as in logprobs,
+    # logprob_token_ids and logprob_ranks)
+    prompt_logprobs: dict[str, tuple[int, list[list[float]], list[list[int]], list[int]]] | None = (
+        None
+    )

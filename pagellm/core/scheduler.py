@@ -311,25 +311,29 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0) if first_output else 0,
         )
         if first_output and request.prompt_logprobs is not None:
-            output.prompt_logprobs, output.prompt_logprob_ids = request.prompt_logprobs
+            (
+                output.prompt_logprobs,
+                output.prompt_logprob_ids,
+                output.prompt_logprob_ranks,
+            ) = request.prompt_logprobs
         num_logprobs = request.sampling_params.logprobs
         if num_logprobs is not None and mro.logprobs is not None and mro.logprobs[i]:
             # the step computed the largest k any request asked for: keep this one's 1 + k
             output.new_logprobs = [mro.logprobs[i][: 1 + num_logprobs]]
             output.new_top_logprob_ids = [mro.logprob_token_ids[i][: 1 + num_logprobs]]
+            output.new_logprob_ranks = [mro.logprob_ranks[i]]
         return output
 
     def _gather_prompt_logprobs(self, chunks: dict) -> None:
         """Add each chunk's rows at its positions (a recomputed chunk, after a preemption,
         replaces what it covers)."""
-        for req_id, (start, values, ids) in chunks.items():
+        for req_id, (start, *rows) in chunks.items():
             request = self.requests.get(req_id)
             if request is None or request.prompt_logprobs is None:
                 continue
-            gathered_values, gathered_ids = request.prompt_logprobs
-            del gathered_values[start:], gathered_ids[start:]
-            gathered_values += values
-            gathered_ids += ids
+            for gathered, new in zip(request.prompt_logprobs, rows):  # values, ids, ranks
+                del gathered[start:]
+                gathered += new
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens up to the first that finishes the request; return those."""

@@ -168,7 +168,12 @@ class OutputProcessor:
         if out.new_logprobs is not None and state.logprobs is not None:
             self._update_logprobs(state, out)
         if out.prompt_logprobs is not None:
-            entries = map(_logprob_entry, out.prompt_logprobs, out.prompt_logprob_ids)
+            entries = map(
+                _logprob_entry,
+                out.prompt_logprobs,
+                out.prompt_logprob_ids,
+                out.prompt_logprob_ranks,
+            )
             state.prompt_logprobs = [None, *entries]  # nothing precedes the first token
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None:
@@ -188,8 +193,10 @@ class OutputProcessor:
         return state.detokenizer.update(new_ids, len(state.token_ids))
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
-        for values, ids in zip(out.new_logprobs, out.new_top_logprob_ids):
-            state.logprobs.append(_logprob_entry(values, ids))
+        for values, ids, rank in zip(
+            out.new_logprobs, out.new_top_logprob_ids, out.new_logprob_ranks
+        ):
+            state.logprobs.append(_logprob_entry(values, ids, rank))
             state.cumulative_logprob += values[0]
 
     def _make_request_output(
@@ -259,11 +266,10 @@ class OutputProcessor:
         )
 
 
-def _logprob_entry(values: list[float], ids: list[int]) -> dict[int, Logprob]:
-    """{token: Logprob} from [its logprob, then the top k] and [its id, then theirs]; the
-    token keeps its rank when it is among the top k."""
+def _logprob_entry(values: list[float], ids: list[int], rank: int) -> dict[int, Logprob]:
+    """{token: Logprob} from [its logprob, then the top k], [its id, then theirs] and its
+    rank in the vocabulary; the top k are ranked 1 .. k."""
     top = ids[1:]  # best first
-    rank = top.index(ids[0]) + 1 if ids[0] in top else None
     entry = {ids[0]: Logprob(values[0], rank=rank)}
     for rank, (tid, val) in enumerate(zip(top, values[1:]), start=1):
         entry.setdefault(tid, Logprob(val, rank=rank))

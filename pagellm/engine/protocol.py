@@ -37,6 +37,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # per new token: [sampled logprob, then (token id, logprob) of the top `logprobs`]
     new_logprobs: list[list[float]] | None = None
     new_top_logprob_ids: list[list[int]] | None = None
+    new_logprob_ranks: list[int] | None = None  # per new token: its rank in the vocabulary
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
@@ -44,6 +45,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # `prompt_logprobs`] and [its id, then theirs]
     prompt_logprobs: list[list[float]] | None = None
     prompt_logprob_ids: list[list[int]] | None = None
+    prompt_logprob_ranks: list[int] | None = None
 
     @property
     def finished(self) -> bool:

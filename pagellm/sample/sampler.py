@@ -21,17 +21,19 @@ _NEG_INF = float("-inf")
 
 
 class SamplerOutput:
-    __slots__ = ("sampled", "logprobs", "logprob_ids")
+    __slots__ = ("sampled", "logprobs", "logprob_ids", "logprob_ranks")
 
     def __init__(
         self,
         sampled: torch.Tensor,  # [B] int64
         logprobs: torch.Tensor | None = None,  # [B, 1 + k] float32: sampled, then top-k
         logprob_ids: torch.Tensor | None = None,  # [B, 1 + k] int64
+        logprob_ranks: torch.Tensor | None = None,  # [B] int64: the sampled token's vocab rank
     ) -> None:
         self.sampled = sampled
         self.logprobs = logprobs
         self.logprob_ids = logprob_ids
+        self.logprob_ranks = logprob_ranks
 
 
 class Sampler:
@@ -160,11 +162,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def gather_logprobs(
     logits: torch.Tensor, sampled: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, 1 + k] logprobs, [B, 1 + k] ids): those of `sampled`, then the top k, best first."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([B, 1 + k] logprobs, [B, 1 + k] ids): those of `sampled`, then the top k, best first;
+    and [B] the rank of `sampled` in the vocabulary (1: the likeliest; as vLLM, the number of
+    tokens at least as likely)."""
     logprobs = logits.log_softmax(dim=-1)  # [B, V]
     chosen = logprobs.gather(-1, sampled.unsqueeze(1))  # [B, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [B]
     if k == 0:
-        return chosen, sampled.unsqueeze(1)
+        return chosen, sampled.unsqueeze(1), ranks
     top_vals, top_ids = logprobs.topk(k, dim=-1)  # [B, k]
-    return torch.cat([chosen, top_vals], 1), torch.cat([sampled.unsqueeze(1), top_ids], 1)
+    values = torch.cat([chosen, top_vals], 1)
+    return values, torch.cat([sampled.unsqueeze(1), top_ids], 1), ranks

@@ -382,7 +382,7 @@ class ModelRunner:
                 continue
             start = int(batch.seq_lens[i] - batch.num_scheduled[i])  # first position this step
             end = min(int(batch.seq_lens[i]), int(ib.num_prompt_tokens[row]) - 1)
-            values, ids = [], []
+            values, ids, ranks = [], [], []
             for lo in range(start, end, PROMPT_LOGPROBS_ROWS):
                 hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
                 first = int(batch.query_start_loc[i]) + lo - start  # row of position lo
@@ -390,11 +390,12 @@ class ModelRunner:
                 targets = to_device(
                     ib.token_ids[row, lo + 1 : hi + 1].astype(np.int64), self.device
                 )
-                v, t = gather_logprobs(logits, targets, ib.params[row].prompt_logprobs)
+                v, t, r = gather_logprobs(logits, targets, ib.params[row].prompt_logprobs)
                 values += v.tolist()
                 ids += t.tolist()
+                ranks += r.tolist()
             if values:
-                chunks[batch.req_ids[i]] = (start, values, ids)
+                chunks[batch.req_ids[i]] = (start, values, ids, ranks)
         return chunks
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
@@ -424,11 +425,14 @@ class ModelRunner:
     def _attach_logprobs(self, output: ModelRunnerOutput, sample_idx: np.ndarray, result) -> None:
         values = result.logprobs.cpu().tolist()
         ids = result.logprob_ids.cpu().tolist()
+        ranks = result.logprob_ranks.cpu().tolist()
         output.logprobs = [[] for _ in output.req_ids]
         output.logprob_token_ids = [[] for _ in output.req_ids]
+        output.logprob_ranks = [0 for _ in output.req_ids]
         for j, i in enumerate(sample_idx.tolist()):
             output.logprobs[i] = values[j]
             output.logprob_token_ids[i] = ids[j]
+            output.logprob_ranks[i] = ranks[j]
 
 
 def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
