@@ -164,6 +164,7 @@ def _send_failure(sock: zmq.Socket, message: list[str]) -> None:
 def main() -> None:
     from pagellm.cli import setup_logging
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, even while waiting
     setup_logging()
     logger.info("EngineCore process %d: imports done, waiting for the config", os.getpid())
     message = sys.stdin.buffer.read()  # the caller's config, once it has resolved it
