@@ -48,6 +48,8 @@ class InputBatch:
         self.penalties: PenaltyState | None = None  # device state, made for the first penalty
         self._token_field_rows: set[int] = set()  # rows with logit_bias or allowed_token_ids
         self.prompt_logprob_rows: set[int] = set()  # rows whose requests want prompt logprobs
+        self._min_tokens_rows: set[int] = set()  # rows with min_tokens (EOS / stop ids banned)
+        self._logprob_rows: set[int] = set()  # rows that want logprobs of sampled tokens
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -90,6 +92,10 @@ class InputBatch:
             self._token_field_rows.add(row)
         if params.prompt_logprobs is not None:
             self.prompt_logprob_rows.add(row)
+        if params.min_tokens:
+            self._min_tokens_rows.add(row)
+        if params.logprobs is not None:
+            self._logprob_rows.add(row)
         if params.seed is not None:
             self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
@@ -101,6 +107,8 @@ class InputBatch:
         self.generators.pop(row, None)
         self._token_field_rows.discard(row)
         self.prompt_logprob_rows.discard(row)
+        self._min_tokens_rows.discard(row)
+        self._logprob_rows.discard(row)
         self._free_rows.append(row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -119,7 +127,11 @@ class InputBatch:
             top_k=_optional(top_k, top_k > 0, device),
             top_p=_optional(top_p, top_p < 1.0, device),
             min_p=_optional(min_p, min_p > 0.0, device),
-            generators={i: self.generators[r] for i, r in enumerate(rows) if r in self.generators},
+            generators=(
+                {i: self.generators[r] for i, r in enumerate(rows) if r in self.generators}
+                if self.generators
+                else {}
+            ),
             banned_tokens=self._banned_tokens(rows),
             **self._token_fields(rows),
             max_num_logprobs=self._max_num_logprobs(rows),
@@ -158,7 +170,9 @@ class InputBatch:
         )
 
     def _banned_tokens(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:
-        banned = []
+        banned: list[tuple[int, list[int]]] = []
+        if not self._min_tokens_rows:
+            return banned  # most steps: no row has min_tokens, no row is walked
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         for i, row in enumerate(rows):
             params = self.params[row]
@@ -171,6 +185,8 @@ class InputBatch:
         return banned
 
     def _max_num_logprobs(self, rows: np.ndarray) -> int | None:
+        if not self._logprob_rows:
+            return None
         ks = [self.params[r].logprobs for r in rows if self.params[r].logprobs is not None]
         return max(ks) if ks else None
 
