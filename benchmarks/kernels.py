@@ -174,6 +174,37 @@ def bench_decode(args, sweep: bool) -> dict:
     }
 
 
+def sweep_prefill(inputs, scale, base, block_ms, tflops, args) -> dict:
+    """Prefill tiles (block_m x block_n, warps, stages) on these inputs; the fastest."""
+    from triton.testing import do_bench
+
+    results = []
+    for block_m, block_n, warps, stages in itertools.product(
+        block_ms, (32, 64, 128), (4, 8), (2, 3, 4)
+    ):
+        heads = base.heads_per_prog
+        if block_m < 16 * heads:
+            continue
+        cfg = replace(
+            base, block_q=block_m // heads, block_n=block_n, num_warps=warps, num_stages=stages
+        )
+        try:
+            _, f = triton_fn(inputs, scale, prefill=cfg)
+            t = do_bench(f, return_mode="median")
+        except Exception as e:
+            print(f"  sweep {cfg}: failed ({type(e).__name__})")
+            continue
+        if not fits(cfg, args.head_dim, args.block_size):
+            continue
+        results.append((t, cfg))
+        print(f"  sweep block_m={block_m} block_n={block_n} warps={warps} stages={stages}: "
+              f"{tflops(t):.0f} TFLOP/s")  # fmt: skip
+    t, cfg = min(results, key=lambda r: r[0])
+    best = {"config": asdict(cfg), "tflop_per_s": tflops(t)}
+    print(f"  best: {best}")
+    return best
+
+
 def bench_prefill(args, sweep: bool) -> dict:
     from triton.testing import do_bench
 
@@ -209,34 +240,11 @@ def bench_prefill(args, sweep: bool) -> dict:
         if t is not None:
             print(f"  sdpa {name}: {t:.3f} ms  {tflops(t):.0f} TFLOP/s")
 
-    best = None
-    if sweep:
-        base = prefill_config(h // kvh, d)
-        results = []
-        for block_m, block_n, warps, stages in itertools.product(
-            (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
-        ):
-            heads = base.heads_per_prog
-            if block_m < 16 * heads:
-                continue
-            cfg = replace(
-                base, block_q=block_m // heads, block_n=block_n, num_warps=warps,
-                num_stages=stages,
-            )  # fmt: skip
-            try:
-                _, f = triton_fn(inputs, scale, prefill=cfg)
-                t = do_bench(f, return_mode="median")
-            except Exception as e:
-                print(f"  sweep {cfg}: failed ({type(e).__name__})")
-                continue
-            if not fits(cfg, d, args.block_size):
-                continue
-            results.append((t, cfg))
-            print(f"  sweep block_m={block_m} block_n={block_n} warps={warps} stages={stages}: "
-                  f"{tflops(t):.0f} TFLOP/s")  # fmt: skip
-        t, cfg = min(results, key=lambda r: r[0])
-        best = {"config": asdict(cfg), "tflop_per_s": tflops(t)}
-        print(f"  best: {best}")
+    best = (
+        sweep_prefill(inputs, scale, prefill_config(h // kvh, d), (64, 128), tflops, args)
+        if sweep
+        else None
+    )
     return {
         "triton_tflop_per_s": tflops(ms),
         "triton_ms": ms,
@@ -309,34 +317,8 @@ def bench_prompts(args, sweep: bool) -> dict:
         if t is not None:
             print(f"  {name}: {t:.3f} ms  {tflops(t):.0f} TFLOP/s")
 
-    best = None
-    if sweep:
-        base = prefill_config(h // kvh, d)
-        results = []
-        for block_m, block_n, warps, stages in itertools.product(
-            (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
-        ):
-            heads = base.heads_per_prog
-            if block_m < 16 * heads:
-                continue
-            cfg = replace(
-                base, block_q=block_m // heads, block_n=block_n, num_warps=warps,
-                num_stages=stages,
-            )  # fmt: skip
-            try:
-                _, f = triton_fn(inputs, scale, prefill=cfg)
-                t = do_bench(f, return_mode="median")
-            except Exception as e:
-                print(f"  sweep {cfg}: failed ({type(e).__name__})")
-                continue
-            if not fits(cfg, d, bs):
-                continue
-            results.append((t, cfg))
-            print(f"  sweep block_m={block_m} block_n={block_n} warps={warps} stages={stages}: "
-                  f"{tflops(t):.0f} TFLOP/s")  # fmt: skip
-        t, cfg = min(results, key=lambda r: r[0])
-        best = {"config": asdict(cfg), "tflop_per_s": tflops(t)}
-        print(f"  best: {best}")
+    base = prefill_config(h // kvh, d)
+    best = sweep_prefill(inputs, scale, base, (32, 64, 128), tflops, args) if sweep else None
     return {
         "triton_tflop_per_s": tflops(ms),
         **{f"{k}_tflop_per_s": (tflops(t) if t else None) for k, t in others.items()},
