@@ -71,6 +71,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         )
 
     def _verify(self) -> None:
+        self._verify_sampling()
+        self._verify_lengths_and_outputs()
+
+    def _verify_sampling(self) -> None:
+        """How the next token is drawn: temperature, truncation, biases, penalties, seed."""
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         _check(
             self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}"
@@ -101,6 +106,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             "repetition_penalty",
             f"must be greater than zero, got {self.repetition_penalty}",
         )
+
+    def _verify_lengths_and_outputs(self) -> None:
+        """How long a request runs, what stops it, what it returns besides tokens."""
         _check(
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
@@ -118,22 +126,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             "stop_token_ids",
             f"must be non-negative integers, got {self.stop_token_ids}",
         )
-        _check(
-            self.logprobs is None or self.logprobs >= 0,
-            "logprobs",
-            f"must be non-negative, got {self.logprobs}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, f"must be non-negative, got {value}")
         _check(
             self.truncate_prompt_tokens is None
             or self.truncate_prompt_tokens == -1
             or self.truncate_prompt_tokens >= 1,
             "truncate_prompt_tokens",
             f"must be -1 (the model's length) or at least 1, got {self.truncate_prompt_tokens}",
-        )
-        _check(
-            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-            "prompt_logprobs",
-            f"must be non-negative, got {self.prompt_logprobs}",
         )
 
     @property
