@@ -35,9 +35,9 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # the last `keep` tokens (vLLM's truncate_prompt_tokens)
-            token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep) :]
+        token_ids = truncate_prompt(
+            token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len
+        )
         self._validate(token_ids)
         self._validate_sampling_fields(params)
         request = EngineCoreRequest(
@@ -95,6 +95,14 @@ class InputProcessor:
                     f"SamplingParams.{name}={k} is more than the {limit} allowed "
                     "(max_logprobs, at most the vocabulary size)"
                 )
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The last `keep` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len); all of them
+    for None, or for a value SamplingParams refuses (0, below -1), which it reports."""
+    if keep is None or keep == 0 or keep < -1:
+        return token_ids
+    return token_ids[-(max_model_len if keep == -1 else keep) :]
 
 
 def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None = None) -> None:

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.input_processor import truncate_prompt
 from pagellm.entrypoints.openai.errors import APIError, from_exception
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -170,10 +171,7 @@ class OpenAIServing:
 
     def truncated(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), if set."""
-        keep = request.truncate_prompt_tokens
-        if keep is None or keep == 0 or keep < -1:
-            return prompt_ids  # SamplingParams says what is wrong with 0 or < -1
-        return prompt_ids[-(self.max_model_len if keep == -1 else keep) :]
+        return truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int | None:
         """The requested max_tokens, or all the room left; a ValueError past the context."""
