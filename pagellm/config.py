@@ -241,16 +241,10 @@ class EngineConfig:
     def to_wire(self) -> dict[str, Any]:
         """Plain data for the EngineCore process (msgpack): the HF config as its dict."""
         mc = self.model_config
-        hf_config = mc.hf_config
-        hf_dict = (
-            vars(hf_config)
-            if isinstance(hf_config, HFConfigView)
-            else json.loads(hf_config.to_json_string(use_diff=False))
-        )
         model = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
         model.update(
             source=dataclasses.asdict(mc.source),
-            hf_config=hf_dict,
+            hf_config=json.loads(mc.hf_config.to_json_string(use_diff=False)),
             dtype=str(mc.dtype).removeprefix("torch."),
         )
         wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
