@@ -176,3 +176,37 @@ def test_sample_picks_across_vocabulary_chunks():
     temperature = torch.tensor([0.0] * 4 + [1.0] * 4)
     out = sample(logits.to(DEVICE), temperature.to(DEVICE)).cpu()
     assert out.tolist() == [CHUNK + 3] * 4 + [2 * CHUNK + 7] * 4
+
+
+def test_sample_follows_the_distribution_across_chunks_and_blocks(monkeypatch):
+    """Mass in two chunks and several blocks (T = 1 and T = 0.5), and a flat row whose
+    draws must land in every part of the vocabulary: the chunk pick and the scan inside a
+    chunk both count. Small blocks and chunks (constexprs) and few rows on the CPU keep it
+    quick under the interpreter (~10 ms a program); the tolerance is 4.5 sigma."""
+    from pagellm.kernels import sampling
+
+    block, chunk = 16, 64
+    monkeypatch.setattr(sampling, "BLOCK", block)
+    monkeypatch.setattr(sampling, "CHUNK", chunk)
+    vocab, rows = chunk + 10, 2000 if DEVICE == "cuda" else 200
+    atol = 4.5 * (0.25 / rows) ** 0.5
+    probs = torch.tensor([0.1, 0.2, 0.7])
+    tokens = [5, 3 * block + 2, chunk + 7]  # chunk 0 (blocks 0 and 3), chunk 1
+    logits = torch.full((2 * rows, vocab), float("-inf"))
+    logits[:, tokens] = probs.log()
+    temperature = torch.tensor([1.0] * rows + [0.5] * rows)
+    gen = torch.Generator().manual_seed(1)
+    out = sampling.sample(logits.to(DEVICE), temperature.to(DEVICE), gen).cpu()
+    assert set(out.tolist()) <= set(tokens)
+    which = torch.tensor([tokens.index(t) for t in out.tolist()])
+    sharp = probs**2 / (probs**2).sum()  # T = 0.5
+    for part, expected in ((which[:rows], probs), (which[rows:], sharp)):
+        freq = torch.bincount(part, minlength=3).float() / rows
+        torch.testing.assert_close(freq, expected, atol=atol, rtol=0)
+
+    flat = torch.zeros((rows, vocab), device=DEVICE)  # every token equally likely
+    out = sampling.sample(flat, torch.ones(rows, device=DEVICE), gen).cpu()
+    edges = torch.tensor([2 * block, chunk, vocab])  # two blocks, the rest of chunk 0, chunk 1
+    freq = torch.bincount(torch.bucketize(out, edges, right=True), minlength=3).float() / rows
+    expected = torch.tensor([2 * block, chunk - 2 * block, vocab - chunk]) / vocab
+    torch.testing.assert_close(freq[:3], expected, atol=atol, rtol=0)

@@ -300,10 +300,10 @@ def test_plan_decode_only_needs_no_tile_map():
 
 
 def test_plan_prefill_tiles_cover_every_query_once_heaviest_first():
-    query_lens, context_lens = [1, 300, 2, 130, 1], [10, 0, 7, 500, 0]
+    query_lens, context_lens = [1, 300, 2, 130, 1], [10, 0, 7, 500, 20]
     batch = Batch(query_lens, context_lens, 4, 4, 32, 16, torch.float32)
     decode, prefill = batch.plan().launches
-    assert decode.tile_req.tolist() == [0, 2, 4] and decode.tile_q.tolist() == [0, 0, 0]
+    assert decode.tile_req.tolist() == [4, 0, 2] and decode.tile_q.tolist() == [0, 0, 0]
     block_q = prefill.config.block_q
     covered = sorted(
         (r, q)
@@ -361,6 +361,21 @@ def test_backend_forward_with_padding():
     assert len(metadata._plans) == 1  # a second layer reuses the plan
     backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, metadata)
     assert len(metadata._plans) == 1
+
+
+def test_backend_decode_step_runs_longest_requests_first():
+    """A decode-only step gets a device-built tile map, longest first; the output is the
+    same attention."""
+    context_lens = [5, 100, 7, 100, 0, 30]
+    batch = Batch([1] * 6, context_lens, 8, 2, 64, 16, torch.float32, seed=7)
+    metadata = TritonAttentionBackend.build_metadata(batch.common())
+    backend = TritonAttentionBackend(8, 2, 64, batch.scale)
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, metadata)
+    assert_close(out, batch.reference(), torch.float32)
+    ((launch,),) = [plan.launches for plan in metadata._plans.values()]
+    order = launch.tile_req.tolist()
+    assert sorted(order) == list(range(6)) and launch.tile_q.tolist() == [0] * 6
+    assert [context_lens[r] for r in order] == sorted(context_lens, reverse=True)
 
 
 def test_paged_attention_rejects_bad_inputs():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagellm.kernels.attention_plan import order_by_length
 from pagellm.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from pagellm.kernels.reshape_and_cache import reshape_and_cache
 
@@ -36,7 +37,7 @@ class TritonAttentionMetadata:
         key = (num_heads, num_kv_heads, head_dim, element_size)
         if key not in self._plans:
             c = self.common
-            self._plans[key] = plan_attention(
+            plan = plan_attention(
                 c.query_start_loc_cpu,
                 c.seq_lens_cpu,
                 num_heads,
@@ -45,6 +46,8 @@ class TritonAttentionMetadata:
                 c.query_start_loc.device,
                 element_size=element_size,
             )
+            plan.launches = [order_by_length(launch, c.seq_lens) for launch in plan.launches]
+            self._plans[key] = plan
         return self._plans[key]
 
 

@@ -1,8 +1,14 @@
-"""Host-side planning for the paged attention kernels: tile shapes, launches, split-KV.
+"""Planning for the paged attention kernels: tile shapes, launches, split-KV, tile order.
 
 `plan_attention` turns one step's query_start_loc / seq_lens (host copies) into launches:
 a decode launch (every request whose query fits one tile) and a prefill launch with a
 tile -> (request, first query) map, and decides the split-KV count for decodes.
+
+Tiles run longest first, so the launch does not end on a few long programs: the host
+orders the maps it builds. A decode-only step has no map (tile i is request i, which keeps
+it CUDA-graph friendly); `order_by_length` builds its map on the device from the live
+`seq_lens`, one small sort per step (4.07 -> 4.28 TB/s of K/V on a Llama-3.1-8B decode step
+of the standard workload, H200; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,10 +44,14 @@ class TileConfig:
 
 
 def decode_config(queries_per_kv: int, head_dim: int) -> TileConfig:
-    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), long key steps: memory-bound."""
+    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), few warps: memory-bound.
+
+    Key steps of 32 with 2 warps: 4.33 TB/s against 4.22 for steps of 64 with 4 warps on a
+    decode step of the standard workload (H200, 28 layers in one CUDA graph; see
+    docs/benchmarks.md); smaller tiles let more programs share an SM.
+    """
     heads = min(triton.next_power_of_2(queries_per_kv), 16)
-    block_n = 64 if head_dim <= 128 else 32
-    return TileConfig(heads, max(1, 16 // heads), block_n, num_warps=4, num_stages=3)
+    return TileConfig(heads, max(1, 16 // heads), 32, num_warps=2, num_stages=3)
 
 
 def prefill_config(queries_per_kv: int, head_dim: int, element_size: int = 2) -> TileConfig:
@@ -140,6 +150,7 @@ def plan_attention(
     q_lens = qsl[1:] - qsl[:-1]
     is_decode = q_lens <= decode.block_q
     dec_reqs = np.flatnonzero(is_decode)
+    dec_reqs = dec_reqs[np.argsort(-seq_lens[dec_reqs], kind="stable")]  # longest first
     pre_reqs = np.flatnonzero(~is_decode)
 
     host_maps: list[np.ndarray] = []
@@ -185,3 +196,17 @@ def _maps_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torc
         flat_host[start : start + len(a)] = a
     flat = to_device(flat_host, device)
     return [flat[start : start + len(a)] for start, a in zip(starts, arrays)]
+
+
+def order_by_length(launch: Launch, seq_lens: torch.Tensor) -> Launch:
+    """A decode-only launch with a tile map that runs the longest requests first, built on
+    the device from `seq_lens` (so a CUDA graph replay orders by the live lengths).
+
+    torch ops, not a Triton kernel: `compile_ahead`'s dry passes skip Triton kernels not yet
+    compiled, and a skipped sort would leave garbage request indices for the attention.
+    """
+    if launch.tile_req is not None or launch.num_tiles < 2:
+        return launch
+    n = launch.num_tiles
+    order = torch.sort(seq_lens[:n], descending=True).indices.to(torch.int32)
+    return Launch(launch.config, n, launch.num_splits, order, torch.zeros_like(order))
