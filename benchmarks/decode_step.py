@@ -1,0 +1,120 @@
+"""The attention of one decode step of the standard workload, all layers, in a CUDA graph.
+
+    python benchmarks/decode_step.py                  # Qwen3-0.6B shape (16/8 heads, 28 layers)
+    python benchmarks/decode_step.py --model llama    # Llama-3.1-8B shape (32/8 heads, 32 layers)
+    python benchmarks/decode_step.py --sweep          # also decode tile configs
+
+256 requests with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
+workload's prompts, half-way through their outputs), head_dim 128, pages of 16 tokens, bf16.
+Every layer has its own pages (block tables shuffled per layer, so no layer reads what an
+earlier one left in L2); one CUDA graph replays the paged-attention launch of every layer,
+as the engine's decode graphs do. Variants, timed in turns (A B C D, three times):
+the page layout (token-major `[block, slot, kv_head, d]`, the engine's; head-major
+`[block, kv_head, slot, d]` through strides) and the program order (request order, or
+longest first: `order_by_length`). Reported as TB/s of K/V read; medians of the turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import graph_median_ms  # noqa: E402
+
+SHAPES = {"qwen": (16, 8, 28), "llama": (32, 8, 32)}  # heads, kv heads, layers
+HEAD_DIM, BLOCK_SIZE, BATCH = 128, 16, 256
+
+
+def main() -> None:
+    from pagellm.kernels.attention_plan import decode_config, order_by_length, plan_attention
+    from pagellm.kernels.paged_attention import paged_attention
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="qwen")
+    p.add_argument("--sweep", action="store_true", help="block_n / warps / stages, longest first")
+    args = p.parse_args()
+    heads, kv_heads, layers = SHAPES[args.model]
+
+    rng = random.Random(0)
+    lens = [rng.randint(100, 1024) + 256 for _ in range(BATCH)]
+    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    per_layer = sum(blocks)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (2, per_layer * layers, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    token_major = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    head_major = token_major.transpose(2, 3).contiguous().transpose(2, 3)  # same values
+    tables = []
+    for layer in range(layers):
+        perm = torch.randperm(per_layer) + layer * per_layer
+        table = torch.zeros(BATCH, max(blocks), dtype=torch.int32)
+        for i, start in enumerate(itertools.accumulate([0, *blocks[:-1]])):
+            table[i, : blocks[i]] = perm[start : start + blocks[i]]
+        tables.append(table.cuda())
+    q = torch.randn(BATCH, heads, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qsl_cpu = torch.arange(BATCH + 1, dtype=torch.int32)
+    qsl = qsl_cpu.cuda()
+    kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * 2 * layers
+    outs = [torch.empty_like(q) for _ in range(layers)]
+
+    def graph_ms(cache, longest_first: bool, config=None) -> float:
+        plan = plan_attention(
+            qsl_cpu.numpy(), seq_lens.cpu().numpy(), heads, kv_heads, HEAD_DIM, "cuda",
+            decode=config,
+        )  # fmt: skip
+        if longest_first:
+            plan.launches = [order_by_length(launch, seq_lens) for launch in plan.launches]
+
+        def step():
+            for layer in range(layers):
+                paged_attention(
+                    q, cache, tables[layer], seq_lens, qsl, HEAD_DIM**-0.5, plan=plan,
+                    out=outs[layer],
+                )  # fmt: skip
+
+        return graph_median_ms(step)
+
+    tbps = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
+    config = decode_config(heads // kv_heads, HEAD_DIM)
+    print(f"{args.model}: {BATCH} requests, mean seq_len {sum(lens) / BATCH:.0f}, {layers} "
+          f"layers, {kv_bytes / 1e9:.2f} GB of K/V per step, {config}")  # fmt: skip
+    variants = {
+        (layout, order): (cache, order == "longest first")
+        for layout, cache in (("token-major", token_major), ("head-major", head_major))
+        for order in ("request order", "longest first")
+    }
+    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    for _ in range(3):
+        for v, (cache, longest) in variants.items():
+            times[v].append(graph_ms(cache, longest))
+    for (layout, order), ts in times.items():
+        ms = statistics.median(ts)
+        per_layer_us = ms * 1e3 / layers
+        print(f"  {layout:11s} {order:13s}: {per_layer_us:6.1f} us a layer, {tbps(ms):.2f} TB/s")
+
+    if args.sweep:
+        base = decode_config(heads // kv_heads, HEAD_DIM)
+        results = []
+        for block_n, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (2, 3, 4)):
+            config = replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = graph_ms(token_major, True, config)
+            except Exception as e:  # out of shared memory, ...
+                print(f"  sweep {block_n}/{warps}/{stages}: {type(e).__name__}")
+                continue
+            results.append((ms, block_n, warps, stages))
+            print(f"  sweep block_n={block_n} warps={warps} stages={stages}: {tbps(ms):.2f} TB/s")
+        for ms, block_n, warps, stages in sorted(results)[:5]:
+            print(f"  best: block_n={block_n} warps={warps} stages={stages}: {tbps(ms):.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
