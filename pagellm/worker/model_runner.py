@@ -34,11 +34,12 @@ from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.models.layers import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
-from pagellm.sample.sampler import Sampler, gather_logprobs
+from pagellm.sample.sampler import Sampler
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ logger = logging.getLogger(__name__)
 GPU_MEMORY_MARGIN = 512 << 20
 # context length the decode graphs are planned for (it fixes their split-KV count)
 GRAPH_PLAN_SEQ_LEN = 4096
-PROMPT_LOGPROBS_ROWS = 512  # prompt positions whose logits are taken at once
 
 
 class StepBatch:
@@ -354,7 +354,7 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
         if ib.prompt_logprob_rows:
-            output.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            output.prompt_logprobs = prompt_logprobs(self.model, ib, batch, hidden, self.device)
         if len(sample_idx) == 0:
             return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
@@ -369,34 +369,6 @@ class ModelRunner:
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
         self.pending.record(sampled)
         return AsyncModelRunnerOutput(output, sampled, self._read_back)
-
-    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict:
-        """For each request that wants prompt logprobs: (p0, values, ids) over the positions
-        p0 .. p computed this step whose next token p + 1 is still in the prompt; the row of
-        position p holds that token's logprob, then the top k (`gather_logprobs`). The logits
-        are taken PROMPT_LOGPROBS_ROWS positions at a time (a whole chunk of a 150k-token
-        vocabulary would take gigabytes). Read back at once: such steps wait for the GPU."""
-        ib, chunks = self.input_batch, {}
-        for i, row in enumerate(batch.rows.tolist()):
-            if row not in ib.prompt_logprob_rows:
-                continue
-            start = int(batch.seq_lens[i] - batch.num_scheduled[i])  # first position this step
-            end = min(int(batch.seq_lens[i]), int(ib.num_prompt_tokens[row]) - 1)
-            values, ids, ranks = [], [], []
-            for lo in range(start, end, PROMPT_LOGPROBS_ROWS):
-                hi = min(lo + PROMPT_LOGPROBS_ROWS, end)
-                first = int(batch.query_start_loc[i]) + lo - start  # row of position lo
-                logits = self.model.compute_logits(hidden[first : first + hi - lo]).float()
-                targets = to_device(
-                    ib.token_ids[row, lo + 1 : hi + 1].astype(np.int64), self.device
-                )
-                v, t, r = gather_logprobs(logits, targets, ib.params[row].prompt_logprobs)
-                values += v.tolist()
-                ids += t.tolist()
-                ranks += r.tolist()
-            if values:
-                chunks[batch.req_ids[i]] = (start, values, ids, ranks)
-        return chunks
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""
@@ -413,7 +385,7 @@ class ModelRunner:
         )
         ib.token_ids[sampled.rows[held], sampled.positions[held]] = tokens[held]
         if sampled.result.logprobs is not None:
-            self._attach_logprobs(output, sampled.sample_idx, sampled.result)
+            attach_logprobs(output, sampled.sample_idx, sampled.result)
 
     def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
         """Rows of `hidden` to take logits from: each sampling request's last token."""
@@ -421,18 +393,6 @@ class ModelRunner:
             return slice(0, len(batch.rows))  # every token samples: no index copy
         idx = batch.query_start_loc[1:][sample_idx] - 1
         return to_device(idx.astype(np.int64), self.device)
-
-    def _attach_logprobs(self, output: ModelRunnerOutput, sample_idx: np.ndarray, result) -> None:
-        values = result.logprobs.cpu().tolist()
-        ids = result.logprob_ids.cpu().tolist()
-        ranks = result.logprob_ranks.cpu().tolist()
-        output.logprobs = [[] for _ in output.req_ids]
-        output.logprob_token_ids = [[] for _ in output.req_ids]
-        output.logprob_ranks = [0 for _ in output.req_ids]
-        for j, i in enumerate(sample_idx.tolist()):
-            output.logprobs[i] = values[j]
-            output.logprob_token_ids[i] = ids[j]
-            output.logprob_ranks[i] = ranks[j]
 
 
 def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
