@@ -3,6 +3,8 @@
     python benchmarks/step_profile.py                                  # CPU workload
     python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b --load-format dummy
     python benchmarks/step_profile.py --workload fixed512 --kernels    # + a kernel table (CUDA)
+    python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b \
+        --load-format dummy --async-timeline                           # does the GPU wait?
 
 The engine runs in this process (`PAGELLM_ENABLE_MULTIPROCESSING=0`) with async scheduling
 off, and every `ModelRunner.execute_model` call is timed between two device syncs, so each
@@ -13,6 +15,12 @@ round. `--kernels` then profiles a few decode-only steps at the workload's full 
 
 This is a diagnostic, not a benchmark against a peer: sync scheduling and the syncs add
 host time that the async default hides.
+
+`--async-timeline` (CUDA) answers the other question, whether the GPU waits for the host:
+the engine runs with async scheduling (the default), unsynchronized, and a CUDA event is
+recorded on the stream before and after each step's work is queued. Per step: the GPU span
+(first to last event of the step) and the gap before the next step's first event, which is
+time the GPU sat idle waiting for the host to queue that step.
 """
 
 from __future__ import annotations
@@ -49,9 +57,14 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kernels", action="store_true", help="also a kernel table (CUDA)")
+    ap.add_argument(
+        "--async-timeline", action="store_true", help="GPU busy / idle per step, async (CUDA)"
+    )
     args = ap.parse_args()
+    if args.async_timeline:
+        return async_timeline(args)
 
-    from pagellm import LLM, SamplingParams
+    from pagellm import LLM
     from pagellm.worker.model_runner import ModelRunner
 
     steps: list[tuple[int, int, float]] = []  # (tokens, requests, seconds)
@@ -74,8 +87,21 @@ def main() -> None:
         model=args.model, load_format=args.load_format, async_scheduling=False,
         max_num_seqs=256 if gpu else 64,
     )  # fmt: skip
-    prompts, max_tokens = requests_of(args)
     temperature = 0.6 if gpu else 0.0
+    prompts = run_rounds(
+        llm, args, temperature, steps, lambda r, wall, out: report(r, wall, out, steps)
+    )
+    if args.kernels:
+        kernel_table(llm, prompts, temperature)
+    llm.shutdown()
+
+
+def run_rounds(llm, args, temperature: float, steps: list, on_round) -> list[list[int]]:
+    """A short warm-up, then the workload `args.rounds` times, each on a cleared prefix
+    cache and `steps` list; `on_round(round, wall seconds, output tokens)` after each."""
+    from pagellm import SamplingParams
+
+    prompts, max_tokens = requests_of(args)
     params = [
         SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in max_tokens
     ]
@@ -85,11 +111,43 @@ def main() -> None:
         steps.clear()
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        report(r, wall, sum(max_tokens), steps)
+        on_round(r, time.perf_counter() - start, sum(max_tokens))
+    return prompts
 
-    if args.kernels:
-        kernel_table(llm, prompts, temperature)
+
+def async_timeline(args) -> None:
+    from pagellm import LLM
+    from pagellm.worker.model_runner import ModelRunner
+
+    steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
+    queue_step = ModelRunner.execute_model_async
+
+    def recorded(runner, scheduler_output):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = queue_step(runner, scheduler_output)
+        end.record()
+        tokens = scheduler_output.total_num_scheduled_tokens
+        steps.append((tokens, len(scheduler_output.num_scheduled_tokens), start, end))
+        return out
+
+    def timeline(r: int, wall: float, out_tokens: int) -> None:
+        torch.cuda.synchronize()
+        spans = [s[2].elapsed_time(s[3]) for s in steps]  # ms
+        gaps = [a[3].elapsed_time(b[2]) for a, b in zip(steps, steps[1:])]
+        decode = [i for i, s in enumerate(steps[:-1]) if s[0] == s[1]]
+        print(f"round {r}: {out_tokens / wall:.1f} out tok/s, wall {wall:.2f} s, "
+              f"{len(steps)} steps: GPU spans {sum(spans) / 1e3:.2f} s, idle gaps "
+              f"{sum(gaps) / 1e3:.2f} s")  # fmt: skip
+        if decode:
+            span = statistics.median(spans[i] for i in decode)
+            gap = statistics.median(gaps[i] for i in decode)
+            print(f"  decode-only steps: median span {span:.2f} ms, median gap after "
+                  f"{gap:.3f} ms")  # fmt: skip
+
+    ModelRunner.execute_model_async = recorded
+    llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=256)
+    run_rounds(llm, args, 0.6, steps, timeline)
     llm.shutdown()
 
 
