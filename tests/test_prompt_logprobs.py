@@ -5,6 +5,7 @@ streaming deltas, and the OpenAI completions endpoint's `echo` with `logprobs`."
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -96,6 +97,14 @@ def test_prompt_logprobs_stream_once_and_validate(llm):
         seen += [o.prompt_logprobs for o in engine.step()]
     assert seen[0] is not None and len(seen[0]) == 4 and seen[0][0] is None
     assert all(p is None for p in seen[1:])
+    # n > 1: one stream for the request, the prompt's logprobs in it once (not once a child)
+    three = msgspec.structs.replace(params, n=3, temperature=1.0, seed=2)
+    engine.add_request("delta-1", {"prompt_token_ids": [1, 2, 3, 4]}, three)
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += [o.prompt_logprobs for o in engine.step()]
+    carrying = [p for p in seen if p is not None]
+    assert len(seen) >= 3 and len(carrying) == 1 and len(carrying[0]) == 4
 
 
 def test_sampled_tokens_carry_their_vocab_rank(llm, hf_smollm):

@@ -28,7 +28,9 @@ from pagellm.sampling_params import RequestOutputKind
 class ParentRequest:
     """The user's request when n > 1: collects the children's completions into one output."""
 
-    __slots__ = ("request_id", "completions", "num_finished", "n", "output_kind")
+    __slots__ = (
+        "request_id", "completions", "num_finished", "n", "output_kind", "sent_prompt_logprobs"
+    )  # fmt: skip
 
     def __init__(self, request_id: str, n: int, output_kind: RequestOutputKind) -> None:
         self.request_id = request_id
@@ -36,6 +38,7 @@ class ParentRequest:
         self.output_kind = output_kind
         self.completions: list[CompletionOutput | None] = [None] * n
         self.num_finished = 0
+        self.sent_prompt_logprobs = False  # DELTA: the first child's carry them, no other
 
 
 def fan_out(
@@ -253,7 +256,12 @@ class OutputProcessor:
     ) -> RequestOutput:
         prompt_logprobs = state.prompt_logprobs
         if state.params.output_kind == RequestOutputKind.DELTA:
-            state.prompt_logprobs = None  # deltas carry them once
+            state.prompt_logprobs = None  # deltas carry them once, for all n children
+            parent = state.parent
+            if parent is not None and prompt_logprobs is not None:
+                if parent.sent_prompt_logprobs:
+                    prompt_logprobs = None
+                parent.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
