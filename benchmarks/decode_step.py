@@ -35,7 +35,7 @@ HEAD_DIM, BLOCK_SIZE, BATCH = 128, 16, 256
 
 def main() -> None:
     from pagellm.kernels.attention_plan import decode_config, order_by_length, plan_attention
-    from pagellm.kernels.paged_attention import paged_attention
+    from pagellm.kernels.paged_attention import _STAGES_THAT_FIT, paged_attention
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen")
@@ -109,6 +109,10 @@ def main() -> None:
                 ms = graph_ms(token_major, True, config)
             except Exception as e:  # out of shared memory, ...
                 print(f"  sweep {block_n}/{warps}/{stages}: {type(e).__name__}")
+                continue
+            used = _STAGES_THAT_FIT.get((config, torch.bfloat16, HEAD_DIM, BLOCK_SIZE))
+            if used != stages:  # out of shared memory: the kernel fell back to fewer stages
+                print(f"  sweep {block_n}/{warps}/{stages}: does not fit (ran with {used})")
                 continue
             results.append((ms, block_n, warps, stages))
             print(f"  sweep block_n={block_n} warps={warps} stages={stages}: {tbps(ms):.2f} TB/s")
