@@ -35,9 +35,10 @@ Two launches of the same kernel cover a step (see `plan_attention`):
 - prefill tiles: the other requests, BLOCK_M = 128 rows, compute-bound. The host builds the
   tile -> (request, first query) map, heaviest tiles first, so no program idles on padding.
 
-A decode-only step (every query fits a decode tile) needs no tile map: tile i is request i.
-Its split count is fixed by the plan, and segment bounds come from the live `seq_lens`,
-so a CUDA graph captured with one plan stays correct for any context lengths.
+A decode-only step (every query fits a decode tile) needs no host-built tile map: tile i is
+request i, or the order `order_by_length` sorts on the device (the Triton backend's, longest
+first). Its split count is fixed by the plan, and segment bounds come from the live
+`seq_lens`, so a CUDA graph captured with one plan stays correct for any context lengths.
 """
 
 from __future__ import annotations
