@@ -6,7 +6,8 @@ Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min
 draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
 token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
 On CUDA, a step with only greedy and temperature rows (no top-k/top-p/min-p, no seeded
-rows) samples in one Triton pass over the logits (`pagellm/kernels/sampling.py`).
+rows) samples with two Triton kernels that read the logits once: per-chunk statistics,
+then one uniform per row inverting the CDF (`pagellm/kernels/sampling.py`).
 """
 
 from __future__ import annotations

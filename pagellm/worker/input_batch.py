@@ -187,7 +187,7 @@ class InputBatch:
     def _max_num_logprobs(self, rows: np.ndarray) -> int | None:
         if not self._logprob_rows:
             return None
-        ks = [self.params[r].logprobs for r in rows if self.params[r].logprobs is not None]
+        ks = [self.params[r].logprobs for r in rows.tolist() if r in self._logprob_rows]
         return max(ks) if ks else None
 
 
