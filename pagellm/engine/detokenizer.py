@@ -3,6 +3,15 @@
 Fast tokenizers use the tokenizers library's DecodeStream, which holds back bytes of a
 character split across tokens until the character is complete. Stop strings are checked
 here, on text, since they can span tokens.
+
+Stop strings, exactly:
+- a stop string counts only where it ends after the text of the first `min_tokens` tokens
+  (those tokens cannot stop the request, as EOS and stop token ids cannot);
+- of the stop strings found in one update, the one that ends first wins (ties: the longest),
+  which is where a check after every character would have stopped;
+- until the request finishes, the last `len(longest stop string) - 1` characters are held
+  back from `output_text()`: they may still become a stop string, and a streaming client
+  must never receive a part of one.
 """
 
 from __future__ import annotations
@@ -15,7 +24,17 @@ _PROMPT_CONTEXT = 4  # prompt tokens that prime the stream, so the first word de
 
 
 class IncrementalDetokenizer:
-    __slots__ = ("_stream", "_tokenizer", "_stop", "_hold", "_include_stop", "_min_tokens", "text")
+    __slots__ = (
+        "_stream",
+        "_tokenizer",
+        "_stop",
+        "_hold",
+        "_include_stop",
+        "_min_tokens",
+        "_num_tokens",
+        "_protected",
+        "text",
+    )
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         from tokenizers.decoders import DecodeStream
@@ -27,28 +46,42 @@ class IncrementalDetokenizer:
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
+        self._num_tokens = 0  # output tokens decoded so far
+        # length of the text of the first min_tokens tokens, once they are decoded
+        self._protected: int | None = 0 if params.min_tokens == 0 else None
         # characters held back while they could still become a stop string
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""
 
-    def update(self, new_token_ids: list[int], num_output_tokens: int) -> str | None:
-        """Appends the new tokens' text; returns the stop string that matched, if any."""
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Appends the new tokens' text; returns the stop string that matched, if any (the
+        text then ends before it, or after it with include_stop_str_in_output)."""
         start = len(self.text)
+        pieces = []
         for token_id in new_token_ids:
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
-                self.text += piece
-        if not self._stop or num_output_tokens < self._min_tokens:
+                pieces.append(piece)
+            self._num_tokens += 1
+            if self._num_tokens == self._min_tokens:
+                self._protected = start + sum(map(len, pieces))
+        self.text += "".join(pieces)
+        if not self._stop or self._protected is None:
             return None
-        return self._check_stop(max(0, start - self._hold))
+        return self._check_stop(max(start, self._protected))
 
-    def _check_stop(self, search_from: int) -> str | None:
+    def _check_stop(self, checked: int) -> str | None:
+        """The stop string that ends first after text[:checked] (which holds none)."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop in self._stop:
-            at = self.text.find(stop, search_from)
-            if at != -1:
-                self.text = self.text[: at + len(stop) if self._include_stop else at]
-                return stop
-        return None
+            at = self.text.find(stop, max(0, checked - len(stop) + 1))
+            if at != -1 and (best is None or (at + len(stop), at) < best[:2]):
+                best = (at + len(stop), at, stop)
+        if best is None:
+            return None
+        end, at, stop = best
+        self.text = self.text[: end if self._include_stop else at]
+        return stop
 
     def output_text(self, finished: bool) -> str:
         """Text that is safe to show: all of it once finished, else minus the held-back tail."""
