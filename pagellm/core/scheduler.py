@@ -50,6 +50,12 @@ from pagellm.engine.protocol import (
 logger = logging.getLogger(__name__)
 
 
+def error_output(request_id: str, error: Exception) -> EngineCoreOutput:
+    """The last output of a request that failed on its own: no tokens, ERROR, the error."""
+    message = f"{type(error).__name__}: {error}"
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message)
+
+
 @dataclass
 class _Step:
     """One schedule() call: the token budget left and what has been scheduled so far."""
@@ -278,12 +284,23 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            outputs.append(self._process_sampled(request, token_ids, mro, i))
+            try:
+                outputs.append(self._process_sampled(request, token_ids, mro, i))
+            except Exception as e:  # this request's own fault: it alone fails
+                outputs.append(self.fail_request(request, e))
         if any(output.finished for output in outputs):
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         stats = self.make_stats() if self.log_stats else None
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
+
+    def fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
+        """Finish a request that raised while its tokens were processed; free its blocks."""
+        logger.exception("request %r failed; the others carry on", request.request_id)
+        request.status = RequestStatus.FINISHED_ERROR
+        if self.requests.get(request.request_id) is request:
+            self._release(request)
+        return error_output(request.request_id, error)
 
     def _report_finished_on_arrival(self) -> list[EngineCoreOutput]:
         outputs = []

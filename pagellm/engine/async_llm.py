@@ -3,6 +3,10 @@
 One background task (the output handler) pulls outputs from the engine core and routes
 them, through the OutputProcessor, to one asyncio.Queue per request. Cancelling a
 `generate()` iterator aborts its request in the core, which frees its KV blocks.
+
+Text prompts are tokenized in a worker thread (the tokenizers library releases the GIL), so a
+long prompt never holds the event loop. When the core dies, every waiting iterator raises
+EngineDeadError and `wait_dead()` returns; `restart_engine_core()` starts a new core in place.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class AsyncLLM:
         self.engine_core = engine_core
         self.output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
+        self.dead = asyncio.Event()  # set with dead_error
         self.last_stats: SchedulerStats | None = None
 
     @classmethod
@@ -65,15 +70,34 @@ class AsyncLLM:
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams
     ) -> asyncio.Queue:
+        self._check_alive()
+        self.start()
+        process = self.input_processor.process_inputs
+        if _needs_tokenizing(prompt):  # off the event loop
+            prompt_text, request = await asyncio.to_thread(process, request_id, prompt, params)
+            self._check_alive()
+        else:
+            prompt_text, request = process(request_id, prompt, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        added: list[str] = []
+        try:
+            for child, parent, index in fan_out(request):
+                self.output_processor.add_request(prompt_text, child, parent, index, queue)
+                added.append(child.request_id)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self.output_processor.withdraw(added, self.engine_core.abort_requests)
+            raise
+        return queue
+
+    def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
-        self._start_output_handler()
-        prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params)
-        queue: asyncio.Queue = asyncio.Queue()
-        for child, parent, index in fan_out(request):
-            self.output_processor.add_request(prompt_text, child, parent, index, queue)
-            await self.engine_core.add_request_async(child)
-        return queue
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine requests not yet finished (n > 1 counts its n children)."""
+        return self.output_processor.get_num_unfinished_requests()
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -83,12 +107,41 @@ class AsyncLLM:
             await self.engine_core.abort_requests_async(to_abort)
 
     async def call_utility(self, method: str, *args: Any) -> Any:
-        self._start_output_handler()
+        self._check_alive()
+        self.start()
         return await self.engine_core.call_utility_async(method, *args)
 
-    def _start_output_handler(self) -> None:
+    def start(self) -> None:
+        """Start the output handler (in the running loop); it also notices an idle core die."""
         if self.output_handler is None:
             self.output_handler = asyncio.create_task(self._run_output_handler())
+
+    async def wait_dead(self) -> BaseException:
+        """Returns the error once the core is dead."""
+        await self.dead.wait()
+        return self.dead_error
+
+    async def restart_engine_core(self) -> None:
+        """A new EngineCore process (the same config) in place of a dead one. Requests of the
+        old one have already failed with EngineDeadError; new ones are refused until it is up."""
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+            self.output_handler = None
+        old = self.engine_core
+        await asyncio.to_thread(old.shutdown)
+        client = type(old)()
+        try:
+            client.start_core(self.config)
+            await asyncio.to_thread(client.wait_for_ready)
+        except BaseException:
+            client.shutdown()
+            raise
+        self.engine_core = client
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_stats = None
+        self.dead_error = None
+        self.dead.clear()
+        self.start()
 
     async def _run_output_handler(self) -> None:
         try:
@@ -107,6 +160,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead_error = error
+        self.dead.set()
         for state in self.output_processor.request_states.values():
             if state.queue is not None:
                 state.queue.put_nowait(error)
@@ -116,6 +170,12 @@ class AsyncLLM:
         if self.output_handler is not None:
             self.output_handler.cancel()
         self.engine_core.shutdown()
+
+
+def _needs_tokenizing(prompt: PromptType) -> bool:
+    if isinstance(prompt, dict):
+        return "prompt_token_ids" not in prompt
+    return isinstance(prompt, str)
 
 
 def _with_children(ids: list[str], states: dict) -> list[str]:

@@ -19,8 +19,8 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
-from pagellm.core.scheduler import Scheduler
-from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagellm.core.scheduler import Scheduler, error_output
+from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunner
 
@@ -44,20 +44,35 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        """Queue a request. One that cannot be added (its params, its prompt) fails alone: its
+        ERROR output comes with the next step's outputs, and the engine carries on."""
+        try:
+            self.model_runner.input_batch.check_request(request.sampling_params)
+            self.scheduler.add_request(Request.from_engine_core_request(request))
+        except Exception as e:
+            logger.exception("request %r cannot be added", request.request_id)
+            self.failed.append(error_output(request.request_id, e))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return bool(
+            self.scheduler.has_unfinished_requests() or self._in_flight is not None or self.failed
+        )
 
     def step(self) -> EngineCoreOutputs:
-        if self.async_scheduling:
-            return self._step_async()
+        outputs = self._step_async() if self.async_scheduling else self._step()
+        if self.failed:
+            outputs.outputs = self.failed + outputs.outputs
+            self.failed = []
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self.scheduler.schedule()

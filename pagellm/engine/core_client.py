@@ -38,6 +38,8 @@ from pagellm.engine.protocol import (
 )
 
 _POLL_MS = 200  # how often a waiting client checks that the core process is alive
+# how the core process is started, after the interpreter (tests run it under a fault injector)
+CORE_PROCESS_ARGS = ["-m", "pagellm.engine.core_proc"]
 _SHUTDOWN_S = 5.0
 
 
@@ -146,7 +148,7 @@ class MPClient(EngineCoreClient):
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_path)
         self.proc = subprocess.Popen(  # imports, then waits for start_core()
-            [sys.executable, "-m", "pagellm.engine.core_proc"],
+            [sys.executable, *CORE_PROCESS_ARGS],
             stdin=subprocess.PIPE,
             env=os.environ,
         )
@@ -188,13 +190,22 @@ class MPClient(EngineCoreClient):
         # a PUSH socket whose peer is gone would block forever: wait for room, checking
         # that the core is alive, and never block in send itself
         frames = (kind.value, self.encoder.encode(message))
-        while True:
-            self._check_alive()
-            if self.input_socket.poll(_POLL_MS, zmq.POLLOUT):
-                try:
-                    return self.input_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass
+        while not self._try_send(frames):
+            self.input_socket.poll(_POLL_MS, zmq.POLLOUT)
+
+    async def _send_async(self, kind: EngineCoreRequestType, message: Any) -> None:
+        """`_send` that waits for room in the socket without holding the event loop."""
+        frames = (kind.value, self.encoder.encode(message))
+        while not self._try_send(frames):
+            await asyncio.sleep(0.005)
+
+    def _try_send(self, frames: tuple) -> bool:
+        self._check_alive()
+        try:
+            self.input_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the queue to the core is full
+            return False
+        return True
 
     def _decode(self, frames: list[bytes]) -> EngineCoreOutputs:
         kind, payload = frames
@@ -260,16 +271,17 @@ class AsyncMPClient(MPClient):
         self.utility_futures: dict[int, asyncio.Future] = {}
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self.add_request(request)
+        await self._send_async(EngineCoreRequestType.ADD, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self.abort_requests(request_ids)
+        if request_ids:
+            await self._send_async(EngineCoreRequestType.ABORT, request_ids)
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         call_id = next(self.call_ids)
         future = asyncio.get_running_loop().create_future()
         self.utility_futures[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        await self._send_async(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return await future
 
     async def get_output_async(self) -> EngineCoreOutputs:

@@ -8,6 +8,10 @@ bytes: one decodes input messages into a queue, one encodes outputs from a queue
 serialization overlaps the forward pass.
 `run_busy_loop()` blocks on the input queue while there is nothing to do, and otherwise
 drains it and runs `EngineCore.step()`.
+
+No thread dies alone: if any of the three raises, the client is told (a FAILED message) and the
+process exits, so that every caller gets EngineDeadError instead of waiting forever. A request
+that cannot be decoded (a wrong type in its params) fails alone, with an ERROR output.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -27,6 +32,7 @@ import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
+from pagellm.core.scheduler import error_output
 from pagellm.engine.core import EngineCore
 from pagellm.engine.protocol import (
     EngineCoreOutputs,
@@ -36,10 +42,13 @@ from pagellm.engine.protocol import (
     EngineCoreRequestType,
     UtilityOutput,
 )
+from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm.engine.core_proc")
 
 _POLL_S = 0.5  # how often an idle core checks that its parent is alive
+_DIED = "died"  # input queue entry: a socket thread has died, the loop must end
+_FAILED = "failed"  # input queue entry: the ERROR output of a request that could not be read
 
 
 class EngineCoreProc(EngineCore):
@@ -54,26 +63,51 @@ class EngineCoreProc(EngineCore):
     # ---- socket threads ---------------------------------------------------------------
 
     def _input_thread(self) -> None:
-        sock = self.ctx.socket(zmq.PULL)
-        sock.connect(self.input_path)
-        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-        while True:
-            kind, payload = sock.recv_multipart(copy=False)
-            kind = EngineCoreRequestType(bytes(kind.buffer))
-            if kind == EngineCoreRequestType.ADD:
-                self.input_queue.put((kind, add_decoder.decode(payload.buffer)))
-            else:
-                self.input_queue.put((kind, msgspec.msgpack.decode(payload.buffer)))
+        try:
+            sock = self.ctx.socket(zmq.PULL)
+            sock.connect(self.input_path)
+            add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+            while True:
+                kind, payload = sock.recv_multipart(copy=False)
+                self._read_input(EngineCoreRequestType(bytes(kind.buffer)), payload, add_decoder)
+        except BaseException as e:
+            self._input_thread_died(e)
+
+    def _read_input(self, kind: EngineCoreRequestType, payload: Any, add_decoder: Any) -> None:
+        if kind != EngineCoreRequestType.ADD:
+            self.input_queue.put((kind, msgspec.msgpack.decode(payload.buffer)))
+            return
+        try:
+            request = add_decoder.decode(payload.buffer)
+        except msgspec.ValidationError as e:  # this request's fault, if its id can be read
+            request_id = msgspec.msgpack.decode(payload.buffer)[0]
+            if not isinstance(request_id, str):
+                raise
+            logger.error("request %r cannot be decoded: %s", request_id, e)
+            error = ValueError(_name_fields(str(e)))
+            self.input_queue.put((_FAILED, error_output(request_id, error)))
+            return
+        self.input_queue.put((kind, request))
+
+    def _input_thread_died(self, error: BaseException) -> None:
+        """Tell the client now (the loop may be in a long step), then end the loop."""
+        logger.error("EngineCore input thread died:\n%s", traceback.format_exc())
+        message = ["InputThreadDied", f"the input thread died: {type(error).__name__}: {error}"]
+        self.output_queue.put((EngineCoreOutputType.FAILED, message))
+        self.input_queue.put((_DIED, message[1]))
 
     def output_thread(self, sock: zmq.Socket) -> None:
-        encoder = msgspec.msgpack.Encoder()
-        buffer = bytearray()
-        while True:
-            kind, message = self.output_queue.get()
-            if kind is None:  # the loop has ended: everything before this is sent
-                return
-            encoder.encode_into(message, buffer)
-            sock.send_multipart((kind.value, buffer), copy=True)
+        try:
+            encoder = msgspec.msgpack.Encoder()
+            buffer = bytearray()
+            while True:
+                kind, message = self.output_queue.get()
+                if kind is None:  # the loop has ended: everything before this is sent
+                    return
+                encoder.encode_into(message, buffer)
+                sock.send_multipart((kind.value, buffer), copy=True)
+        except BaseException as e:
+            _output_thread_died(sock, e)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -91,8 +125,12 @@ class EngineCoreProc(EngineCore):
         while not self.input_queue.empty():
             self._handle(*self.input_queue.get_nowait())
 
-    def _handle(self, kind: EngineCoreRequestType, message: Any) -> None:
-        if kind == EngineCoreRequestType.ADD:
+    def _handle(self, kind: EngineCoreRequestType | str, message: Any) -> None:
+        if kind == _DIED:
+            raise RuntimeError(message)
+        if kind == _FAILED:
+            self.failed.append(message)
+        elif kind == EngineCoreRequestType.ADD:
             self.add_request(message)
         elif kind == EngineCoreRequestType.ABORT:
             self.abort_requests(message)
@@ -108,6 +146,33 @@ class EngineCoreProc(EngineCore):
             reply = UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
         outputs = EngineCoreOutputs(utility_output=reply, timestamp=time.monotonic())
         self.output_queue.put((EngineCoreOutputType.OUTPUTS, outputs))
+
+
+def _name_fields(message: str) -> str:
+    """msgspec says where a request failed to decode by position (`$[2][11]`: the structs are
+    array-like); say it by name (`SamplingParams.max_tokens`)."""
+    match = re.search(r"\$\[(\d+)\](?:\[(\d+)\])?", message)
+    if match is None:
+        return message
+    field = EngineCoreRequest.__struct_fields__[int(match.group(1))]
+    if field == "sampling_params" and match.group(2) is not None:
+        field = f"SamplingParams.{SamplingParams.__struct_fields__[int(match.group(2))]}"
+    return f"{message[: match.start()]}{field}{message[match.end() :]}"
+
+
+def _output_thread_died(sock: zmq.Socket, error: BaseException) -> None:
+    """Nothing can reach the client any more: tell it if the socket still works, then exit
+    (the client sees the process end within its poll interval)."""
+    logger.error("EngineCore output thread died:\n%s", traceback.format_exc())
+    try:
+        message = ["OutputThreadDied", f"the output thread died: {type(error).__name__}: {error}"]
+        frames = (EngineCoreOutputType.FAILED.value, msgspec.msgpack.encode(message))
+        sent = sock.send_multipart(frames, copy=False, track=True)
+        sent.wait(_POLL_S)  # handed to ZMQ's I/O thread: it goes out before the exit
+        time.sleep(0.05)
+    finally:
+        logging.shutdown()
+        os._exit(1)
 
 
 def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
@@ -183,4 +248,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run the imported module's main(), not this __main__ copy's: one EngineCoreProc class
+    from pagellm.engine import core_proc
+
+    core_proc.main()

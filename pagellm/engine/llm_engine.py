@@ -54,11 +54,17 @@ class LLMEngine:
             request_id, prompt, params, arrival_time
         )
         children = fan_out(request)
+        added: list[str] = []
+        try:
+            for child, parent, index in children:
+                self.output_processor.add_request(prompt_text, child, parent, index)
+                added.append(child.request_id)
+                self.engine_core.add_request(child)
+        except BaseException:
+            self.output_processor.withdraw(added, self.engine_core.abort_requests)
+            raise
         if len(children) > 1:
-            self.children[request_id] = [child.request_id for child, _, _ in children]
-        for child, parent, index in children:
-            self.output_processor.add_request(prompt_text, child, parent, index)
-            self.engine_core.add_request(child)
+            self.children[request_id] = added
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

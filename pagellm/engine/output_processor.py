@@ -8,11 +8,14 @@ out into n child requests and gathered back into one RequestOutput here.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from pagellm.engine.core_client import EngineDeadError
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.outputs import (
@@ -23,6 +26,8 @@ from pagellm.outputs import (
     RequestOutput,
 )
 from pagellm.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 
 class ParentRequest:
@@ -128,6 +133,14 @@ class OutputProcessor:
         """Forgets these requests; returns the ids the engine core still has to abort."""
         return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
 
+    def withdraw(self, request_ids: list[str], abort: Callable[[list[str]], Any]) -> None:
+        """Undo a request added in part (all or nothing): forget the children registered so
+        far and abort them in the core (a dead core has nothing left to abort)."""
+        try:
+            abort(self.abort_requests(request_ids))
+        except EngineDeadError:
+            pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
@@ -145,12 +158,10 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller, or stopped by a string a step ago
-            finish_reason, stop_reason = self._update(state, out, now)
-            if finish_reason is not None:
-                del self.request_states[out.request_id]
-                if not out.finished:
-                    reqs_to_abort.append(out.request_id)
-            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            try:
+                request_output = self._process_output(state, out, now, reqs_to_abort)
+            except Exception as e:  # this request's fault (detokenizing it...): it alone fails
+                request_output = self._fail(state, out, e, reqs_to_abort)
             if request_output is None:
                 continue
             if state.queue is not None:
@@ -158,6 +169,38 @@ class OutputProcessor:
             else:
                 request_outputs.append(request_output)
         return request_outputs, reqs_to_abort
+
+    def _process_output(
+        self, state: RequestState, out: EngineCoreOutput, now: float, reqs_to_abort: list[str]
+    ) -> RequestOutput | None:
+        finish_reason, stop_reason = self._update(state, out, now)
+        if finish_reason is not None:
+            del self.request_states[out.request_id]
+            if not out.finished:
+                reqs_to_abort.append(out.request_id)
+            if finish_reason == FinishReason.ERROR:
+                logger.error("request %r failed in the engine: %s", out.request_id, stop_reason)
+        return self._make_request_output(state, finish_reason, stop_reason)
+
+    def _fail(
+        self, state: RequestState, out: EngineCoreOutput, error: Exception, reqs_to_abort: list
+    ) -> RequestOutput | None:
+        """The last output of a request whose outputs could not be processed: ERROR."""
+        logger.exception("request %r failed while its outputs were processed", out.request_id)
+        if self.request_states.pop(out.request_id, None) is not None and not out.finished:
+            reqs_to_abort.append(out.request_id)
+        completion = CompletionOutput(
+            index=state.index,
+            text="",
+            token_ids=[],
+            cumulative_logprob=None,
+            logprobs=None,
+            finish_reason=str(FinishReason.ERROR),
+            stop_reason=f"{type(error).__name__}: {error}",
+        )
+        if state.parent is not None:
+            return self._parent_output(state, completion, True)
+        return self._request_output(state, state.request_id, [completion], True)
 
     def _update(
         self, state: RequestState, out: EngineCoreOutput, now: float
@@ -181,7 +224,7 @@ class OutputProcessor:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None:
             stop_string = self._detokenize(state, new_ids, finish_reason)
-            if stop_string is not None and finish_reason is None:
+            if stop_string is not None:  # it ends the text, even of a request at its length
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
         if finish_reason is not None:
             state.metrics.finished_time = now
@@ -193,7 +236,7 @@ class OutputProcessor:
         # an EOS or stop token id that ended the request is not part of the text
         if finish_reason == FinishReason.STOP and not state.params.include_stop_str_in_output:
             new_ids = new_ids[:-1]
-        return state.detokenizer.update(new_ids, len(state.token_ids))
+        return state.detokenizer.update(new_ids)
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         for values, ids, rank in zip(

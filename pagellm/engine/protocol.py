@@ -18,6 +18,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # aborted by the caller
+    ERROR = 3  # this request alone failed in the engine (stop_reason: what went wrong)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -39,7 +40,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_top_logprob_ids: list[list[int]] | None = None
     new_logprob_ranks: list[int] | None = None  # per new token: its rank in the vocabulary
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id that ended the request
+    stop_reason: int | str | None = None  # the stop token id that ended it; ERROR: the error
     num_cached_tokens: int = 0
     # with the first new token, per prompt token after the first: [its logprob, then the top
     # `prompt_logprobs`] and [its id, then theirs]

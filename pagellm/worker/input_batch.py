@@ -17,6 +17,17 @@ from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sampling_params import SamplingParams
 from pagellm.utils import to_device
 
+# per-request sampling settings held in one numpy row each (the arrays' dtypes are the limits)
+_SAMPLING_ROWS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
 
 class InputBatch:
     def __init__(
@@ -71,6 +82,14 @@ class InputBatch:
             self.penalty_state().add_request(row, new.prompt_token_ids, new.output_token_ids)
         return row
 
+    def check_request(self, params: SamplingParams) -> None:
+        """Raises what `add_request` would for these settings, so that a request the rows
+        cannot hold fails alone when it is added, not the step that would schedule it."""
+        for name in _SAMPLING_ROWS:
+            np.asarray(getattr(params, name), dtype=getattr(self, name).dtype)
+        if params.seed is not None:
+            torch.Generator(self.device).manual_seed(params.seed)
+
     def penalty_state(self) -> PenaltyState:
         if self.penalties is None:
             if self.vocab_size is None:
@@ -81,13 +100,8 @@ class InputBatch:
     def _set_sampling(self, row: int, params: SamplingParams, eos_token_id: int | None) -> None:
         self.params[row] = params
         self.eos_token_ids[row] = eos_token_id
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
-        self.presence_penalty[row] = params.presence_penalty
-        self.frequency_penalty[row] = params.frequency_penalty
-        self.repetition_penalty[row] = params.repetition_penalty
+        for name in _SAMPLING_ROWS:
+            getattr(self, name)[row] = getattr(params, name)
         if params.logit_bias or params.allowed_token_ids:
             self._token_field_rows.add(row)
         if params.prompt_logprobs is not None:

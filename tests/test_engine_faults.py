@@ -1,0 +1,242 @@
+"""Faults in the engine: no silent hangs, and a request that fails fails alone.
+
+The EngineCore process runs under `tests/fault_injection.py`, which plants faults that requests
+trip by their id: an exception in each of the core's three threads (input socket, output
+socket, busy loop) must reach every caller as EngineDeadError within a second; an exception
+attributable to one request (adding it, processing its tokens, decoding it, handling its
+outputs on the caller's side) must fail that request alone, free its KV blocks, and leave the
+others' tokens unchanged. A tiny random model keeps each engine's start-up short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import msgspec
+import pytest
+
+from pagellm import EngineArgs, SamplingParams
+from pagellm.engine import core_client
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.core_client import EngineDeadError
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.sampling_params import RequestOutputKind
+
+DEATH_DEADLINE_S = 1.0  # the README's promise: a caller hears of a dead core within a second
+PROMPTS = [[1, 5, 9, 14, 20], [1, 300, 301, 302], [1, 7000, 8000], [1, 42, 43, 44, 45, 46]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+_FAULT_INJECTION = os.path.join(os.path.dirname(__file__), "fault_injection.py")
+
+
+@pytest.fixture
+def faulty_core(monkeypatch):
+    """Engines started in this test run their core under the fault injector."""
+    monkeypatch.setattr(core_client, "CORE_PROCESS_ARGS", [_FAULT_INJECTION])
+
+
+def _args(model: str) -> EngineArgs:
+    return EngineArgs(
+        model=model, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 23
+    )
+
+
+def _wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ---- a dead thread is a dead engine, within a second -----------------------------------------
+
+
+@pytest.mark.parametrize("thread", ["input", "output", "busy"])
+def test_a_dead_core_thread_is_engine_dead_error_within_a_second(
+    tiny_chat_model, faulty_core, thread
+):
+    async def main() -> tuple[list[BaseException], float, int]:
+        engine = AsyncLLM.from_engine_args(_args(tiny_chat_model))
+        try:
+            tasks = [
+                asyncio.create_task(_consume(engine, {"prompt_token_ids": p}, LONG, f"r{i}"))
+                for i, p in enumerate(PROMPTS)
+            ]
+            await _until_running(engine, len(PROMPTS))
+            start = time.monotonic()
+            poison = _consume(engine, {"prompt_token_ids": PROMPTS[0]}, LONG, f"die-{thread}")
+            results = await asyncio.wait_for(
+                asyncio.gather(*tasks, poison, return_exceptions=True), 10
+            )
+            elapsed = time.monotonic() - start
+            with pytest.raises(EngineDeadError):  # and it stays dead
+                await _consume(engine, {"prompt_token_ids": PROMPTS[1]}, GREEDY, "after")
+            assert engine.errored and thread in str(engine.dead_error)
+            return results, elapsed, engine.engine_core.proc.pid
+        finally:
+            engine.shutdown()
+
+    results, elapsed, pid = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert elapsed < DEATH_DEADLINE_S, f"callers heard of the dead core after {elapsed:.2f} s"
+    assert _wait_gone(pid)
+
+
+async def _consume(engine: AsyncLLM, prompt, params: SamplingParams, request_id: str) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+async def _until_running(engine: AsyncLLM, n: int) -> None:
+    """Until the core has sent tokens for n requests (so the fault hits a busy engine)."""
+    deadline = time.monotonic() + 60
+    while sum(len(s.token_ids) > 0 for s in engine.output_processor.request_states.values()) < n:
+        assert time.monotonic() < deadline, "the requests never started"
+        await asyncio.sleep(0.01)
+
+
+# ---- a request that fails, fails alone ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    """One engine (a real core process, under the fault injector) for the per-request faults."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core_client, "CORE_PROCESS_ARGS", [_FAULT_INJECTION])
+        engine = LLMEngine.from_engine_args(_args(tiny_chat_model))
+    yield engine
+    engine.shutdown()
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    finished = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    return finished
+
+
+def _all_blocks_free(engine: LLMEngine) -> bool:
+    """Every KV block is free (but the null block), once the core has handled the aborts."""
+    num_blocks = engine.call_utility("get_num_kv_blocks")
+    deadline = time.monotonic() + 2
+    while engine.call_utility("get_num_free_blocks") != num_blocks - 1:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_requests_that_fail_in_the_core_fail_alone(engine):
+    good = {f"ok-{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    reference = {rid: out.outputs[0].token_ids for rid, out in _run(engine, good).items()}
+    undecodable = GREEDY.clone()
+    undecodable.max_tokens = 1.5  # past validation: the core cannot decode this request
+    poisoned = {
+        "poison-add-0": (PROMPTS[0], GREEDY),
+        "poison-step-0": (PROMPTS[1], GREEDY),
+        "bad-decode": (PROMPTS[2], undecodable),
+    }
+    mixed = dict(list(good.items())[:2] + list(poisoned.items()) + list(good.items())[2:])
+    outputs = _run(engine, mixed)
+    for rid in good:
+        assert outputs[rid].outputs[0].token_ids == reference[rid]
+        assert outputs[rid].outputs[0].finish_reason == "length"
+    for rid, words in (("poison-add-0", "adding"), ("poison-step-0", "stepping")):
+        failed = outputs[rid].outputs[0]
+        assert failed.finish_reason == "error"
+        assert f"injected fault {words} {rid}" in failed.stop_reason
+    assert outputs["bad-decode"].outputs[0].finish_reason == "error"
+    assert "SamplingParams.max_tokens" in outputs["bad-decode"].outputs[0].stop_reason
+    assert _all_blocks_free(engine)
+    assert engine.engine_core.is_alive()
+
+
+def test_a_request_whose_outputs_fail_on_the_caller_side_fails_alone(engine, monkeypatch):
+    update = OutputProcessor._update
+
+    def faulty_update(self, state, out, now):
+        if state.request_id == "poison-caller" and len(state.token_ids) >= 2:
+            raise RuntimeError("injected fault in the output processor")
+        return update(self, state, out, now)
+
+    monkeypatch.setattr(OutputProcessor, "_update", faulty_update)
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    outputs = _run(engine, {"poison-caller": (PROMPTS[0], long), "fine": (PROMPTS[1], GREEDY)})
+    failed = outputs["poison-caller"].outputs[0]
+    assert failed.finish_reason == "error" and "injected fault" in failed.stop_reason
+    assert len(outputs["fine"].outputs[0].token_ids) == GREEDY.max_tokens
+    assert _all_blocks_free(engine)  # the core was told to abort it
+
+
+def test_a_fan_out_that_fails_half_way_leaves_nothing_behind(engine, monkeypatch):
+    sent = []
+    add = engine.engine_core.add_request
+
+    def fail_second(request):
+        if len(sent) == 1:
+            raise OverflowError("injected: the second child cannot be sent")
+        sent.append(request.request_id)
+        add(request)
+
+    monkeypatch.setattr(engine.engine_core, "add_request", fail_second)
+    with pytest.raises(OverflowError):
+        engine.add_request("fan", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=3))
+    monkeypatch.undo()
+    assert sent == ["0_fan"] and not engine.has_unfinished_requests()
+    assert _all_blocks_free(engine)  # the child that reached the core was aborted
+    assert engine.call_utility("get_stats")["num_running_reqs"] == 0
+
+
+# ---- stop strings in DELTA streams through AsyncLLM -------------------------------------------
+
+
+def test_async_delta_stream_never_carries_part_of_a_stop_string(tiny_chat_model, monkeypatch):
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")  # the caller side is what counts
+
+    async def main() -> tuple[str, list[str], str]:
+        engine = AsyncLLM.from_engine_args(_args(tiny_chat_model))
+        try:
+            prompt = {"prompt_token_ids": PROMPTS[3]}
+            full = (await _consume(engine, prompt, SamplingParams(**_LONG_GREEDY), "full"))[-1]
+            text = full.outputs[0].text
+            half = len(text) // 2  # a stop string from the middle, first seen there
+            pieces = (text[i : i + 6] for i in range(half, len(text)))
+            stop = next(s for s in pieces if text.find(s) >= half)
+            params = SamplingParams(
+                **_LONG_GREEDY, stop=[stop], output_kind=RequestOutputKind.DELTA
+            )
+            deltas = await _consume(engine, prompt, params, "streamed")
+            return text, [d.outputs[0].text for d in deltas], stop
+        finally:
+            engine.shutdown()
+
+    text, deltas, stop = asyncio.run(main())
+    assert "".join(deltas) == text[: text.index(stop)]
+    assert len([d for d in deltas if d]) > 3  # streamed in pieces
+
+
+_LONG_GREEDY = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def test_msgspec_round_trip_of_every_validated_request():
+    """What SamplingParams accepts, the core's decoder accepts (a wrong type used to kill the
+    core's input thread)."""
+    from pagellm.engine.protocol import EngineCoreRequest
+
+    decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+    params = SamplingParams(n=2, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"5": 100})
+    request = EngineCoreRequest("r", [1, 2], params, 2, 0.0)
+    assert decoder.decode(msgspec.msgpack.encode(request)) == request
