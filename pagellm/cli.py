@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import typing
@@ -120,11 +121,46 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="the same as MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize",
+    )
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    _server_options(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _server_options(p: argparse.ArgumentParser) -> None:
+    from pagellm.entrypoints.openai.server_options import ServerOptions
+
+    default = ServerOptions()
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=default.max_request_body_bytes,
+        help="larger request bodies are refused with 413",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=default.max_waiting_requests,
+        help="engine requests (n x prompts) queued beyond --max-num-seqs; more: 429",
+    )
+    p.add_argument(
+        "--restart-engine",
+        action=argparse.BooleanOptionalAction,
+        default=default.restart_engine,
+        help="start a new engine core when it dies (default: the server exits with status 1)",
+    )
+    p.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=default.max_engine_restarts,
+        help="engine restarts allowed within a minute before the server exits",
+    )
 
 
 _MODEL_HELP = "HF folder, .gguf file or shipped config name; none: the embedded SmolLM2"
@@ -137,10 +173,25 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"pagellm serve needs the server extra (pip install 'pagellm[server]'): {e}")
         return 2
+    from pagellm.entrypoints.openai.server_options import ServerOptions
+
     ns.model = ns.model_tag or ns.model
-    return run_server(
-        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log
+    options = ServerOptions(
+        api_key=ns.api_key,
+        max_request_body_bytes=ns.max_request_body_bytes,
+        max_waiting_requests=ns.max_waiting_requests,
+        restart_engine=ns.restart_engine,
+        max_engine_restarts=ns.max_engine_restarts,
     )
+    code = run_server(
+        engine_args_from(ns), ns.host, ns.port, options, ns.uvicorn_log_level, ns.access_log
+    )
+    if code:  # the engine core died and is shut down: skip the interpreter's slow teardown
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:

@@ -243,7 +243,7 @@ def _as_token_ids(field: str, value: Any) -> list[int] | None:
     _check(isinstance(value, (list, tuple)), field, "must be a list of token ids")
     ids = [_as_int(field, t) for t in value]
     bad = next((t for t in ids if not 0 <= t <= INT64_MAX), None)
-    _check(bad is None, field, f"must hold non-negative token ids, got {bad}")
+    _check(bad is None, field, f"has token id {bad}, outside any vocabulary")
     return ids
 
 
@@ -257,6 +257,10 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
         if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
             key = int(key)
         token_id = _as_int("logit_bias", key)
-        _check(0 <= token_id <= INT64_MAX, "logit_bias", f"has a negative token id {token_id}")
+        _check(
+            0 <= token_id <= INT64_MAX,
+            "logit_bias",
+            f"has token id {token_id}, outside any vocabulary",
+        )
         bias[token_id] = _as_float("logit_bias", v)
     return bias

@@ -97,3 +97,23 @@ def tiny_chat_model(tmp_path_factory) -> str:
     )
     tokenizer.save_pretrained(folder)
     return folder
+
+
+SERVER_MAX_BODY = 256 * 1024  # the shared server's --max-request-body-bytes
+
+
+@pytest.fixture(scope="session")
+def api_server(request, tmp_path_factory):
+    """One `pagellm serve` on the embedded model (float32, an API key, `--restart-engine`) for
+    test_server.py and test_server_robustness.py; its engine core may be restarted by them."""
+    from server_utils import API_KEY, start_server, stop_server, wait_healthy
+
+    args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
+    args += ["--restart-engine", "--max-request-body-bytes", str(SERVER_MAX_BODY)]
+    srv = start_server(args, str(tmp_path_factory.mktemp("server") / "server.log"))
+    try:
+        request.getfixturevalue("llm")  # the in-process reference loads while the server boots
+        wait_healthy(srv)
+        yield srv
+    finally:
+        stop_server(srv)

@@ -1,128 +1,41 @@
 """The OpenAI-compatible server, as a real subprocess on loopback, talked to by real clients.
 
-One server (`pagellm serve`, the embedded model, float32) serves the module: the official
-`openai` package (sync and async, streaming and not), raw httpx for errors and disconnects.
-A second, small server (random weights) is killed from inside to check the 503s.
+One server (`pagellm serve`, the embedded model, float32; conftest's `api_server`, shared with
+test_server_robustness.py) serves the module: the official `openai` package (sync and async,
+streaming and not), raw httpx for errors and disconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 from conftest import PROMPTS
+from server_utils import API_KEY, AUTH, Server
+from server_utils import error_of as _error
+from server_utils import metrics as _metrics
+from server_utils import post as _post
+from server_utils import wait_kv_free as _wait_kv_free
 
 from pagellm import SamplingParams
 
-API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-START_TIMEOUT_S = 150
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log_path: str
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def engine_pids(self) -> list[int]:
-        return [
-            pid
-            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if _stat(pid)[1:2] == [str(self.proc.pid)]
-        ]
-
-
-def _stat(pid: int) -> list[str]:
-    """State and parent pid of a live process; [] if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return []
-    return [] if fields[0] == "Z" else fields[:2]
-
-
-def _start_server(args: list[str], log_path: str) -> Server:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    return Server(f"http://127.0.0.1:{port}", proc, log_path)
-
-
-def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"the server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    pytest.fail(f"the server was not healthy within {START_TIMEOUT_S} s:\n{server.log()[-4000:]}")
-
-
-def _stop(server: Server, expect_engine: bool = True) -> None:
-    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process must go too."""
-    engine_pids = server.engine_pids()
-    assert engine_pids or not expect_engine, "the server has no engine core process"
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        code = server.proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()  # leave nothing behind, then fail
-        pytest.fail(f"the server ignored SIGTERM:\n{server.log()[-4000:]}")
-    assert code in (0, -signal.SIGTERM), server.log()[-4000:]
-    assert "Traceback" not in server.log(), server.log()[-4000:]
-    deadline = time.monotonic() + 10
-    while any(_stat(pid) for pid in engine_pids):
-        assert time.monotonic() < deadline, f"orphan engine processes: {engine_pids}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory):
-    args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
-    srv = _start_server(args, str(tmp_path_factory.mktemp("server") / "server.log"))
-    try:
-        request.getfixturevalue("llm")  # the in-process reference loads while the server boots
-        _wait_healthy(srv)
-        yield srv
-    finally:
-        _stop(srv)
+def server(api_server) -> Server:
+    return api_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
         yield c
-
-
-def _metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    lines = re.finditer(r"^([a-zA-Z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M)
-    return {m.group(1): float(m.group(2)) for m in lines}
 
 
 # ---- open endpoints and the openai client ----------------------------------------------------
@@ -280,16 +193,6 @@ def test_32_concurrent_streams_and_async_client(server, llm):
 # ---- disconnects free the KV cache ----------------------------------------------------------
 
 
-def _wait_kv_free(server: Server, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = _metrics(server)
-        if m["pagellm:kv_cache_usage_perc"] == 0 and m["pagellm:num_requests_running"] == 0:
-            return
-        time.sleep(0.1)
-    pytest.fail(f"KV blocks still in use {timeout} s after the client left: {m}")
-
-
 def _long_request(stream: bool) -> dict:
     return {
         "prompt": "Tell me a long story.",
@@ -321,19 +224,6 @@ def test_disconnect_while_waiting_for_non_streamed_response_frees_kv_blocks(serv
 
 
 # ---- errors ---------------------------------------------------------------------------------
-
-
-def _post(server: Server, path: str, body: object, headers: dict | None = None) -> httpx.Response:
-    data = body if isinstance(body, str) else json.dumps(body)
-    hdrs = {"Content-Type": "application/json", **(AUTH if headers is None else headers)}
-    return httpx.post(f"{server.url}{path}", content=data, headers=hdrs, timeout=60)
-
-
-def _error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
 
 
 @pytest.mark.parametrize(
@@ -370,24 +260,27 @@ def test_bad_chat_requests_are_400(server):
 
 def test_tokenize_and_detokenize(server, llm):
     tokenizer = llm.get_tokenizer()
-    got = _post(server, "/tokenize", {"prompt": PROMPTS[0]}, headers={}).json()
+    got = _post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()
     assert got["tokens"] == tokenizer.encode(PROMPTS[0]) and got["count"] == len(got["tokens"])
     assert got["max_model_len"] == 1024
     chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
-    chat = _post(server, "/tokenize", {"messages": CHAT}, headers={}).json()
+    chat = _post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat["tokens"] == tokenizer.encode(chat_text, add_special_tokens=False)
-    text = _post(server, "/detokenize", {"tokens": got["tokens"]}, headers={}).json()["prompt"]
+    text = _post(server, "/detokenize", {"tokens": got["tokens"]}).json()["prompt"]
     assert text == tokenizer.decode(got["tokens"])
     _error(_post(server, "/tokenize", {"prompt": "x", "messages": CHAT}), 400)
     assert "vocab" in _error(_post(server, "/detokenize", {"tokens": [10**9]}), 400)["message"]
 
 
-def test_api_key_is_required_on_v1_only(server):
+def test_api_key_is_required_on_v1_and_tokenization(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         error = _error(_post(server, "/v1/completions", {"prompt": "x"}, headers), 401)
         assert "API key" in error["message"]
         _error(httpx.get(f"{server.url}/v1/models", headers=headers), 401)
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+        _error(_post(server, "/tokenize", {"prompt": "x"}, headers), 401)
+        _error(_post(server, "/detokenize", {"tokens": [1]}, headers), 401)
+    for path in ("/metrics", "/health", "/version"):
+        assert httpx.get(f"{server.url}{path}").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
 
@@ -421,26 +314,3 @@ def test_bench_serve(server):
     assert summary["completed"] == 4 and summary["failed"] == 0
     assert summary["output_throughput"] > 0 and summary["ttft_ms_p50"] > 0
     assert "TTFT" in out.stdout
-
-
-# ---- a dead engine ---------------------------------------------------------------------------
-
-
-def test_dead_engine_is_503(tmp_path):
-    args = ["smollm2-135m", "--load-format", "dummy", "--kv-cache-memory-bytes", str(1 << 24)]
-    srv = _start_server(args, str(tmp_path / "server.log"))
-    try:
-        _wait_healthy(srv)
-        for pid in srv.engine_pids():
-            os.kill(pid, signal.SIGKILL)
-        # let AsyncLLM's output handler (polling every 0.2 s) see the death first: a request
-        # sent to a dead core before then blocks the event loop in zmq's send (a client bug)
-        time.sleep(1.0)
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{srv.url}/health").status_code != 503:
-            assert time.monotonic() < deadline, "/health still 200 after the engine died"
-            time.sleep(0.1)
-        error = _error(_post(srv, "/v1/completions", {"prompt": [1, 2, 3]}, headers={}), 503)
-        assert "dead" in error["message"]
-    finally:
-        _stop(srv, expect_engine=False)

@@ -1,72 +1,89 @@
 """The OpenAI-compatible HTTP server: a FastAPI app on one AsyncLLM, served by uvicorn.
 
 `build_app()` makes the app; its lifespan starts the engine inside the running event loop and
-shuts it down (the EngineCore process with it) when the server stops. `/v1/*` needs
-`Authorization: Bearer KEY` when an API key is set; `/health`, `/version`, `/metrics`,
-`/tokenize` and `/detokenize` are open (as in vLLM, whose key guards `/v1` only).
+shuts it down (the EngineCore process with it) when the server stops. A `RequestGuard` checks the
+API key (`/v1/*`, `/tokenize`, `/detokenize`; `/health`, `/version` and `/metrics` stay open),
+the Content-Type and the body's size before a body is read. An `EngineSupervisor` decides what a
+dead EngineCore means: exit with status 1 (the default) or a new core in place
+(`--restart-engine`). The OpenAPI document declares the errors the server sends.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
 from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
+from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
 )
+from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard
+from pagellm.entrypoints.openai.server_options import ServerOptions
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_engine import Admission
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 2.0
-_HEALTH_TIMEOUT_S = 5.0
+_EXIT_GRACE_S = 3  # after the engine's death: how long open responses may take to finish
 
 
-async def verify_api_key(request: Request) -> None:
-    expected = request.app.state.api_key
-    if expected is None:
-        return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
-        raise APIError("Unauthorized: a valid API key is required (Authorization: Bearer KEY)", 401)
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse} for code in codes}
 
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(verify_api_key)])
+_GENERATE_ERRORS = _errors(400, 401, 404, 413, 415, 429, 500, 503)
+_STREAM = {200: {"content": {"text/event-stream": {}}}}
+
+v1 = APIRouter(prefix="/v1")
 open_routes = APIRouter()
 
 
-@v1.post("/completions")
+@v1.post(
+    "/completions",
+    response_model=CompletionResponse,
+    responses={**_GENERATE_ERRORS, **_STREAM},
+)
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
     return await serving.create_completion(request, raw_request)
 
 
-@v1.post("/chat/completions")
+@v1.post(
+    "/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**_GENERATE_ERRORS, **_STREAM},
+)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
 
 
-@v1.get("/models")
+@v1.get("/models", response_model=ModelList, responses=_errors(401))
 async def show_models(raw_request: Request) -> JSONResponse:
     state = raw_request.app.state
     cards = [
@@ -76,29 +93,30 @@ async def show_models(raw_request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
-@open_routes.get("/health")
-async def health(raw_request: Request) -> Response:
-    """200 while the engine core answers (or is too busy to, within the timeout); else 503."""
-    engine: AsyncLLM = raw_request.app.state.engine
-    if not engine.errored:
-        try:  # a round trip to the core: an idle server notices a dead core here
-            await asyncio.wait_for(engine.call_utility("get_num_free_blocks"), _HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            pass
-        except Exception as e:
-            logger.warning("health check failed: %s", e)
+@open_routes.get(
+    "/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}}
+)
+async def health(raw_request: Request) -> JSONResponse:
+    """200 while the engine core runs; 503 while it restarts or once it is dead."""
+    state = raw_request.app.state
+    engine: AsyncLLM = state.engine
+    if state.supervisor.restarting:
+        return JSONResponse({"status": "restarting"}, 503, headers={"Retry-After": "1"})
     if engine.errored:
         return JSONResponse({"status": "dead", "error": str(engine.dead_error)}, 503)
-    return Response(status_code=200)
+    return JSONResponse({"status": "ok"})
 
 
-@open_routes.post("/tokenize")
+_TOKENIZE_ERRORS = _errors(400, 401, 404, 413, 415, 500)
+
+
+@open_routes.post("/tokenize", responses=_TOKENIZE_ERRORS)
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
     return await serving.tokenize(request)
 
 
-@open_routes.post("/detokenize")
+@open_routes.post("/detokenize", responses=_TOKENIZE_ERRORS)
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
     return await serving.detokenize(request)
@@ -109,7 +127,7 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": pagellm.__version__})
 
 
-@open_routes.get("/metrics")
+@open_routes.get("/metrics", response_class=PlainTextResponse)
 async def metrics(raw_request: Request) -> Response:
     state = raw_request.app.state
     state.metrics.set_scheduler_stats(await _scheduler_stats(state.engine))
@@ -117,33 +135,51 @@ async def metrics(raw_request: Request) -> Response:
 
 
 async def _scheduler_stats(engine: AsyncLLM) -> dict[str, Any]:
-    """Fresh stats from the core (the last step's may be stale when idle); else the last ones."""
-    if not engine.errored:
-        try:
-            return await asyncio.wait_for(engine.call_utility("get_stats"), _STATS_TIMEOUT_S)
-        except Exception as e:
-            logger.warning("could not read the engine's stats: %s", e)
+    """Fresh stats from the core (the last step's may be stale when idle); else the last ones.
+    A dead core has nothing running and holds no blocks."""
+    if engine.errored:
+        return {}
+    try:
+        return await asyncio.wait_for(engine.call_utility("get_stats"), _STATS_TIMEOUT_S)
+    except Exception as e:
+        logger.warning("could not read the engine's stats: %s", e)
     stats = engine.last_stats
     return {f: getattr(stats, f) for f in stats.__struct_fields__} if stats is not None else {}
 
 
-def init_app_state(app: FastAPI, engine: AsyncLLM, api_key: str | None) -> None:
+def init_app_state(app: FastAPI, engine: AsyncLLM, options: ServerOptions) -> None:
     model_config = engine.config.model_config
     names = [model_config.served_model_name]
     state = app.state
     state.engine = engine
-    state.api_key = api_key
     state.model_names = names
     state.model_path = model_config.model
     state.max_model_len = model_config.max_model_len
     state.metrics = ServerMetrics(names[0])
-    state.serving_completion = OpenAIServingCompletion(engine, names, state.metrics)
-    state.serving_chat = OpenAIServingChat(engine, names, state.metrics)
-    state.serving_tokenization = OpenAIServingTokenization(engine, names, state.metrics)
+    max_num_seqs = engine.config.scheduler_config.max_num_seqs
+    admission = Admission(max_num_seqs + options.max_waiting_requests)
+    args = (engine, names, state.metrics, admission)
+    state.serving_completion = OpenAIServingCompletion(*args)
+    state.serving_chat = OpenAIServingChat(*args)
+    state.serving_tokenization = OpenAIServingTokenization(*args)
+    state.supervisor = EngineSupervisor(
+        engine,
+        getattr(state, "request_exit", _no_exit),
+        options.restart_engine,
+        options.max_engine_restarts,
+        on_restart=state.metrics.on_engine_restart,
+    )
 
 
-def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str = "") -> FastAPI:
+def _no_exit(code: int) -> None:
+    logger.error("the server cannot stop itself here (not run by run_server)")
+
+
+def build_app(
+    engine_args: EngineArgs, options: ServerOptions | None = None, address: str = ""
+) -> FastAPI:
     """The app; `address` ("host:port") only goes into the log line said when it is ready."""
+    options = options or ServerOptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -152,8 +188,11 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str 
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             logger.error("pagellm serve: cannot start the engine: %s", e)  # before the traceback
             raise
+        supervision = None
         try:
-            init_app_state(app, engine, api_key)
+            init_app_state(app, engine, options)
+            engine.start()
+            supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(
                 "pagellm server ready on http://%s (model %r, max_model_len %d)",
                 address,
@@ -162,27 +201,61 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str 
             )
             yield
         finally:
+            if supervision is not None:
+                supervision.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervision
             engine.shutdown()
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(open_routes)
+    json_paths = {r.path for r in (*v1.routes, *open_routes.routes) if "POST" in r.methods}
+    app.add_middleware(
+        RequestGuard,
+        api_key=options.api_key,
+        max_body_bytes=options.max_request_body_bytes,
+        json_paths=json_paths,
+    )
+    app.openapi = lambda: _openapi(app, options.api_key is not None)
     return app
+
+
+def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
+    """FastAPI's document, without the 422 it declares for every body (this server sends 400),
+    with the API key declared as a bearer scheme where it is required."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, routes=app.routes, description=__doc__
+        )
+        components = schema.setdefault("components", {})
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                if with_key and path.startswith(PROTECTED_PATHS):
+                    operation["security"] = [{"bearer": []}]
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.get("schemas", {}).pop(name, None)
+        if with_key:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def run_server(
     engine_args: EngineArgs,
     host: str = "127.0.0.1",
     port: int = 8000,
-    api_key: str | None = None,
+    options: ServerOptions | None = None,
     log_level: str = "info",
     access_log: bool = False,
 ) -> int:
+    """Serves until stopped; returns the exit status (1: the engine core died)."""
     import uvicorn
 
-    app = build_app(engine_args, api_key, f"{host}:{port}")
-    uvicorn.run(
+    app = build_app(engine_args, options, f"{host}:{port}")
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -190,4 +263,14 @@ def run_server(
         access_log=access_log,
         timeout_graceful_shutdown=5,
     )
-    return 0
+    server = uvicorn.Server(config)
+    app.state.exit_code = 0
+
+    def request_exit(code: int) -> None:
+        app.state.exit_code = code
+        config.timeout_graceful_shutdown = _EXIT_GRACE_S
+        server.should_exit = True
+
+    app.state.request_exit = request_exit
+    server.run()
+    return app.state.exit_code

@@ -2,7 +2,9 @@
 
 Handlers map what can go wrong to a status: bad input (a ValueError from SamplingParams or
 input processing, a request that fails validation, malformed JSON) is 400, a wrong API key
-401, an unknown model 404, a dead engine 503. Bad input never yields a 500.
+401, an unknown model 404, a body over the size limit 413, a body that is not JSON 415, a full
+queue 429 (with Retry-After), a request the engine failed 500, a dead engine 503. Bad input
+never yields a 500, and messages speak of the request, not of the server's internals.
 """
 
 from __future__ import annotations
@@ -25,19 +27,33 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
     503: "ServiceUnavailableError",
 }
 _FIELD = re.compile(r"SamplingParams\.(\w+)")
+_RETRY_AFTER_S = "1"
+# parts of a pydantic error location that name a union member, not a field ("list[int]")
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 class APIError(Exception):
-    """An error with the HTTP status and OpenAI error fields it is reported with."""
+    """An error with the HTTP status, OpenAI error fields and headers it is reported with."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        message = _printable(message)
         super().__init__(message)
         self.message = message
         self.status = status
-        self.param = param
+        self.param = None if param is None else _printable(param)
+        self.headers = headers
 
     def to_response(self) -> ErrorResponse:
         kind = _TYPES.get(self.status, "InternalServerError")
@@ -46,12 +62,27 @@ class APIError(Exception):
         )
 
 
+def _printable(text: str) -> str:
+    """Text that UTF-8 can carry: a lone surrogate a client sent becomes its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unavailable(message: str) -> APIError:
+    """503: the engine is dead or restarting; a client may retry."""
+    return APIError(message, 503, headers={"Retry-After": _RETRY_AFTER_S})
+
+
+def too_busy(message: str) -> APIError:
+    """429: the server holds as much work as it queues; a client may retry."""
+    return APIError(message, 429, headers={"Retry-After": _RETRY_AFTER_S})
+
+
 def from_exception(e: BaseException) -> APIError:
     """The APIError to report for an exception raised while serving a request."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
-        return APIError(f"the engine is dead: {e}", 503)
+        return unavailable(f"the engine is dead: {e}")
     if isinstance(e, (ValueError, TypeError)):
         match = _FIELD.search(str(e))
         return APIError(str(e), 400, match.group(1) if match else None)
@@ -60,20 +91,29 @@ def from_exception(e: BaseException) -> APIError:
 
 
 def error_json(error: APIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+    return JSONResponse(
+        error.to_response().model_dump(), status_code=error.status, headers=error.headers
+    )
 
 
 def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     errors = e.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # a value out of range says more than "not a string" from another member of a union
+    first = next((err for err in errors if not err.get("type", "").endswith("_type")), errors[0])
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
+    param = ".".join(p for p in loc if not _is_union_tag(p)) or None
+    if first.get("type") == "model_attributes_type" and param is None:
+        return "the request body must be a JSON object", None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{param}: {message}" if param else message), param
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in _UNION_TAGS or "[" in part or part[:1].isupper()
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,7 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_json(APIError(message, 400, param))
 
     async def on_http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return error_json(APIError(str(e.detail), e.status_code))
+        return error_json(APIError(str(e.detail), e.status_code, headers=e.headers))
 
     async def on_other_error(request: Request, e: Exception) -> JSONResponse:
         return error_json(from_exception(e))

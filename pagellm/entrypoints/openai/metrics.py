@@ -46,6 +46,7 @@ class ServerMetrics:
         self.e2e = self._histogram(
             "e2e_request_latency_seconds", "Request latency, end to end.", _LATENCY_BUCKETS
         )
+        self.engine_restarts = self._counter("engine_restarts", "EngineCores started anew.")
 
     def _gauge(self, name: str, doc: str) -> Any:
         gauge = Gauge(f"pagellm:{name}", doc, ["model_name"], registry=self.registry)
@@ -65,6 +66,11 @@ class ServerMetrics:
         self.running.set(stats.get("num_running_reqs", 0))
         self.waiting.set(stats.get("num_waiting_reqs", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+
+    def on_engine_restart(self) -> None:
+        """A new core holds nothing yet: the gauges start from zero (counters go on)."""
+        self.engine_restarts.inc()
+        self.set_scheduler_stats({})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,16 +7,25 @@ output and that this engine lacks (`response_format` other than text, `tools`, `
 `best_of` above `n`) are refused with a 400 instead of being ignored. `to_sampling_params()`
 is where a request becomes a `SamplingParams` (which raises ValueError for values out of
 range).
+
+Requests are validated strictly (`"stream": "yes"` or `"n": 2.5` is a 400, not a guess), and
+every number has the range the engine can hold, declared in the OpenAPI document.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 MAX_LOGPROBS = 20
 # OpenAI's limits: one request fans out into n x prompts engine requests, added in one go
@@ -24,39 +33,62 @@ MAX_N = 128
 MAX_PROMPTS = 2048
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        message = f"must be valid Unicode (a lone surrogate at character {e.start})"
+        raise ValueError(message) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]  # what a tokenizer and UTF-8 can take
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary is checked later
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(OpenAIModel):
+class RequestModel(OpenAIModel):
+    """A request body: strict types (no "yes" for true, no 2.5 for an integer)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """The fields completions and chat share."""
 
-    model: str | None = None
-    n: int = Field(default=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: Text | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: Number | None = Field(default=None, ge=0)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: Number | None = Field(default=None, ge=0, le=1)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension of the OpenAI API
-    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
-    allowed_token_ids: list[int] | None = None  # vLLM's extension
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(default=1.0, gt=0)  # vLLM's extension of the OpenAI API
+    logit_bias: dict[str, Number] | None = None  # token id (a string in JSON) -> bias
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's extension
+    # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Count = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    user: str | None = None
+    user: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -109,12 +141,12 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @field_validator("prompt")
     @classmethod
@@ -132,28 +164,37 @@ class CompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
-class ChatMessage(OpenAIModel):
-    model_config = ConfigDict(extra="allow")  # e.g. `name`: handed to the chat template
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class ChatMessage(RequestModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`: for the chat template
+    role: Role
+    content: Text | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (a string or text parts)")
+        return self
 
     def to_template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # content parts: only text ones are understood
             message["content"] = "".join(_text_part(part) for part in self.content)
+        message.setdefault("content", "")  # an assistant's null content
         return message
 
 
 def _text_part(part: dict[str, Any]) -> str:
     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-        raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-    return part["text"]
+        raise ValueError(
+            f"only text content parts are supported, got type {str(part.get('type'))[:20]!r}"
+        )
+    return _valid_unicode(part["text"])
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -163,19 +204,19 @@ class ChatCompletionRequest(SamplingRequest):
         return "tools" if self.tools else super().unsupported()
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompts only: a chat template adds its own
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(RequestModel):
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 # ---- responses -----------------------------------------------------------------------------
@@ -292,3 +333,8 @@ class ErrorInfo(OpenAIModel):
 
 class ErrorResponse(OpenAIModel):
     error: ErrorInfo
+
+
+class HealthResponse(OpenAIModel):
+    status: Literal["ok", "restarting", "dead"]
+    error: str | None = None

@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -25,6 +26,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    TokenizeRequest,
     TopLogprob,
 )
 from pagellm.entrypoints.openai.serving_engine import (
@@ -42,8 +44,21 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         model = self.model_name(request.model)
-        prompt = self._render(request)
-        prompt_ids = self.truncated(request, self.encode(prompt))
+        release = self.admit(request.n)
+        try:
+            response = await self._create(request, raw_request, model, release)
+        except BaseException:
+            release()
+            raise
+        if not request.stream:
+            release()
+        return response
+
+    async def _create(
+        self, request: ChatCompletionRequest, raw_request: Request, model: str, release: Any
+    ) -> Response:
+        prompt, prompt_ids = await self.off_loop(self._render_and_encode, request)
+        prompt_ids = self.truncated(request, prompt_ids)
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
             self.max_tokens(len(prompt_ids), requested), self._num_logprobs(request)
@@ -54,13 +69,20 @@ class OpenAIServingChat(OpenAIServing):
         )
         if request.stream:
             events = self._stream_events(request, model, request_id, len(prompt_ids), generation)
-            return await self.stream(raw_request, generation, events)
+            return await self.stream(raw_request, generation, events, release)
         outputs = await self.collect(raw_request, generation)
         return JSONResponse(
             self._response(request, model, request_id, len(prompt_ids), outputs).model_dump()
         )
 
-    def _render(self, request: ChatCompletionRequest) -> str:
+    def _render_and_encode(
+        self, request: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = True
+    ) -> tuple[str, list[int]]:
+        """The prompt text and its tokens (in a worker thread: see `off_loop`)."""
+        prompt = self._render(request)
+        return prompt, self.encode(prompt, add_special_tokens)
+
+    def _render(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         messages = [m.to_template_dict() for m in request.messages]
@@ -68,8 +90,11 @@ class OpenAIServingChat(OpenAIServing):
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
             )
-        except Exception as e:  # jinja raises its own errors for messages a template rejects
-            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        except TemplateError as e:  # the template's own words (`raise_exception`), if any
+            reason = str(e) if type(e) is TemplateError else "the messages do not fit it"
+            raise ValueError(f"messages: the model's chat template refuses them: {reason}") from e
+        except Exception as e:
+            raise ValueError("messages: the model's chat template cannot render them") from e
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -123,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.decode_token(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+        return TopLogprob(token=token, logprob=logprob, bytes=self.token_bytes(token_id))
 
     async def _stream_events(
         self,

@@ -35,7 +35,20 @@ from pagellm.outputs import CompletionOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.model_name(request.model)
-        prompts = self._prompts(request.prompt)
+        release = self.admit(request.n * _num_prompts(request.prompt))
+        try:
+            response = await self._create(request, raw_request, model, release)
+        except BaseException:
+            release()
+            raise
+        if not request.stream:
+            release()
+        return response
+
+    async def _create(
+        self, request: CompletionRequest, raw_request: Request, model: str, release: Any
+    ) -> Response:
+        prompts = await self.off_loop(self._prompts, request.prompt)
         for p in prompts:
             kept = self.truncated(request, p["prompt_token_ids"])
             if len(kept) < len(p["prompt_token_ids"]):
@@ -53,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
         generation = self.start(prompts, params, request_id)
         if request.stream:
             events = self._stream_events(request, model, request_id, prompts, generation)
-            return await self.stream(raw_request, generation, events)
+            return await self.stream(raw_request, generation, events, release)
         outputs = await self.collect(raw_request, generation)
         for index, out in outputs:
             _keep_prompt_logprobs(prompts[index], out.prompt_logprobs)
@@ -221,6 +234,12 @@ class OpenAIServingCompletion(OpenAIServing):
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _num_prompts(prompt: str | list) -> int:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return 1
+    return len(prompt)
 
 
 def _keep_prompt_logprobs(prompt: dict[str, Any], prompt_logprobs: list | None) -> None:

@@ -1,5 +1,6 @@
-"""What completions and chat share: the model-name check, the context-length check, running one
-engine request per prompt, and answering as JSON or as server-sent events.
+"""What completions and chat share: the model-name check, the context-length check, admission
+(a bound on queued work), tokenizing off the event loop, running one engine request per prompt,
+and answering as JSON or as server-sent events.
 
 The HTTP handler never iterates `AsyncLLM.generate()` itself. Each prompt's request runs in its
 own task (a `Generation`); when the client goes away, the handler or its stream is cancelled
@@ -10,8 +11,9 @@ in the engine core, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -19,13 +21,15 @@ from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import truncate_prompt
-from pagellm.entrypoints.openai.errors import APIError, from_exception
+from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 _DONE = object()  # a request's task ended normally
+_START_BATCH = 32  # engine requests a Generation adds before it lets the event loop run others
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 def random_id(prefix: str) -> str:
@@ -33,7 +37,9 @@ def random_id(prefix: str) -> str:
 
 
 class Generation:
-    """One engine request per prompt, each iterated by its own task; outputs merge in a queue."""
+    """One engine request per prompt, each iterated by its own task; outputs merge in a queue.
+    Tasks start `_START_BATCH` at a time, so that a request with many prompts does not hold the
+    event loop while it adds them all."""
 
     def __init__(
         self,
@@ -45,11 +51,26 @@ class Generation:
     ) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.peeked: tuple[int, Any] | None = None
-        self.tasks = [
-            asyncio.create_task(self._run(engine, i, prompt, sp, f"{request_id}-{i}", metrics))
-            for i, (prompt, sp) in enumerate(zip(prompts, params))
-        ]
-        self.num_running = len(self.tasks)
+        self.tasks: list[asyncio.Task] = []
+        self.num_running = len(prompts)
+        self.starter = asyncio.create_task(
+            self._start_all(engine, prompts, params, request_id, metrics)
+        )
+
+    async def _start_all(
+        self,
+        engine: AsyncLLM,
+        prompts: list[dict[str, Any]],
+        params: list[SamplingParams],
+        request_id: str,
+        metrics: ServerMetrics,
+    ) -> None:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            if i and i % _START_BATCH == 0:
+                await asyncio.sleep(0)  # the loop serves others between batches
+            self.tasks.append(
+                asyncio.create_task(self._run(engine, i, prompt, sp, f"{request_id}-{i}", metrics))
+            )
 
     async def _run(
         self,
@@ -63,6 +84,7 @@ class Generation:
         timer = metrics.timer()
         try:
             async for out in engine.generate(prompt, params, request_id):
+                _raise_if_failed(out)
                 timer.on_output(out)
                 self.queue.put_nowait((index, out))
         except Exception as e:
@@ -102,6 +124,7 @@ class Generation:
             self.cancel()
 
     def cancel(self) -> None:
+        self.starter.cancel()
         for task in self.tasks:
             task.cancel()
 
@@ -131,6 +154,45 @@ class ChoiceState:
         return "".join(self.texts)
 
 
+def _raise_if_failed(out: RequestOutput) -> None:
+    """An engine request that failed on its own (finish_reason "error") is a 500."""
+    for completion in out.outputs:
+        if completion.finish_reason == "error":
+            raise APIError(f"the engine could not run this request: {completion.stop_reason}", 500)
+
+
+class Admission:
+    """Bounds the engine requests (n x prompts each) the server holds, from before their
+    prompts are tokenized until their responses end: beyond the limit, 429 with Retry-After.
+    One request over the limit on its own could never run: 400."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_use = 0
+
+    def acquire(self, cost: int) -> Callable[[], None]:
+        """Holds `cost` engine requests; returns the (idempotent) release."""
+        if cost > self.limit:
+            raise APIError(
+                f"this request asks for {cost} completions (n x prompts), more than this server "
+                f"queues ({self.limit}: --max-num-seqs + --max-waiting-requests)",
+                400,
+                "n",
+            )
+        if self.in_use + cost > self.limit:
+            raise too_busy(
+                f"the server is busy ({self.in_use} of {self.limit} requests queued or running); "
+                "retry later"
+            )
+        self.in_use += cost
+        held = [cost]
+
+        def release() -> None:
+            self.in_use -= held.pop() if held else 0
+
+        return release
+
+
 def gather_choices(outputs: list[tuple[int, RequestOutput]], n: int) -> list[ChoiceState]:
     """Choice `i * n + j` is completion j of prompt i, as OpenAI numbers them."""
     choices: dict[int, ChoiceState] = {}
@@ -149,25 +211,63 @@ def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_names: list[str],
+        metrics: ServerMetrics,
+        admission: Admission | None = None,
+    ) -> None:
         self.engine = engine
         self.model_names = model_names
         self.metrics = metrics
+        self.admission = admission or Admission(1 << 30)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
+        self._token_bytes: dict[int, list[int]] = {}
+        tokenizer = self.tokenizer
+        self.special_ids = set(tokenizer.all_special_ids) if tokenizer is not None else set()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
+
+    def admit(self, cost: int) -> Callable[[], None]:
+        """Room for `cost` engine requests (see Admission), while the engine runs."""
+        if self.engine.errored:
+            raise unavailable(f"the engine is not running: {self.engine.dead_error}")
+        return self.admission.acquire(cost)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested in self.model_names:
             return requested or self.model_names[0]
         raise APIError(f"The model `{requested}` does not exist.", 404, "model")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (in a worker thread: see `off_loop`)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompts as token ids")
-        return self.tokenizer.encode(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer's own message would not say so
+            message = f"the prompt is not valid Unicode (a lone surrogate at {e.start})"
+            raise ValueError(message) from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @staticmethod
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        """Tokenizing or rendering a template: in a worker thread, never on the event loop
+        (the tokenizers library releases the GIL, so the loop keeps serving meanwhile)."""
+        return await asyncio.to_thread(fn, *args)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer else str(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (OpenAI's logprob `bytes`): a byte-fallback token `<0xF0>` or
+        a byte-level BPE piece of a split character is that byte, not U+FFFD's three."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            cached = self._token_bytes[token_id] = list(_raw_token_bytes(self, token_id))
+        return cached
 
     def truncated(self, request: SamplingRequest, prompt_ids: list[int]) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len), if set."""
@@ -202,18 +302,25 @@ class OpenAIServing:
         return await until_disconnect(raw_request, _collect(generation), generation)
 
     async def stream(
-        self, raw_request: Request, generation: Generation, events: AsyncIterator[str]
+        self,
+        raw_request: Request,
+        generation: Generation,
+        events: AsyncIterator[str],
+        release: Callable[[], None],
     ) -> StreamingResponse:
-        """Server-sent events; errors before the first output still get an HTTP status."""
+        """Server-sent events; errors before the first output still get an HTTP status.
+        `release` (the admission) is called when the stream ends."""
         await until_disconnect(raw_request, generation.wait_first(), generation)
-        return StreamingResponse(_sse(events, generation), media_type="text/event-stream")
+        return StreamingResponse(_sse(events, generation, release), media_type="text/event-stream")
 
 
 async def _collect(generation: Generation) -> list[tuple[int, RequestOutput]]:
     return [item async for item in generation.outputs()]
 
 
-async def _sse(events: AsyncIterator[str], generation: Generation) -> AsyncIterator[str]:
+async def _sse(
+    events: AsyncIterator[str], generation: Generation, release: Callable[[], None]
+) -> AsyncIterator[str]:
     try:
         async for data in events:
             yield f"data: {data}\n\n"
@@ -221,7 +328,37 @@ async def _sse(events: AsyncIterator[str], generation: Generation) -> AsyncItera
         yield f"data: {from_exception(e).to_response().model_dump_json()}\n\n"
     finally:
         generation.cancel()
+        release()
     yield "data: [DONE]\n\n"
+
+
+def _raw_token_bytes(serving: OpenAIServing, token_id: int) -> bytes:
+    """A token's bytes from its vocabulary entry: `<0xF0>` (byte fallback), a byte-level BPE
+    piece (each byte spelt as one character) or a SentencePiece piece ("▁" for a space);
+    special tokens and anything else as their decoded text."""
+    tokenizer = serving.tokenizer
+    piece = None if tokenizer is None else tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None or token_id in serving.special_ids:
+        return serving.decode_token(token_id).encode("utf-8")
+    byte = _BYTE_TOKEN.fullmatch(piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    if serving.byte_level and all(ch in _UNICODE_TO_BYTE for ch in piece):
+        return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: printable bytes stand for themselves, the others
+    (controls, space, ...) for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    mapping = {chr(b): b for b in printable}
+    mapping.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return mapping
+
+
+_UNICODE_TO_BYTE = _unicode_to_byte()
 
 
 async def until_disconnect(raw_request: Request, work: Awaitable, generation: Generation) -> Any:

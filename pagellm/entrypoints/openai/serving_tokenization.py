@@ -20,12 +20,10 @@ class OpenAIServingTokenization(OpenAIServingChat):
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         if request.messages is not None:
-            text = self._render(request)  # the template adds its own special tokens
-            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+            # the template adds its own special tokens
+            _, tokens = await self.off_loop(self._render_and_encode, request, False)
         else:
-            tokens = self.tokenizer.encode(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
+            tokens = await self.off_loop(self.encode, request.prompt, request.add_special_tokens)
         return JSONResponse(
             {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
         )
@@ -35,4 +33,4 @@ class OpenAIServingTokenization(OpenAIServingChat):
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer")
         check_in_vocab(request.tokens, self.engine.config.model_config.vocab_size)
-        return JSONResponse({"prompt": self.tokenizer.decode(request.tokens)})
+        return JSONResponse({"prompt": await self.off_loop(self.tokenizer.decode, request.tokens)})

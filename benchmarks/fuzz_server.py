@@ -1,0 +1,160 @@
+"""Fuzz `pagellm serve` with schemathesis against its own /openapi.json, every check on.
+
+    python benchmarks/fuzz_server.py --max-examples 500        # starts a server itself
+    python benchmarks/fuzz_server.py --url http://127.0.0.1:8000 --api-key KEY
+
+It runs `st run --checks all` (positive and negative data: schemathesis makes requests that fit
+the schema and requests that break it) and prints one JSON line: test cases, server errors (5xx),
+failures per check. The target is 0 and 0.
+
+Schemathesis also loads this file as its hooks module (SCHEMATHESIS_HOOKS). The hooks keep a
+valid request cheap to serve on a CPU (max_tokens and min_tokens at most 4, n at most 2, at most
+3 prompts), without touching requests that break the schema. The server answers a request that
+fits the schema but not this model (a prompt longer than the context, a token id outside the
+vocabulary, more work than it queues) with a 400 that says so: those 400s are expected for
+positive data too (the only check this script configures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2}
+_MAX_PROMPTS = 3
+_CONFIG = """
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx", "400", "401", "404", "429"]
+"""
+
+
+def _cap(body: dict) -> dict:
+    """A valid body made cheap: numbers over the caps lowered, prompt lists shortened."""
+    for name, cap in _CAPS.items():
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[name] = cap
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        body["prompt"] = prompt[:_MAX_PROMPTS]
+    return body
+
+
+def _register_hooks() -> None:
+    import schemathesis
+
+    @schemathesis.hook
+    def map_case(context, case):
+        meta = case.meta
+        positive = meta is not None and meta.generation.mode.is_positive
+        if positive and isinstance(case.body, dict):
+            case.body = _cap(case.body)
+        return case
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(args: argparse.Namespace, log_path: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port)]
+    cmd += ["--api-key", args.api_key, "--max-model-len", str(args.max_model_len)]
+    cmd += ["--max-num-seqs", "16", *args.server_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server did not start; see {log_path}")
+
+
+def _run_schemathesis(args: argparse.Namespace, url: str, workdir: str) -> dict:
+    config = os.path.join(workdir, "schemathesis.toml")
+    with open(config, "w") as f:
+        f.write(_CONFIG)
+    report = os.path.join(workdir, "events.ndjson")
+    st = shutil.which("st", path=os.path.dirname(sys.executable)) or "st"
+    cmd = [st, "--config-file", config, "run", f"{url}/openapi.json", "--checks", "all"]
+    cmd += ["--max-examples", str(args.max_examples), "--workers", str(args.workers)]
+    cmd += ["-H", f"Authorization: Bearer {args.api_key}", "--seed", str(args.seed)]
+    cmd += ["--request-timeout", "120", "--report", "ndjson", "--report-ndjson-path", report]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": os.path.abspath(__file__)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print(done.stdout[-6000:], file=sys.stderr)
+    summary = _summarize(report)
+    summary.update(exit_code=done.returncode, seconds=round(time.perf_counter() - start, 1))
+    return summary
+
+
+def _summarize(ndjson_path: str) -> dict:
+    """Cases, 5xx responses and failures per check, from schemathesis' event stream."""
+    cases, server_errors, failures = 0, 0, {}
+    with open(ndjson_path) as f:
+        for line in f:
+            event = json.loads(line)
+            for key, value in event.items():
+                if key == "ScenarioFinished":
+                    recorder = value.get("recorder", {})
+                    cases += len(recorder.get("cases", {}))
+                    for interactions in recorder.get("interactions", {}).values():
+                        status = (interactions.get("response") or {}).get("status_code", 0)
+                        server_errors += status >= 500
+                    for checks in recorder.get("checks", {}).values():
+                        for check in checks:
+                            if check.get("status") == "FAILURE":
+                                name = check.get("name", "?")
+                                failures[name] = failures.get(name, 0) + 1
+    return {"cases": cases, "server_errors": server_errors, "failures": failures}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="fuzz a running server (else one is started)")
+    p.add_argument("--api-key", default="fuzz-key")
+    p.add_argument("--max-examples", type=int, default=200, help="per API operation")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("server_args", nargs="*", help="more `pagellm serve` flags (after --)")
+    args = p.parse_args()
+    workdir = tempfile.mkdtemp(prefix="pagellm-fuzz-")
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = _start_server(args, os.path.join(workdir, "server.log"))
+    try:
+        summary = _run_schemathesis(args, url, workdir)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    summary["server_log"] = None if proc is None else os.path.join(workdir, "server.log")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
+else:  # loaded by schemathesis as its hooks module
+    _register_hooks()

@@ -1,0 +1,124 @@
+"""Driving `pagellm serve` from tests: start it as a real subprocess on loopback, wait for it,
+stop it as a supervisor would (SIGTERM), and read its metrics and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+START_TIMEOUT_S = 150
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def engine_pids(self) -> list[int]:
+        return [
+            pid
+            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if stat(pid)[1:2] == [str(self.proc.pid)]
+        ]
+
+
+def stat(pid: int) -> list[str]:
+    """State and parent pid of a live process; [] if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+    return [] if fields[0] == "Z" else fields[:2]
+
+
+def start_server(args: list[str], log_path: str) -> Server:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return Server(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"the server exited with {server.proc.returncode}:\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"the server was not healthy within {timeout} s:\n{server.log()[-4000:]}")
+
+
+def stop_server(server: Server, expect_engine: bool = True) -> None:
+    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process must go too."""
+    engine_pids = server.engine_pids()
+    assert engine_pids or not expect_engine, "the server has no engine core process"
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()  # leave nothing behind, then fail
+        pytest.fail(f"the server ignored SIGTERM:\n{server.log()[-4000:]}")
+    assert code in (0, -signal.SIGTERM), server.log()[-4000:]
+    assert "Traceback" not in server.log(), server.log()[-4000:]
+    deadline = time.monotonic() + 10
+    while any(stat(pid) for pid in engine_pids):
+        assert time.monotonic() < deadline, f"orphan engine processes: {engine_pids}"
+        time.sleep(0.1)
+
+
+def metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    lines = re.finditer(r"^([a-zA-Z0-9_:]+)(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return {m.group(1): float(m.group(2)) for m in lines}
+
+
+def post(server: Server, path: str, body: object, headers: dict | None = None) -> httpx.Response:
+    """POST JSON (a str body is sent as it is), with the API key unless `headers` says else."""
+    data = body if isinstance(body, str) else json.dumps(body)
+    hdrs = {"Content-Type": "application/json", **(AUTH if headers is None else headers)}
+    return httpx.post(f"{server.url}{path}", content=data, headers=hdrs, timeout=60)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    """The OpenAI-shaped error of a response that must have this status."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def wait_kv_free(server: Server, timeout: float = 5.0) -> float:
+    """Seconds until no request runs or waits and no KV block is in use (fails after timeout)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        m = metrics(server)
+        idle = m["pagellm:num_requests_running"] == 0 and m["pagellm:num_requests_waiting"] == 0
+        if idle and m["pagellm:kv_cache_usage_perc"] == 0:
+            return time.monotonic() - start
+        time.sleep(0.05)
+    pytest.fail(f"KV blocks still in use {timeout} s after the client left: {m}")

@@ -1,0 +1,331 @@
+"""The server under attack: no request kills the engine, every bad input is a clear 4xx, the
+event loop stays free, a dead engine is replaced (or the server exits), and stop strings never
+leak into a stream.
+
+Most tests use conftest's shared `api_server` (the embedded model, `--restart-engine`); each bad
+input is followed by a check that the server is still healthy. The restart test kills that
+server's engine core last. A second server (random weights, tiny limits) checks the bound on
+queued work, then the default on a dead core: exit with a non-zero status within 5 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import SERVER_MAX_BODY
+from server_utils import (
+    AUTH,
+    Server,
+    error_of,
+    metrics,
+    post,
+    start_server,
+    stop_server,
+    wait_healthy,
+    wait_kv_free,
+)
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+@pytest.fixture(scope="module")
+def server(api_server) -> Server:
+    return api_server
+
+
+def _healthy(server: Server) -> None:
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+
+# ---- the issue's inputs: each a 400 naming the field, the engine untouched ----------------------
+
+BAD_INPUTS = [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "top_k": 2**63}, "top_k"),
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2, "top_k": 2**64 - 1}, "top_k"),
+    (
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": 600, "ignore_eos": True, "seed": 2**64 - 1, "n": 2},
+        "seed",
+    ),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hello", "n": "2"}, "n"),
+    ("/v1/completions", {"prompt": "Hello", "seed": 1.5}, "seed"),
+    ("/v1/completions", {"prompt": "Hello", "stream": "yes"}, "stream"),
+    ("/v1/completions", '{"prompt": "Hello", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "Hello", "logit_bias": {"5": Infinity}}', "logit_bias"),
+    ("/v1/completions", {"prompt": "Hello", "stop": ["\ud800"]}, "stop"),
+    ("/v1/completions", {"prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5]] * 3, "n": 129}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "foo", "content": "hi"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": 0}, "max_completion"),
+    ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", BAD_INPUTS)
+def test_bad_input_is_a_400_naming_the_field(server, path, body, field):
+    error = error_of(post(server, path, body), 400)
+    assert field in f"{error['param']} {error['message']}", error
+    _healthy(server)
+
+
+def test_no_bad_input_reaches_the_engine(server):
+    pids = server.engine_pids()
+    for path, body, _ in BAD_INPUTS:
+        post(server, path, body)
+    out = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, **GREEDY})
+    assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+    assert server.engine_pids() == pids  # the same core: it never died
+
+
+def test_messages_speak_of_the_request_not_of_internals(server):
+    null = {"messages": [{"role": "user", "content": None}]}
+    surrogate = {"prompt": "a\ud800b", "max_tokens": 1}
+    for path, body in (("/v1/chat/completions", null), ("/v1/completions", surrogate)):
+        message = error_of(post(server, path, body), 400)["message"]
+        assert not any(w in message for w in ("jinja", "dict object", "TextEncodeInput")), message
+    assert "Unicode" in error_of(post(server, "/v1/completions", surrogate), 400)["message"]
+    assistant = {"messages": [*HELLO, {"role": "assistant", "content": None}], "max_tokens": 1}
+    assert post(server, "/v1/chat/completions", assistant).status_code == 200
+
+
+# ---- what is checked before the body is read -------------------------------------------------
+
+
+def test_auth_comes_first_and_its_scheme_is_case_insensitive(server):
+    unauthorized = error_of(post(server, "/v1/completions", "{not json", headers={}), 401)
+    assert "API key" in unauthorized["message"]
+    for scheme in ("bearer", "BEARER"):
+        headers = {"Authorization": f"{scheme} {AUTH['Authorization'].split()[1]}"}
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert post(server, "/v1/completions", body, headers).status_code == 200
+    error_of(post(server, "/tokenize", {"prompt": "x"}, headers={}), 401)
+    error_of(post(server, "/detokenize", {"tokens": [1]}, headers={}), 401)
+
+
+def test_a_body_that_is_not_json_says_so(server):
+    url = f"{server.url}/v1/completions"
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        response = httpx.post(url, content=b'{"prompt": "x"}', headers={**AUTH, **headers})
+        assert "Content-Type" in error_of(response, 415)["message"]
+
+
+def test_a_body_over_the_limit_is_413(server):
+    big = json.dumps({"prompt": "x" * SERVER_MAX_BODY}).encode()
+    url = f"{server.url}/tokenize"
+    headers = {**AUTH, "Content-Type": "application/json"}
+    assert (
+        "max-request-body-bytes"
+        in error_of(httpx.post(url, content=big, headers=headers), 413)["message"]
+    )
+
+    def chunked():  # no Content-Length: counted while it arrives
+        for start in range(0, len(big), 65536):
+            yield big[start : start + 65536]
+
+    error_of(httpx.post(url, content=chunked(), headers=headers), 413)
+    _healthy(server)
+
+
+# ---- the event loop stays free ------------------------------------------------------------------
+
+
+def test_disconnect_is_noticed_within_a_second_under_load(server):
+    """A client that leaves, while other streams keep the engine busy, has its requests
+    aborted within a second (plus the step in flight when the abort arrives)."""
+    load = {"prompt": [[7, 8, 9]] * 2, "n": 4, "max_tokens": 300, "stream": True, **GREEDY}
+    leaving = {**load, "prompt": [[4, 5, 6]], "n": 2}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as c:
+        with c.stream("POST", "/v1/completions", json=load) as busy:
+            lines = busy.iter_lines()
+            with c.stream("POST", "/v1/completions", json=leaving) as r:
+                next(r.iter_lines())
+            closed = time.monotonic()
+            step_s = _step_time(lines)
+            running = metrics(server)["pagellm:num_requests_running"]
+            while running > 8:  # the 8 of the load stay
+                assert time.monotonic() - closed < 1.0 + 2 * step_s, f"{running} still run"
+                running = metrics(server)["pagellm:num_requests_running"]
+    wait_kv_free(server, timeout=60)
+
+
+def _step_time(lines) -> float:
+    """A step's duration: the longest gap between chunks of one choice (one per step)."""
+    times = []
+    while len(times) < 4:
+        line = next(lines)
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["index"] == 0:
+            times.append(time.monotonic())
+    return max(b - a for a, b in zip(times, times[1:]))
+
+
+def test_tokenizing_a_long_prompt_does_not_hold_the_loop(server):
+    body = {"prompt": "hello world " * (SERVER_MAX_BODY // 13)}
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(r=post(server, "/tokenize", body)))
+    worker.start()
+    latencies = []
+    while worker.is_alive():
+        start = time.monotonic()
+        httpx.get(f"{server.url}/health", timeout=10)
+        latencies.append(time.monotonic() - start)
+    worker.join()
+    assert result["r"].status_code == 200
+    assert max(latencies) < 0.5, latencies
+
+
+# ---- smaller fixes --------------------------------------------------------------------------
+
+
+def test_logprob_bytes_are_the_tokens_own_bytes(server, llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("🎉")  # one character, three byte-level tokens
+    pieces = []
+    for token_id in ids:  # each token forced with logit_bias, its bytes read back
+        body = {"messages": HELLO, "max_tokens": 1, "logprobs": True, "top_logprobs": 1}
+        body["logit_bias"] = {str(token_id): 100}
+        entry = post(server, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]
+        pieces.append(bytes(entry["content"][0]["bytes"]))
+    assert all(piece != "\ufffd".encode() for piece in pieces)
+    assert b"".join(pieces) == "🎉".encode()
+
+
+def test_health_is_json_and_405_says_what_is_allowed(server):
+    health = httpx.get(f"{server.url}/health")
+    assert health.headers["content-type"] == "application/json" and health.json()["status"] == "ok"
+    not_allowed = httpx.get(f"{server.url}/v1/completions", headers=AUTH)
+    assert "POST" in not_allowed.headers["allow"] and error_of(not_allowed, 405)
+
+
+def test_openapi_declares_the_errors_the_server_sends(server):
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = paths[path]["post"]["responses"]
+        assert "422" not in responses and {"400", "401", "413", "415"} <= set(responses)
+    assert {"200", "503"} <= set(paths["/health"]["get"]["responses"])
+
+
+# ---- stop strings in streams ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_text_never_carries_part_of_a_stop_string(server, include):
+    body = {"prompt": "The history of the Roman Empire begins", "max_tokens": 24, **GREEDY}
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    stop = text[14:19]
+    streamed = {**body, "stop": [stop], "stream": True, "include_stop_str_in_output": include}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=300) as c:
+        with c.stream("POST", "/v1/completions", json=streamed) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    pieces = [ch["choices"][0]["text"] for ch in chunks]
+    expected = text[: text.index(stop) + (len(stop) if include else 0)]
+    assert "".join(pieces) == expected and len(pieces) > 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# ---- a dead engine -----------------------------------------------------------------------------
+
+
+def test_restart_engine_replaces_a_killed_core(server):
+    """Last in the module: the in-flight stream fails with a clear error, /health says
+    "restarting" then ok, /metrics starts from zero, new requests succeed."""
+    (old_pid,) = server.engine_pids()
+    long = {"prompt": "Tell me a story.", "max_tokens": 500, "stream": True, **GREEDY}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=long) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(old_pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == 503 and "dead" in error["message"]
+    statuses = _wait_back(server)
+    assert statuses[0] == "restarting" or statuses[0] == "dead"
+    out = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 2, **GREEDY})
+    assert out.status_code == 200 and server.engine_pids() != [old_pid]
+    m = metrics(server)
+    assert m["pagellm:engine_restarts_total"] == 1
+    assert m["pagellm:num_requests_running"] == 0 and m["pagellm:kv_cache_usage_perc"] == 0
+
+
+def _wait_back(server: Server, timeout: float = 120) -> list[str]:
+    """/health's statuses until it is ok again."""
+    statuses = []
+    deadline = time.monotonic() + timeout
+    while not statuses or statuses[-1] != "ok":
+        assert time.monotonic() < deadline, f"not healthy again: {statuses[-5:]}"
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        status = health.json()["status"]
+        assert (health.status_code == 200) == (status == "ok")
+        if not statuses or statuses[-1] != status:
+            statuses.append(status)
+        time.sleep(0.05)
+    return statuses
+
+
+SMALL_LIMIT = 2 + 2  # the small server's --max-num-seqs + --max-waiting-requests
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """Random weights at SmolLM2's shapes, tiny limits, no API key, the default on death."""
+    args = ["smollm2-135m", "--load-format", "dummy", "--kv-cache-memory-bytes", str(1 << 24)]
+    args += ["--max-num-seqs", "2", "--max-waiting-requests", "2"]
+    srv = start_server(args, str(tmp_path_factory.mktemp("small") / "server.log"))
+    try:
+        wait_healthy(srv)
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            stop_server(srv)
+
+
+def test_queued_work_is_bounded(small_server):
+    """n x prompts count against --max-num-seqs + --max-waiting-requests: beyond, 429 with
+    Retry-After; a request that could never fit is a 400; /health answers meanwhile."""
+    srv = small_server
+    too_big = {"prompt": [[5]] * 3, "n": 2, "max_tokens": 1}
+    refused = error_of(post(srv, "/v1/completions", too_big, headers={}), 400)
+    assert "max-waiting-requests" in refused["message"]
+    hold = {"prompt": [[5, 6]], "n": SMALL_LIMIT, "max_tokens": 1000, "stream": True, **GREEDY}
+    with httpx.Client(base_url=srv.url, timeout=300) as c:
+        with c.stream("POST", "/v1/completions", json=hold) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
+            busy = post(srv, "/v1/completions", {"prompt": [1], "max_tokens": 1}, headers={})
+            assert "busy" in error_of(busy, 429)["message"] and busy.headers["retry-after"] == "1"
+            start = time.monotonic()
+            health = httpx.get(f"{srv.url}/health", timeout=10)
+            assert health.status_code == 200 and time.monotonic() - start < 0.5
+    wait_kv_free(srv, timeout=60)
+    assert post(srv, "/v1/completions", {"prompt": [1], "max_tokens": 1}, headers={}).is_success
+
+
+def test_by_default_the_server_exits_within_5s_of_the_cores_death(small_server):
+    srv = small_server
+    (pid,) = srv.engine_pids()
+    body = {"prompt": [1, 2, 3], "max_tokens": 200, **GREEDY}
+    result: dict = {}
+    request = threading.Thread(
+        target=lambda: result.update(r=post(srv, "/v1/completions", body, headers={}))
+    )
+    request.start()
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = srv.proc.wait(timeout=30)
+    assert time.monotonic() - killed < 5.0 and code != 0, srv.log()[-3000:]
+    request.join()
+    assert "dead" in error_of(result["r"], 503)["message"]  # the in-flight request
+    assert "exiting with status 1" in srv.log()
