@@ -329,3 +329,25 @@ def test_by_default_the_server_exits_within_5s_of_the_cores_death(small_server):
     request.join()
     assert "dead" in error_of(result["r"], 503)["message"]  # the in-flight request
     assert "exiting with status 1" in srv.log()
+
+
+def test_engine_restarts_are_capped_per_minute():
+    """A core that keeps dying is not restarted forever: the cap reached, the server exits."""
+    import asyncio
+
+    from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
+
+    class DyingEngine:  # every new core dies at once
+        restarts = 0
+
+        async def wait_dead(self) -> BaseException:
+            await asyncio.sleep(0)
+            return RuntimeError("the core died again")
+
+        async def restart_engine_core(self) -> None:
+            self.restarts += 1
+
+    engine, exits = DyingEngine(), []
+    supervisor = EngineSupervisor(engine, exits.append, restart=True, max_restarts=2)
+    asyncio.run(asyncio.wait_for(supervisor.run(), 10))
+    assert (engine.restarts, supervisor.num_restarts, exits) == (2, 2, [1])

@@ -45,6 +45,7 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import Admission
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagellm.sampling_params import INT64_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -224,11 +225,15 @@ def build_app(
 
 def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
     """FastAPI's document, without the 422 it declares for every body (this server sends 400),
-    with the API key declared as a bearer scheme where it is required."""
+    with the API key declared as a bearer scheme where it is required, and token ids bounded
+    by the served model's vocabulary."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, routes=app.routes, description=__doc__
         )
+        engine = getattr(app.state, "engine", None)
+        if engine is not None:
+            _bound_token_ids(schema, engine.config.model_config.vocab_size)
         components = schema.setdefault("components", {})
         for path, operations in schema["paths"].items():
             for operation in operations.values():
@@ -241,6 +246,19 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def _bound_token_ids(node: Any, vocab_size: int) -> None:
+    """Every token id (an integer in [0, int64 max]) becomes one in [0, vocab_size)."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("maximum") == INT64_MAX:
+            if node.get("minimum") == 0:
+                node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _bound_token_ids(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, vocab_size)
 
 
 def run_server(
