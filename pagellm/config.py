@@ -53,6 +53,7 @@ class EngineArgs:
     served_model_name: str | None = None
     disable_log_stats: bool = False
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -79,6 +80,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             max_model_len=max_len,
+            policy=self.scheduling_policy,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -217,8 +219,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
     max_model_len: int = 2048  # prompt + output tokens of one request
+    policy: str = "fcfs"  # the waiting queue's order: fcfs | priority
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
