@@ -43,10 +43,13 @@ class StructuredOutputManager:
         self,
         model_config: ModelConfig,
         max_num_seqs: int,
+        async_scheduling: bool = False,
         reasoning_ids: tuple[int, int] | None = None,
     ) -> None:
         self.model_config = model_config
         self.max_num_seqs = max_num_seqs
+        # async: a step that samples for a request has already counted its placeholder
+        self.placeholder = int(async_scheduling)
         self.reasoning_ids = reasoning_ids  # (think start, think end) with a reasoning parser
         self.executor = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="pagellm-grammar"
@@ -116,7 +119,12 @@ class StructuredOutputManager:
             return []
         self.live = {rid: r for rid, r in self.live.items() if not r.is_finished}
         scheduled = sched.num_scheduled_tokens
-        return [r for rid, r in self.live.items() if rid in scheduled and _samples(r)]
+        return [r for rid, r in self.live.items() if rid in scheduled and self._samples(r)]
+
+    def _samples(self, request: Request) -> bool:
+        """Whether the step just scheduled brings the request to the end of its tokens."""
+        end = request.num_tokens + request.num_output_placeholders - self.placeholder
+        return request.num_computed_tokens == end
 
     def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
         """One row per request whose next token the grammar constrains (its last token must be
@@ -141,11 +149,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _samples(request: Request) -> bool:
-    """Whether the step just scheduled brings the request to the end of its tokens."""
-    return request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
 
 
 def _make_backend(model_config: ModelConfig) -> Any:
