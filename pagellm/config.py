@@ -54,6 +54,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -72,6 +73,10 @@ class EngineArgs:
             raise ValueError(
                 f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
                 f"got {self.block_size}"
+            )
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(
+                f"reasoning_parser must be 'qwen3' or 'deepseek_r1', got {self.reasoning_parser!r}"
             )
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
@@ -102,6 +107,7 @@ class EngineArgs:
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
             log_stats=not self.disable_log_stats,
+            reasoning_parser=self.reasoning_parser,
         )
 
 
@@ -242,6 +248,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
+    reasoning_parser: str | None = None  # structured outputs start after the thinking
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for the EngineCore process (msgpack): the HF config as its dict."""

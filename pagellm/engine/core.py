@@ -50,7 +50,10 @@ class EngineCore:
             policy=config.scheduler_config.policy,
         )
         self.structured_output = StructuredOutputManager(
-            config.model_config, config.scheduler_config.max_num_seqs, config.async_scheduling
+            config.model_config,
+            config.scheduler_config.max_num_seqs,
+            config.async_scheduling,
+            config.reasoning_parser,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported

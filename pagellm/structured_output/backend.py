@@ -62,6 +62,7 @@ class XgrammarBackend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.reasoning_ids: tuple[int, int] | None = None  # (<think>, </think>) if parsed
 
     def compile(self, key: tuple[str, str]) -> Any:
         """A CompiledGrammar for StructuredOutputsParams.key(); ValueError if it is invalid."""

@@ -44,13 +44,13 @@ class StructuredOutputManager:
         model_config: ModelConfig,
         max_num_seqs: int,
         async_scheduling: bool = False,
-        reasoning_ids: tuple[int, int] | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.model_config = model_config
         self.max_num_seqs = max_num_seqs
         # async: a step that samples for a request has already counted its placeholder
         self.placeholder = int(async_scheduling)
-        self.reasoning_ids = reasoning_ids  # (think start, think end) with a reasoning parser
+        self.reasoning_parser = reasoning_parser  # constraints start after the thinking
         self.executor = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="pagellm-grammar"
         )
@@ -69,10 +69,7 @@ class StructuredOutputManager:
         constraint = params.structured_outputs
         if constraint is not None:
             request.structured_output = StructuredOutputRequest(
-                constraint,
-                self.compile(constraint.key()),
-                self.reasoning_ids,
-                request.prompt_token_ids,
+                constraint, self.compile(constraint.key()), request.prompt_token_ids
             )
         if constraint is not None or any(len(seq) > 1 for seq in params.bad_words_token_ids or ()):
             self.live[request.request_id] = request
@@ -89,18 +86,19 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return future
 
-    def _compile_now(self, key: tuple[str, str]) -> Any:
+    def _compile_now(self, key: tuple[str, str]) -> tuple[Any, tuple[int, int] | None]:
         start = time.perf_counter()
-        compiled = self._get_backend().compile(key)
+        backend = self._get_backend()
+        compiled = backend.compile(key)
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         logger.debug("compiled a %s grammar in %.1f ms", key[0], elapsed_ms)
-        return compiled
+        return compiled, backend.reasoning_ids
 
     def _get_backend(self) -> Any:
         with self._backend_lock:
             if self._backend is None and self._backend_error is None:
                 try:
-                    self._backend = _make_backend(self.model_config)
+                    self._backend = _make_backend(self.model_config, self.reasoning_parser)
                 except Exception as e:
                     self._backend_error = e
             if self._backend_error is not None:
@@ -151,7 +149,7 @@ class StructuredOutputManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _make_backend(model_config: ModelConfig) -> Any:
+def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> Any:
     from pagellm.loader import load_tokenizer
     from pagellm.structured_output.backend import XgrammarBackend
 
@@ -161,8 +159,18 @@ def _make_backend(model_config: ModelConfig) -> Any:
         raise ValueError(f"the model {model_config.model!r} has no tokenizer (pass tokenizer=...)")
     stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
     backend = XgrammarBackend(tokenizer, model_config.vocab_size, stop_ids)
+    if reasoning_parser is not None:
+        backend.reasoning_ids = reasoning_token_ids(tokenizer)
     logger.info("grammar backend (xgrammar) ready in %.1f s", time.perf_counter() - start)
     return backend
+
+
+def reasoning_token_ids(tokenizer: Any) -> tuple[int, int]:
+    """The ids of the <think> and </think> tokens, which a reasoning parser needs."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError("a reasoning parser needs <think> and </think> tokens in the vocabulary")
+    return ids[0], ids[1]
 
 
 def stop_token_ids(model_config: ModelConfig, tokenizer_eos: int | None) -> list[int]:

@@ -29,20 +29,18 @@ class StructuredOutputRequest:
         self,
         params: StructuredOutputsParams,
         future: Future,
-        reasoning_ids: tuple[int, int] | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.params = params
-        self.future = future  # -> CompiledGrammar, or raises ValueError
+        # -> (CompiledGrammar, (think start, think end) ids or None), or raises ValueError
+        self.future = future
         self.matcher: Any = None  # xgrammar.GrammarMatcher once compiled
         self.error: str | None = None
         self.num_seen = 0  # output tokens looked at
         self.num_matched = 0  # of those, tokens the matcher accepted (after the thinking)
-        # (think start, think end) token ids with a reasoning parser: the grammar starts after
-        # the end; a prompt that closed its thinking (enable_thinking=False) starts with it
-        self.reasoning_end_id = None if reasoning_ids is None else reasoning_ids[1]
-        self.ended_in_prompt = reasoning_ids is None or _closed(prompt_token_ids, *reasoning_ids)
-        self.reasoning_ended = self.ended_in_prompt
+        self.reasoning_end_id: int | None = None
+        self.ended_in_prompt: Any = prompt_token_ids  # the prompt, until poll() decides
+        self.reasoning_ended = True
 
     def poll(self) -> bool:
         """True once compiled (the matcher is made) or failed (`error` says why)."""
@@ -56,8 +54,19 @@ class StructuredOutputRequest:
             return True
         import xgrammar as xgr  # already imported by the compile thread
 
-        self.matcher = xgr.GrammarMatcher(self.future.result())
+        compiled, reasoning_ids = self.future.result()
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.set_reasoning(reasoning_ids)
         return True
+
+    def set_reasoning(self, reasoning_ids: tuple[int, int] | None) -> None:
+        """With a reasoning parser the grammar starts after the thinking's end token; a prompt
+        that closed its thinking (enable_thinking=False) starts with it."""
+        prompt, self.ended_in_prompt = self.ended_in_prompt, True
+        if reasoning_ids is not None:
+            self.reasoning_end_id = reasoning_ids[1]
+            self.ended_in_prompt = _closed(prompt, *reasoning_ids)
+        self.reasoning_ended = self.ended_in_prompt
 
     @property
     def constrains_next(self) -> bool:
