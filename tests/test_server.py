@@ -519,8 +519,9 @@ def test_json_schema_streamed_and_not(client):
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     done = client.completions.create(
-        prompt="A JSON object:", response_format={"type": "json_object"}, **STRUCTURED
-    )
+        prompt="A JSON object:", extra_body={"response_format": {"type": "json_object"}},
+        **STRUCTURED,
+    )  # fmt: skip
     assert isinstance(json.loads(done.choices[0].text), dict)
 
 

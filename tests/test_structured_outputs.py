@@ -277,3 +277,20 @@ def test_constraint_starts_after_the_thinking(llm):
     assert thinking.accept(tokenizer.eos_token_id)  # the grammar has terminated
     closed = request([1, think, 7, end, 3])
     assert closed.constrains_next and not closed.accept(a)
+
+
+def test_chat_passes_tools_and_template_kwargs(llm):
+    template = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{{ messages[0].content }}|{{ flag }}|"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    out = llm.chat(
+        [{"role": "user", "content": "Hi"}],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        tools=tools,
+        chat_template=template,
+        chat_template_kwargs={"flag": "on"},
+    )[0]
+    assert out.prompt == "[get_weather]Hi|on|"

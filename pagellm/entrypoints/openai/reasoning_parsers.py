@@ -13,14 +13,9 @@ that may be the start of a tag is held back, so a tag split across chunks is nev
 
 from __future__ import annotations
 
+from pagellm.entrypoints.openai.tool_parsers import held_back
+
 START, END = "<think>", "</think>"
-
-
-def _held_back(text: str, tag: str) -> str:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return text[:-k]
-    return text
 
 
 class ReasoningParser:
@@ -37,7 +32,7 @@ class ReasoningParser:
             body = stripped[len(START) :]
         cut = body.find(END)
         if cut < 0:
-            return (body if final else _held_back(body, END)), ""
+            return (body if final else held_back(body, END)), ""
         return body[:cut], body[cut + len(END) :]
 
 

@@ -133,7 +133,7 @@ def parse_call(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[Parse
     return call, end
 
 
-def _held_back(text: str, marker: str) -> str:
+def held_back(text: str, marker: str) -> str:
     """`text` less a suffix that may be the start of `marker` (streaming)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -171,7 +171,7 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(self.start)
         if first < 0:
-            return Parsed(text if final else _held_back(text, self.start))
+            return Parsed(text if final else held_back(text, self.start))
         calls = []
         for block in text[first:].split(self.start)[1:]:
             block = block.split(self.end)[0]
@@ -188,7 +188,7 @@ class Llama3JsonToolParser(ToolParser):
         if not stripped:
             return Parsed(text if final else "")
         if not stripped.startswith("{"):
-            return Parsed(text if final else _held_back(text, self.tag))
+            return Parsed(text if final else held_back(text, self.tag))
         return Parsed("", self._calls_from(body, 0, ";"))
 
 
@@ -198,7 +198,7 @@ class MistralToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(self.marker)
         if first < 0:
-            return Parsed(text if final else _held_back(text, self.marker))
+            return Parsed(text if final else held_back(text, self.marker))
         i = _skip_ws(text, first + len(self.marker))
         calls = self._calls_from(text, i + 1, ",") if text[i : i + 1] == "[" else []
         return Parsed(text[:first], calls)
