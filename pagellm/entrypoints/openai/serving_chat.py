@@ -129,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _reply(self, request: ChatCompletionRequest) -> ChatReply:
         mode = None if not request.tools else self._tool_mode(request)
-        named = (request.tool_choice or {}).get("function", {}).get("name") if mode else None
+        named = request.tool_choice["function"]["name"] if mode == "named" else None
         parser = tool_parser_for(mode, self.tool_parser, named)
         return ChatReply(parser, self.reasoning_parser)
 
