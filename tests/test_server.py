@@ -491,7 +491,7 @@ TIME_TOOL = {
     },
 }
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
-STRUCTURED = {"model": MODEL, "temperature": 0.0, "max_tokens": 96}
+STRUCTURED = {"model": MODEL, "temperature": 0.0, "max_tokens": 64}
 
 
 def test_parse_with_a_pydantic_model(client):
