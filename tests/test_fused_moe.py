@@ -114,6 +114,23 @@ def test_out_of_range_ids_are_skipped():
     _close(out[1:], ref[1:], torch.float32)
 
 
+@pytest.mark.parametrize("expert", [-1, 4])
+def test_blocks_of_unknown_experts_are_skipped(expert):
+    """A block whose expert id is out of range writes nothing (w13 is a view of a larger
+    tensor, so a read past its 4 experts would find numbers, not a fault)."""
+    x = _randn(4, 32)
+    w13 = _randn(6, 64, 32, seed=1)[1:5]
+    sorted_ids = torch.arange(16, dtype=torch.int32, device=DEVICE)  # rows 0-7 real, then N=8
+    layout = fm.ExpertLayout(
+        sorted_ids.clamp(max=8),
+        torch.tensor([expert], dtype=torch.int32, device=DEVICE),
+        torch.tensor([16], dtype=torch.int32, device=DEVICE),
+    )
+    out = torch.zeros(8, 32, device=DEVICE)
+    fm.moe_gemm(x, w13, out, layout, TINY, rows_per_a=2, gated=True)
+    assert (out == 0).all()
+
+
 def test_fused_moe_rejects_bad_inputs():
     x, w13, w2, weights, ids = _problem(2, 4, 32, 32, torch.float32)
     with pytest.raises(ValueError, match="fused_moe"):

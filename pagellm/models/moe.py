@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.models.layers import GatedMLP, Linear
+from pagellm.models.weights import materialize
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -128,13 +129,7 @@ class FusedMoE(nn.Module):
     ) -> None:
         """Write one expert's checkpoint projection into row block `shard` of `num_shards`
         of its stacked parameter (w13: gate 0, up 1 of 2; w2: down, 0 of 1)."""
-        param = getattr(self, param_name)
-        if param.is_meta:
-            param = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device=tensor.device),
-                requires_grad=False,
-            )
-            setattr(self, param_name, param)
+        param = materialize(self, param_name, tensor.device)
         if not 0 <= expert < param.shape[0]:
             raise ValueError(f"expert {expert} of {param_name}: the layer has {param.shape[0]}")
         rows = param.shape[1] // num_shards
