@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
-from pagellm.models.moe import SparseMoeBlock
+from pagellm.models.moe import SparseMoeBlock, is_sparse_layer
 
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
@@ -122,6 +122,35 @@ def test_expert_tensors_that_do_not_fit_are_named(tmp_path):
         load_our_model(_rewrite_checkpoint(folder, tmp_path / "shape", wrong_shape))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.w2"):
         load_our_model(_rewrite_checkpoint(folder, tmp_path / "missing", missing))
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    from types import SimpleNamespace
+
+    # the EngineCore's config view of transformers 5 names Qwen3-MoE's experts like Mixtral's
+    cfg = SimpleNamespace(num_local_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [is_sparse_layer(cfg, i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not is_sparse_layer(SimpleNamespace(num_experts=0), 0)
+
+
+@pytest.mark.gpu
+def test_dummy_qwen3_30b_a3b_weights_are_drawn_on_the_gpu():
+    """61 GB of random bf16 weights come from the device's generator: the host's peak memory
+    barely grows. Then a prefill and two decode steps through the fused-MoE kernels."""
+    import resource
+
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    model = load_our_model("qwen3-30b-a3b", torch.bfloat16, "dummy", "cuda", TritonAttentionBackend)
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    assert grown_gib < 4, f"host peak memory grew by {grown_gib:.1f} GiB"
+    assert all(p.is_cuda and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) * 2 > 60e9
+    for _, logits in run_paged(model, _prompts(40, 3, 17), num_decode_steps=2):
+        assert torch.isfinite(logits).all()
+    del model
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize(
