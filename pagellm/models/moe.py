@@ -232,7 +232,8 @@ class MoEWeights:
             for param, projs in self.expert_params.items()
             for i, proj in enumerate(projs)
         }
-        for name, tensor in weights:
+        for hf_name, tensor in weights:
+            name = hf_name
             for old, new in self.checkpoint_renames.items():
                 name = name.replace(old, new)
             match = _EXPERT_TENSOR.fullmatch(name)
@@ -241,8 +242,11 @@ class MoEWeights:
                 continue
             experts = modules.get(match["experts"])
             if not isinstance(experts, FusedMoE) or match["proj"] not in param_of:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}: no such expert weight")
+                raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: no such expert weight")
             param, shard, num_shards = param_of[match["proj"]]
             expert = int(match["expert"])
-            experts.load_expert(param, expert, shard, num_shards, tensor)
+            try:
+                experts.load_expert(param, expert, shard, num_shards, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {hf_name!r}: {exc}") from None
             shards[f"{match['experts']}.{param}"].add((expert, shard))
