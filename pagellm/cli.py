@@ -128,6 +128,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls with --tool-call-parser')  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     _server_options(p)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
@@ -183,9 +188,15 @@ def run_serve(ns: argparse.Namespace) -> int:
         restart_engine=ns.restart_engine,
         max_engine_restarts=ns.max_engine_restarts,
     )
+    chat_options = {
+        "tool_call_parser": ns.tool_call_parser,
+        "enable_auto_tool_choice": ns.enable_auto_tool_choice,
+        "chat_template": ns.chat_template,
+    }
     code = run_server(
-        engine_args_from(ns), ns.host, ns.port, options, ns.uvicorn_log_level, ns.access_log
-    )
+        engine_args_from(ns), ns.host, ns.port, options, ns.uvicorn_log_level, ns.access_log,
+        chat_options,
+    )  # fmt: skip
     if code:  # the engine core died and is shut down: skip the interpreter's slow teardown
         logging.shutdown()
         sys.stdout.flush()

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from pagellm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -81,6 +83,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     prompt_logprobs: int | None = None  # per prompt token after the first: its logprob + top k
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, ...
+    bad_words: list[str] | None = None  # never generated (as vLLM: with and without a space)
+    # bad_words as token id sequences, filled by the engine's input processor
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self._normalize_types()
@@ -102,6 +108,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids) or []
         self.allowed_token_ids = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            self.bad_words = _as_strings("bad_words", self.bad_words)
+        if self.bad_words_token_ids is not None:
+            ids = self.bad_words_token_ids
+            ok = isinstance(ids, (list, tuple))
+            _check(ok, "bad_words_token_ids", "must be a list of token id lists")
+            self.bad_words_token_ids = [_as_token_ids("bad_words_token_ids", w) for w in ids]
+        structured = self.structured_outputs
+        ok = structured is None or isinstance(structured, StructuredOutputsParams)
+        expected = f"must be StructuredOutputsParams, got {_show(structured)}"
+        _check(ok, "structured_outputs", expected)
         kind = self.output_kind
         ok = isinstance(kind, int) and not isinstance(kind, bool) and kind in _OUTPUT_KINDS
         _check(ok, "output_kind", f"must be a RequestOutputKind, got {_show(kind)}")
@@ -160,6 +177,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             0 <= self.min_tokens <= INT32_MAX,
             "min_tokens",
             f"must be in [0, {INT32_MAX}], got {self.min_tokens}",
+        )
+        _check(
+            self.bad_words is None or all(w.strip() for w in self.bad_words),
+            "bad_words",
+            "must be non-empty strings",
         )
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,

@@ -109,6 +109,7 @@ def api_server(request, tmp_path_factory):
     from server_utils import API_KEY, start_server, stop_server, wait_healthy
 
     args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     args += ["--restart-engine", "--max-request-body-bytes", str(SERVER_MAX_BODY)]
     srv = start_server(args, str(tmp_path_factory.mktemp("server") / "server.log"))
     try:

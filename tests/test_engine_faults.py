@@ -21,7 +21,6 @@ from pagellm import EngineArgs, SamplingParams
 from pagellm.engine import core_client
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core_client import EngineDeadError
-from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.sampling_params import RequestOutputKind
 
@@ -108,40 +107,61 @@ async def _until_running(engine: AsyncLLM, n: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_chat_model):
-    """One engine (a real core process, under the fault injector) for the per-request faults."""
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model, loop):
+    """One AsyncLLM (a real core process, under the fault injector) for the per-request faults,
+    in one event loop for the module."""
+
+    async def start() -> AsyncLLM:
+        return AsyncLLM.from_engine_args(_args(tiny_chat_model))
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(core_client, "CORE_PROCESS_ARGS", [_FAULT_INJECTION])
-        engine = LLMEngine.from_engine_args(_args(tiny_chat_model))
+        engine = loop.run_until_complete(start())
     yield engine
     engine.shutdown()
 
 
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-    finished = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline
-        finished.update({out.request_id: out for out in engine.step() if out.finished})
-    return finished
+def _run(loop, engine: AsyncLLM, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Each request's last output, or the exception its iterator raised."""
+
+    async def one(request_id: str, prompt: list[int], params: SamplingParams):
+        try:
+            return (await _consume(engine, {"prompt_token_ids": prompt}, params, request_id))[-1]
+        except Exception as e:
+            return e
+
+    async def main() -> list:
+        runs = (one(rid, prompt, params) for rid, (prompt, params) in requests.items())
+        return await asyncio.wait_for(asyncio.gather(*runs), 60)
+
+    return dict(zip(requests, loop.run_until_complete(main())))
 
 
-def _all_blocks_free(engine: LLMEngine) -> bool:
+def _all_blocks_free(loop, engine: AsyncLLM) -> bool:
     """Every KV block is free (but the null block), once the core has handled the aborts."""
-    num_blocks = engine.call_utility("get_num_kv_blocks")
-    deadline = time.monotonic() + 2
-    while engine.call_utility("get_num_free_blocks") != num_blocks - 1:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+
+    async def main() -> bool:
+        num_blocks = await engine.call_utility("get_num_kv_blocks")
+        deadline = time.monotonic() + 2
+        while await engine.call_utility("get_num_free_blocks") != num_blocks - 1:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    return loop.run_until_complete(main())
 
 
-def test_requests_that_fail_in_the_core_fail_alone(engine):
+def test_requests_that_fail_in_the_core_fail_alone(loop, engine):
     good = {f"ok-{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
-    reference = {rid: out.outputs[0].token_ids for rid, out in _run(engine, good).items()}
+    reference = {rid: out.outputs[0].token_ids for rid, out in _run(loop, engine, good).items()}
     undecodable = GREEDY.clone()
     undecodable.max_tokens = 1.5  # past validation: the core cannot decode this request
     poisoned = {
@@ -150,21 +170,20 @@ def test_requests_that_fail_in_the_core_fail_alone(engine):
         "bad-decode": (PROMPTS[2], undecodable),
     }
     mixed = dict(list(good.items())[:2] + list(poisoned.items()) + list(good.items())[2:])
-    outputs = _run(engine, mixed)
+    outputs = _run(loop, engine, mixed)
     for rid in good:
         assert outputs[rid].outputs[0].token_ids == reference[rid]
         assert outputs[rid].outputs[0].finish_reason == "length"
     for rid, words in (("poison-add-0", "adding"), ("poison-step-0", "stepping")):
-        failed = outputs[rid].outputs[0]
-        assert failed.finish_reason == "error"
-        assert f"injected fault {words} {rid}" in failed.stop_reason
-    assert outputs["bad-decode"].outputs[0].finish_reason == "error"
-    assert "SamplingParams.max_tokens" in outputs["bad-decode"].outputs[0].stop_reason
-    assert _all_blocks_free(engine)
-    assert engine.engine_core.is_alive()
+        assert isinstance(outputs[rid], ValueError), outputs[rid]
+        assert f"injected fault {words} {rid}" in str(outputs[rid])
+    assert isinstance(outputs["bad-decode"], ValueError)
+    assert "SamplingParams.max_tokens" in str(outputs["bad-decode"])
+    assert _all_blocks_free(loop, engine)
+    assert not engine.errored
 
 
-def test_a_request_whose_outputs_fail_on_the_caller_side_fails_alone(engine, monkeypatch):
+def test_a_request_whose_outputs_fail_on_the_caller_side_fails_alone(loop, engine, monkeypatch):
     update = OutputProcessor._update
 
     def faulty_update(self, state, out, now):
@@ -174,30 +193,30 @@ def test_a_request_whose_outputs_fail_on_the_caller_side_fails_alone(engine, mon
 
     monkeypatch.setattr(OutputProcessor, "_update", faulty_update)
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    outputs = _run(engine, {"poison-caller": (PROMPTS[0], long), "fine": (PROMPTS[1], GREEDY)})
-    failed = outputs["poison-caller"].outputs[0]
-    assert failed.finish_reason == "error" and "injected fault" in failed.stop_reason
+    requests = {"poison-caller": (PROMPTS[0], long), "fine": (PROMPTS[1], GREEDY)}
+    outputs = _run(loop, engine, requests)
+    assert "injected fault" in str(outputs["poison-caller"])
     assert len(outputs["fine"].outputs[0].token_ids) == GREEDY.max_tokens
-    assert _all_blocks_free(engine)  # the core was told to abort it
+    assert _all_blocks_free(loop, engine)  # the core was told to abort it
 
 
-def test_a_fan_out_that_fails_half_way_leaves_nothing_behind(engine, monkeypatch):
+def test_a_fan_out_that_fails_half_way_leaves_nothing_behind(loop, engine, monkeypatch):
     sent = []
-    add = engine.engine_core.add_request
+    add = engine.engine_core.add_request_async
 
-    def fail_second(request):
+    async def fail_second(request):
         if len(sent) == 1:
             raise OverflowError("injected: the second child cannot be sent")
         sent.append(request.request_id)
-        add(request)
+        await add(request)
 
-    monkeypatch.setattr(engine.engine_core, "add_request", fail_second)
-    with pytest.raises(OverflowError):
-        engine.add_request("fan", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(n=3))
+    monkeypatch.setattr(engine.engine_core, "add_request_async", fail_second)
+    fan = SamplingParams(n=3, max_tokens=50, ignore_eos=True)
+    outputs = _run(loop, engine, {"fan": (PROMPTS[0], fan)})
     monkeypatch.undo()
-    assert sent == ["0_fan"] and not engine.has_unfinished_requests()
-    assert _all_blocks_free(engine)  # the child that reached the core was aborted
-    assert engine.call_utility("get_stats")["num_running_reqs"] == 0
+    assert isinstance(outputs["fan"], OverflowError) and sent == ["0_fan"]
+    assert engine.num_unfinished_requests == 0
+    assert _all_blocks_free(loop, engine)  # the child that reached the core was aborted
 
 
 # ---- stop strings in DELTA streams through AsyncLLM -------------------------------------------

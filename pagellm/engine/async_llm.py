@@ -51,10 +51,15 @@ class AsyncLLM:
         return self.dead_error is not None
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs as its `output_kind` asks; the last one is finished."""
-        queue = await self.add_request(request_id, prompt, sampling_params)
+        """Yields this request's outputs as its `output_kind` asks; the last one is finished.
+        A request the engine fails (a grammar that does not compile) raises ValueError."""
+        queue = await self.add_request(request_id, prompt, sampling_params, priority)
         finished = False
         try:
             while not finished:
@@ -68,16 +73,18 @@ class AsyncLLM:
                 await self.abort(request_id)
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> asyncio.Queue:
         self._check_alive()
         self.start()
         process = self.input_processor.process_inputs
         if _needs_tokenizing(prompt):  # off the event loop
-            prompt_text, request = await asyncio.to_thread(process, request_id, prompt, params)
+            prompt_text, request = await asyncio.to_thread(
+                process, request_id, prompt, params, priority=priority
+            )
             self._check_alive()
         else:
-            prompt_text, request = process(request_id, prompt, params)
+            prompt_text, request = process(request_id, prompt, params, priority=priority)
         queue: asyncio.Queue = asyncio.Queue()
         added: list[str] = []
         try:

@@ -150,24 +150,36 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out and the request ids stopped by a stop string."""
+        """Returns the RequestOutputs to hand out and the request ids stopped by a stop string.
+        A request the core failed raises ValueError in its queue (AsyncLLM), or here after
+        the other outputs are handled (LLMEngine: the caller aborts the rest)."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        errors: list[str] = []
         now = time.time()
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller, or stopped by a string a step ago
+            if out.error is not None:
+                self._fail(state, out.error, errors)
+                continue
             try:
                 request_output = self._process_output(state, out, now, reqs_to_abort)
-            except Exception as e:  # this request's fault (detokenizing it...): it alone fails
-                request_output = self._fail(state, out, e, reqs_to_abort)
+            except Exception as e:  # this request's own fault (detokenizing it...): it alone fails
+                logger.exception("request %r: its outputs cannot be processed", out.request_id)
+                if not out.finished:
+                    reqs_to_abort.append(out.request_id)
+                self._fail(state, f"{type(e).__name__}: {e}", errors)
+                continue
             if request_output is None:
                 continue
             if state.queue is not None:
                 state.queue.put_nowait(request_output)
             else:
                 request_outputs.append(request_output)
+        if errors:
+            raise ValueError(errors[0])
         return request_outputs, reqs_to_abort
 
     def _process_output(
@@ -178,29 +190,16 @@ class OutputProcessor:
             del self.request_states[out.request_id]
             if not out.finished:
                 reqs_to_abort.append(out.request_id)
-            if finish_reason == FinishReason.ERROR:
-                logger.error("request %r failed in the engine: %s", out.request_id, stop_reason)
         return self._make_request_output(state, finish_reason, stop_reason)
 
-    def _fail(
-        self, state: RequestState, out: EngineCoreOutput, error: Exception, reqs_to_abort: list
-    ) -> RequestOutput | None:
-        """The last output of a request whose outputs could not be processed: ERROR."""
-        logger.exception("request %r failed while its outputs were processed", out.request_id)
-        if self.request_states.pop(out.request_id, None) is not None and not out.finished:
-            reqs_to_abort.append(out.request_id)
-        completion = CompletionOutput(
-            index=state.index,
-            text="",
-            token_ids=[],
-            cumulative_logprob=None,
-            logprobs=None,
-            finish_reason=str(FinishReason.ERROR),
-            stop_reason=f"{type(error).__name__}: {error}",
-        )
-        if state.parent is not None:
-            return self._parent_output(state, completion, True)
-        return self._request_output(state, state.request_id, [completion], True)
+    def _fail(self, state: RequestState, error: str, errors: list[str]) -> None:
+        self.request_states.pop(state.request_id, None)
+        request_id = state.parent.request_id if state.parent else state.request_id
+        message = f"request {request_id!r} failed: {error}"
+        if state.queue is not None:
+            state.queue.put_nowait(ValueError(message))
+        else:
+            errors.append(message)
 
     def _update(
         self, state: RequestState, out: EngineCoreOutput, now: float

@@ -18,7 +18,6 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or max_model_len
     ABORT = 2  # aborted by the caller
-    ERROR = 3  # this request alone failed in the engine (stop_reason: what went wrong)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -30,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    priority: int = 0  # lower is scheduled first, with scheduling_policy="priority"
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -40,13 +40,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_top_logprob_ids: list[list[int]] | None = None
     new_logprob_ranks: list[int] | None = None  # per new token: its rank in the vocabulary
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id that ended it; ERROR: the error
+    stop_reason: int | str | None = None  # the stop token id that ended the request
     num_cached_tokens: int = 0
     # with the first new token, per prompt token after the first: [its logprob, then the top
     # `prompt_logprobs`] and [its id, then theirs]
     prompt_logprobs: list[list[float]] | None = None
     prompt_logprob_ids: list[list[int]] | None = None
     prompt_logprob_ranks: list[int] | None = None
+    error: str | None = None  # the request failed (finish_reason ABORT): why, for the caller
 
     @property
     def finished(self) -> bool:

@@ -148,7 +148,11 @@ async def _scheduler_stats(engine: AsyncLLM) -> dict[str, Any]:
     return {f: getattr(stats, f) for f in stats.__struct_fields__} if stats is not None else {}
 
 
-def init_app_state(app: FastAPI, engine: AsyncLLM, options: ServerOptions) -> None:
+def init_app_state(
+    app: FastAPI, engine: AsyncLLM, options: ServerOptions, chat_options: dict | None = None
+) -> None:
+    """`chat_options`: OpenAIServingChat's tool_parser, enable_auto_tool_choice and
+    chat_template (the text)."""
     model_config = engine.config.model_config
     names = [model_config.served_model_name]
     state = app.state
@@ -161,7 +165,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, options: ServerOptions) -> No
     admission = Admission(max_num_seqs + options.max_waiting_requests)
     args = (engine, names, state.metrics, admission)
     state.serving_completion = OpenAIServingCompletion(*args)
-    state.serving_chat = OpenAIServingChat(*args)
+    state.serving_chat = OpenAIServingChat(*args, **(chat_options or {}))
     state.serving_tokenization = OpenAIServingTokenization(*args)
     state.supervisor = EngineSupervisor(
         engine,
@@ -176,11 +180,37 @@ def _no_exit(code: int) -> None:
     logger.error("the server cannot stop itself here (not run by run_server)")
 
 
+def chat_options_from(options: dict) -> dict:
+    """Check the chat flags before the engine starts; read the --chat-template file."""
+    from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    parser = options.get("tool_call_parser")
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {parser!r}"
+        )
+    if options.get("enable_auto_tool_choice") and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    template = options.get("chat_template")
+    if template is not None:
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    return {
+        "tool_parser": parser,
+        "enable_auto_tool_choice": bool(options.get("enable_auto_tool_choice")),
+        "chat_template": template,
+    }
+
+
 def build_app(
-    engine_args: EngineArgs, options: ServerOptions | None = None, address: str = ""
+    engine_args: EngineArgs,
+    options: ServerOptions | None = None,
+    address: str = "",
+    chat_options: dict | None = None,
 ) -> FastAPI:
     """The app; `address` ("host:port") only goes into the log line said when it is ready."""
     options = options or ServerOptions()
+    chat_options = chat_options_from(chat_options or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -191,7 +221,7 @@ def build_app(
             raise
         supervision = None
         try:
-            init_app_state(app, engine, options)
+            init_app_state(app, engine, options, chat_options)
             engine.start()
             supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(
@@ -268,11 +298,12 @@ def run_server(
     options: ServerOptions | None = None,
     log_level: str = "info",
     access_log: bool = False,
+    chat_options: dict | None = None,
 ) -> int:
     """Serves until stopped; returns the exit status (1: the engine core died)."""
     import uvicorn
 
-    app = build_app(engine_args, options, f"{host}:{port}")
+    app = build_app(engine_args, options, f"{host}:{port}", chat_options)
     config = uvicorn.Config(
         app,
         host=host,

@@ -1,12 +1,12 @@
 """Pydantic models of the OpenAI API the server speaks: requests in, responses and chunks out.
 
 Field names and defaults are OpenAI's; vLLM's extra sampling fields (`top_k`, `min_p`,
-`ignore_eos`, `min_tokens`, ...) are accepted too. Unknown fields are ignored, as OpenAI
-clients send a few this engine has no use for; known OpenAI features that would change the
-output and that this engine lacks (`response_format` other than text, `tools`, `suffix`,
-`best_of` above `n`) are refused with a 400 instead of being ignored. `to_sampling_params()`
-is where a request becomes a `SamplingParams` (which raises ValueError for values out of
-range).
+`ignore_eos`, `min_tokens`, `bad_words`, `priority`, `structured_outputs`, `guided_json`,
+...) are accepted too. A field this server does not know is refused with a 400 naming it,
+unless it is one of the OpenAI fields that change nothing here (`structured.IGNORED_FIELDS`);
+known OpenAI features that would change the output and that this engine lacks (`suffix`,
+`best_of` above `n`) are refused too. `to_sampling_params()` is where a request becomes a
+`SamplingParams` (which raises ValueError for values out of range).
 
 Requests are validated strictly (`"stream": "yes"` or `"n": 2.5` is a 400, not a guess), and
 every number has the range the engine can hold, declared in the OpenAPI document.
@@ -14,11 +14,13 @@ every number has the range the engine can hold, declared in the OpenAPI document
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagellm.entrypoints.openai.structured import structured_outputs, unknown_field
 from pagellm.sampling_params import (
     INT32_MAX,
     INT64_MAX,
@@ -64,7 +66,9 @@ class StreamOptions(RequestModel):
 
 
 class SamplingRequest(RequestModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share; unknown ones are kept, to be refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: Text | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -89,6 +93,15 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: Text | None = None
+    bad_words: list[Text] | None = None  # vLLM's: never generated
+    # vLLM's: lower first, with --scheduling-policy priority
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    # output constraints: vLLM's body and its older fields (`structured.py`)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -98,9 +111,7 @@ class SamplingRequest(RequestModel):
 
     def unsupported(self) -> str | None:
         """The first field asking for something this engine cannot do, or None."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return None
+        return unknown_field(self.model_extra)
 
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -109,6 +120,8 @@ class SamplingRequest(RequestModel):
         if field is not None:
             raise ValueError(f"{field} is not supported by this server")
         return SamplingParams(
+            structured_outputs=structured_outputs(self),
+            bad_words=self.bad_words,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -180,7 +193,20 @@ class ChatMessage(RequestModel):
         if isinstance(self.content, list):  # content parts: only text ones are understood
             message["content"] = "".join(_text_part(part) for part in self.content)
         message.setdefault("content", "")  # an assistant's null content
+        if message.get("tool_calls"):  # templates take arguments as objects, as vLLM gives
+            message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
         return message
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"tool_calls arguments must be JSON, got {arguments!r}") from None
+    return {**call, "function": function}
 
 
 def _text_part(part: dict[str, Any]) -> str:
@@ -199,9 +225,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-
-    def unsupported(self) -> str | None:
-        return "tools" if self.tools else super().unsupported()
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
+    chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(RequestModel):
@@ -269,6 +295,8 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[dict[str, Any]] = []
 
 
 class ChatChoice(OpenAIModel):
@@ -291,6 +319,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

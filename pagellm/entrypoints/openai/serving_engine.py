@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.input_processor import truncate_prompt
+from pagellm.engine.input_processor import check_structured_outputs, truncate_prompt
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -48,9 +48,11 @@ class Generation:
         params: list[SamplingParams],
         request_id: str,
         metrics: ServerMetrics,
+        priority: int = 0,
     ) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.peeked: tuple[int, Any] | None = None
+        self.priority = priority
         self.tasks: list[asyncio.Task] = []
         self.num_running = len(prompts)
         self.starter = asyncio.create_task(
@@ -83,8 +85,7 @@ class Generation:
     ) -> None:
         timer = metrics.timer()
         try:
-            async for out in engine.generate(prompt, params, request_id):
-                _raise_if_failed(out)
+            async for out in engine.generate(prompt, params, request_id, self.priority):
                 timer.on_output(out)
                 self.queue.put_nowait((index, out))
         except Exception as e:
@@ -152,13 +153,6 @@ class ChoiceState:
     @property
     def text(self) -> str:
         return "".join(self.texts)
-
-
-def _raise_if_failed(out: RequestOutput) -> None:
-    """An engine request that failed on its own (finish_reason "error") is a 500."""
-    for completion in out.outputs:
-        if completion.finish_reason == "error":
-            raise APIError(f"the engine could not run this request: {completion.stop_reason}", 500)
 
 
 class Admission:
@@ -290,10 +284,28 @@ class OpenAIServing:
             )
         return wanted
 
+    async def check(self, request: SamplingRequest, params: list[SamplingParams]) -> None:
+        """What the engine would refuse later, refused now: a priority without the priority
+        policy, a constraint that does not parse (off the event loop: the first parse
+        imports xgrammar; the result is cached for the engine's own check)."""
+        if request.priority and self.engine.config.scheduler_config.policy != "priority":
+            raise APIError(
+                "priority needs the server started with --scheduling-policy priority",
+                400,
+                "priority",
+            )
+        constraint = params[0].structured_outputs if params else None
+        if constraint is not None:
+            await asyncio.to_thread(check_structured_outputs, constraint.key())
+
     def start(
-        self, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str
+        self,
+        prompts: list[dict[str, Any]],
+        params: list[SamplingParams],
+        request_id: str,
+        priority: int = 0,
     ) -> Generation:
-        return Generation(self.engine, prompts, params, request_id, self.metrics)
+        return Generation(self.engine, prompts, params, request_id, self.metrics, priority)
 
     async def collect(
         self, raw_request: Request, generation: Generation
