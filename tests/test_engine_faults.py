@@ -21,7 +21,7 @@ from pagellm import EngineArgs, SamplingParams
 from pagellm.engine import core_client
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core_client import EngineDeadError
-from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.output_processor import OutputProcessor, fan_out
 from pagellm.sampling_params import RequestOutputKind
 
 DEATH_DEADLINE_S = 1.0  # the README's promise: a caller hears of a dead core within a second
@@ -256,6 +256,10 @@ def test_msgspec_round_trip_of_every_validated_request():
     from pagellm.engine.protocol import EngineCoreRequest
 
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-    params = SamplingParams(n=2, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"5": 100})
+    params = SamplingParams(n=3, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"5": 100})
     request = EngineCoreRequest("r", [1, 2], params, 2, 0.0)
     assert decoder.decode(msgspec.msgpack.encode(request)) == request
+    children = [child for child, _, _ in fan_out(request)]  # seeds seed + i stay in int64
+    assert [child.sampling_params.seed for child in children] == [2**63 - 1, -(2**63), -(2**63) + 1]
+    for child in children:
+        assert decoder.decode(msgspec.msgpack.encode(child)) == child

@@ -25,7 +25,7 @@ from pagellm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pagellm.sampling_params import RequestOutputKind
+from pagellm.sampling_params import INT64_MIN, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class ParentRequest:
 def fan_out(
     request: EngineCoreRequest,
 ) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
-    """A request with n > 1 becomes n children "{i}_{id}" (seeds seed + i); else itself."""
+    """A request with n > 1 becomes n children "{i}_{id}" (seeds seed + i, wrapped into int64 so
+    that every valid seed gives valid children); else itself."""
     params = request.sampling_params
     if params.n == 1:
         return [(request, None, 0)]
@@ -58,7 +59,7 @@ def fan_out(
     for i in range(params.n):
         child_params = msgspec.structs.replace(params, n=1)
         if params.seed is not None:
-            child_params.seed = params.seed + i
+            child_params.seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN
         child = msgspec.structs.replace(
             request, request_id=f"{i}_{request.request_id}", sampling_params=child_params
         )
