@@ -126,6 +126,8 @@ def engine(tiny_chat_model, loop):
         engine = loop.run_until_complete(start())
     yield engine
     engine.shutdown()
+    pending = asyncio.all_tasks(loop)  # the output handler, cancelled: let it finish
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
 
 
 def _run(loop, engine: AsyncLLM, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
