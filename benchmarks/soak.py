@@ -8,7 +8,9 @@ it cannot kill), runs `--requests` streamed completions from `--clients` concurr
 fraction of which leave after a few chunks, SIGKILLs the engine core when `--kill-at` requests
 have started, and checks what a server must survive:
 - no request lost without an error: each one ends with `[DONE]` after its finish_reason, or with
-  an error (in the stream or as an HTTP status), unless the client left;
+  an error (in the stream or as an HTTP status), unless the client left; a 503 or 429 with
+  `Retry-After` is retried after that wait, as a well-behaved client does;
+- the core replaced: one restart, and requests started after the kill complete on the new core;
 - no KV block leaked: at the end /metrics shows 0 running, 0 waiting, 0 KV cache usage;
 - the server's RSS flat (within 10%) from the 200th request to the last;
 - /health answers within 100 ms (p99), polled throughout.
@@ -43,6 +45,8 @@ class Tally:
         self.lost: list[str] = []
         self.started = 0
         self.finished = 0
+        self.retries = 0  # 503 / 429 answers with Retry-After, waited out
+        self.completed_after_kill = 0
         self.rss_at: dict[int, int] = {}  # finished requests -> server RSS (kB)
 
     def count(self, outcome: str) -> None:
@@ -50,7 +54,11 @@ class Tally:
         self.finished += 1
 
 
-async def _one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+_MAX_RETRY_WAIT_S = 300.0
+
+
+async def _one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> str:
+    """The request's outcome; a 503 or 429 with Retry-After is sent again after that wait."""
     body = {
         "prompt": " ".join(rng.choices(_WORDS, k=rng.randint(4, 60))),
         "max_tokens": rng.randint(4, 48),
@@ -58,15 +66,32 @@ async def _one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tal
         "stream": True,
     }
     leave_after = rng.randint(1, 6) if rng.random() < 0.2 else None
+    waited = 0.0
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                return tally.count(f"http_{r.status_code}")
-            tally.count(await _read_stream(r, leave_after))
+        while True:
+            outcome, retry_after = await _attempt(client, body, leave_after)
+            if retry_after is None or waited >= _MAX_RETRY_WAIT_S:
+                return outcome
+            tally.retries += 1
+            waited += retry_after
+            await asyncio.sleep(retry_after)
     except httpx.HTTPError as e:
         tally.lost.append(f"{type(e).__name__}: {e}")
-        tally.count("lost")
+        return "lost"
+
+
+async def _attempt(
+    client: httpx.AsyncClient, body: dict, leave_after: int | None
+) -> tuple[str, float | None]:
+    """(outcome, seconds to wait before trying again, or None: final)."""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code == 200:
+            return await _read_stream(r, leave_after), None
+        await r.aread()
+        retry_after = r.headers.get("retry-after")
+        if r.status_code in (429, 503) and retry_after is not None:
+            return f"http_{r.status_code}", float(retry_after)
+        return f"http_{r.status_code}", None
 
 
 async def _read_stream(r: httpx.Response, leave_after: int | None) -> str:
@@ -94,9 +119,13 @@ async def _client(url: str, seed: int, tally: Tally, args: argparse.Namespace, p
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         while tally.started < args.requests:
             tally.started += 1
-            if tally.started == args.kill_at and args.url is None:
+            index = tally.started
+            if index == args.kill_at and args.url is None:
                 _kill_core(pid)
-            await _one_request(client, rng, tally)
+            outcome = await _one_request(client, rng, tally)
+            tally.count(outcome)
+            if outcome == "completed" and index > args.kill_at:
+                tally.completed_after_kill += 1
             for mark in (200, args.requests):
                 if tally.finished >= mark and mark not in tally.rss_at:
                     tally.rss_at[mark] = _rss_kb(pid)
@@ -193,6 +222,8 @@ def _summary(tally: Tally, latencies: list[float], m: dict, seconds: float) -> d
     return {
         "requests": tally.finished,
         "outcomes": tally.outcomes,
+        "retries": tally.retries,
+        "completed_after_kill": tally.completed_after_kill,
         "lost_without_error": tally.outcomes.get("lost", 0),
         "lost_examples": tally.lost[:3],
         "running_at_end": m.get("pagellm:num_requests_running"),
@@ -230,6 +261,8 @@ def main() -> None:
     summary["server_log"] = log_path if proc is not None else None
     ok = summary["lost_without_error"] == 0 and summary["kv_usage_at_end"] == 0
     ok = ok and summary["running_at_end"] == 0 and (summary["rss_growth"] or 0) <= 0.10
+    if proc is not None and args.kill_at <= args.requests:  # the core was killed: replaced?
+        ok = ok and summary["engine_restarts"] == 1 and summary["completed_after_kill"] > 0
     summary["ok"] = ok and (summary["health_p99_ms"] or 0) < 100
     print(json.dumps(summary))
 
