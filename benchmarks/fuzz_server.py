@@ -105,7 +105,7 @@ def _run_schemathesis(args: argparse.Namespace, url: str, workdir: str) -> dict:
     cmd += ["--report", "ndjson", "--report-ndjson-path", report]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": os.path.abspath(__file__)}
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, cwd=workdir, capture_output=True, text=True)  # its cache
     print(done.stdout[-6000:], file=sys.stderr)
     summary = _summarize(report)
     summary.update(exit_code=done.returncode, seconds=round(time.perf_counter() - start, 1))

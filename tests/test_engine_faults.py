@@ -221,6 +221,14 @@ def test_a_fan_out_that_fails_half_way_leaves_nothing_behind(loop, engine, monke
     assert _all_blocks_free(loop, engine)  # the child that reached the core was aborted
 
 
+def test_prompt_token_ids_of_a_wrong_type_are_a_value_error(loop, engine):
+    """int() would have turned 2.5 into 2 and "15" into [1, 5], silently."""
+    for ids in ([1, 2.5], [1, "5"], [1, True], "15", None):
+        (error,) = _run(loop, engine, {"bad-ids": (ids, GREEDY)}).values()
+        assert isinstance(error, ValueError) and "prompt_token_ids" in str(error), error
+    assert not engine.errored and engine.num_unfinished_requests == 0
+
+
 # ---- stop strings in DELTA streams through AsyncLLM -------------------------------------------
 
 

@@ -7,6 +7,7 @@ ValueError that says what is wrong and what the limit is.
 from __future__ import annotations
 
 import functools
+import operator
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -63,7 +64,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            return prompt.get("prompt"), _as_prompt_token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], self._encode(prompt["prompt"])
         raise ValueError(
@@ -137,6 +138,23 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
     if keep is None or keep == 0 or keep < -1:
         return token_ids
     return token_ids[-(max_model_len if keep == -1 else keep) :]
+
+
+def _as_prompt_token_ids(ids: Any) -> list[int]:
+    """The ids as ints; a float, a string or a bool among them is a ValueError naming the field
+    (int() would turn 1.5 into 1 and "5" into 5, silently)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    out = []
+    for t in ids:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))  # ints, numpy and torch integers
+        except TypeError:
+            shown = f"{type(t).__name__} {t!r:.40}"
+            raise ValueError(f"prompt_token_ids must be integers, got {shown}") from None
+    return out
 
 
 def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None = None) -> None:
