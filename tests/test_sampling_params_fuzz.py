@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pagellm import EngineArgs, SamplingParams
+from pagellm.engine.output_processor import fan_out
 from pagellm.engine.protocol import EngineCoreRequest
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.sampling_params import RequestOutputKind
@@ -86,6 +87,9 @@ def _validate(kwargs: dict) -> SamplingParams | None:
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
     request = EngineCoreRequest("r", [1, 2, 3], params, 2, 0.0)
     assert decoder.decode(msgspec.msgpack.encode(request)) == request  # the core can read it
+    if params.n <= 8:  # and each child of the fan-out (seeds seed + i)
+        for child, _, _ in fan_out(request):
+            assert decoder.decode(msgspec.msgpack.encode(child)) == child
     return params
 
 
