@@ -31,7 +31,7 @@ from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.kernels.compile_ahead import compile_ahead
-from pagellm.models.layers import cpu_prepack_supported
+from pagellm.models.linear import cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.sampler import Sampler
