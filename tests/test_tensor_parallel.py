@@ -55,7 +55,8 @@ def _one_rank_reference(folder: str, monkeypatch, **kwargs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("llama"))
+    # biases: q/k/v's are split with their rows, o_proj's is added once, after the all-reduce
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("llama"), attention_bias=True)
 
 
 # ---- configuration ---------------------------------------------------------------------
@@ -164,6 +165,24 @@ def llama_tp2(tiny_llama):
     llm.worker_dirs = _worker_dirs() - before  # the executor's socket directory
     yield llm
     llm.shutdown()
+
+
+def test_random_samples_are_rank0s_on_every_rank(llama_tp2, tiny_llama, monkeypatch):
+    """Rank 0 samples and broadcasts the ids: every rank then extends the same sequence, so
+    the logprobs the engine reports for random samples are the one-rank model's logprobs of
+    those tokens (teacher-forced). Ranks that drifted apart would compute other logits."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0, ignore_eos=True)
+    prompts = TOKEN_PROMPTS[:3]
+    sampled = llama_tp2.generate([{"prompt_token_ids": p} for p in prompts], params)
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    with LLM(model=tiny_llama, max_model_len=256, kv_cache_memory_bytes=SMALL_KV) as one:
+        for prompt, out in zip(prompts, sampled):
+            got = out.outputs[0]
+            full = {"prompt_token_ids": prompt + list(got.token_ids)}
+            want = one.generate(full, score, use_tqdm=False)[0].prompt_logprobs[len(prompt) :]
+            for token, mine, ref in zip(got.token_ids, got.logprobs, want, strict=True):
+                assert mine[token].logprob == pytest.approx(ref[token].logprob, abs=1e-3)
 
 
 def test_two_ranks_same_tokens_as_one(llama_tp2, tiny_llama, monkeypatch):
