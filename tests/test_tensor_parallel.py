@@ -241,17 +241,35 @@ def test_killed_worker_raises_engine_dead_error_and_leaves_nothing(llama_tp2):
 # ---- through the server -----------------------------------------------------------------------
 
 
-def test_two_rank_server_answers_as_one_rank(tmp_path, monkeypatch):
+def _children(pid: int) -> list[int]:
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and _alive(int(p)) and _parent(int(p)) == pid
+    ]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def test_two_rank_server_answers_as_one_rank_then_dies_whole(tmp_path, monkeypatch):
     """`pagellm serve -tp 2` on random weights (each rank draws the full tensors and keeps its
     part: the same model as one rank's) with SmolLM2's tokenizer, async scheduling (each
-    rank keeps one step in flight): the same greedy texts as one rank."""
-    from test_server import _start_server, _stop, _wait_healthy
+    rank keeps one step in flight): the same greedy texts as one rank. Then the server is
+    SIGKILLed: its EngineCore follows, the workers follow the EngineCore, no files remain."""
+    from test_server import _start_server, _wait_healthy
 
     from pagellm.loader import load_tokenizer, resolve_model_source
 
     folder = make_tiny_hf_model("llama", tmp_path, vocab_size=49152, initializer_range=0.5)
     load_tokenizer(resolve_model_source(None)).save_pretrained(folder)
     engine = ["--load-format", "dummy", "--max-model-len", "256", "--async-scheduling"]
+    before = _worker_dirs()
     server = _start_server([folder, *engine, "-tp", "2"], str(tmp_path / "server.log"))
     try:
         monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
@@ -263,5 +281,16 @@ def test_two_rank_server_answers_as_one_rank(tmp_path, monkeypatch):
         texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
         assert texts == [o.outputs[0].text for o in outputs]
         assert "rank1" in server.log()  # the second rank logged its shard
+        (core,) = _children(server.proc.pid)
+        processes = [core, *_children(core)]
+        assert len(processes) == 3
+        dirs = _worker_dirs() - before
+        assert len(dirs) == 1
     finally:
-        _stop(server)
+        server.proc.kill()
+        server.proc.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in processes if _alive(pid)], "orphan processes"
+    assert not [d for d in dirs if os.path.exists(d)], "IPC files left"
