@@ -178,7 +178,9 @@ class FusedLinear(Linear):
         for shard, rows in zip(self.full_rows, tensor.split(list(self.full_rows.values()))):
             self.load_shard(param_name, shard, rows)
 
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+    def load_shard(
+        self, param_name: str, shard: str, tensor: torch.Tensor | CheckpointTensor
+    ) -> None:
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor(tensor)
         rows = tensor.read(self.parts[shard])
@@ -239,16 +241,16 @@ class RowParallelLinear(Linear):
     all-reduce sums the partial outputs. The bias is added once, by rank 0."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(divide(in_features, "in_features"), out_features, bias=bias)
+        n = divide(in_features, "in_features")
+        super().__init__(n, out_features, bias=bias)
+        tp = get_tp_group()
+        self.part = TensorSlice(1, tp.rank * n, n)
         self.full_in_features = in_features
-        self.reduce = get_tp_group().size > 1
-        self.adds_bias = get_tp_group().rank == 0
+        self.reduce = tp.size > 1
+        self.adds_bias = tp.rank == 0
 
     def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
-        if param_name == "bias":
-            return None
-        n = self.in_features
-        return TensorSlice(1, get_tp_group().rank * n, n)
+        return None if param_name == "bias" else self.part
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         if param_name == "bias":
@@ -256,10 +258,10 @@ class RowParallelLinear(Linear):
         return (self.out_features, self.full_in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in / tp] -> [T, out]
-        if not self.reduce:
-            return super().forward(x)
+        # x: [T, in / tp] -> [T, out]; with one rank, exactly Linear.forward
         bias = self.bias if self.adds_bias else None
         if self.packed_weight is not None:
-            return all_reduce(self.packed_weight(x, bias))
-        return all_reduce(F.linear(x, self.weight, bias))
+            out = self.packed_weight(x, bias)
+        else:
+            out = F.linear(x, self.weight, bias)
+        return all_reduce(out) if self.reduce else out
