@@ -28,7 +28,7 @@ from torch import nn
 
 from pagellm import envs
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
-from pagellm.models.weights import CheckpointTensor, TensorSlice
+from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
 
 
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -184,13 +184,7 @@ class FusedLinear(Linear):
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor(tensor)
         rows = tensor.read(self.parts[shard])
-        param = getattr(self, param_name)
-        if param.is_meta:
-            param = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device=rows.device),
-                requires_grad=False,
-            )
-            setattr(self, param_name, param)
+        param = materialize(self, param_name, rows.device)
         start, end = self.shard_rows[shard]
         if rows.shape != param[start:end].shape:
             raise ValueError(
