@@ -38,6 +38,7 @@ TOKEN_PROMPTS = [SHARED + [5 + i, 17, 33, 99, 200 + i, 7] * (i + 1) for i in ran
 # batch's ~100-token requests at once: preemptions
 STRESS = dict(max_num_batched_tokens=24, num_gpu_blocks_override=12)
 SMALL_KV = 1 << 22
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def _token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -108,6 +109,10 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
         q = q.unflatten(0, (heads, d))[rank * heads // tp : (rank + 1) * heads // tp]
         k, v = (x.unflatten(0, (kv_heads, d))[mine] for x in (k, v))
         return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    if name.endswith("experts.w13"):  # [E, 2I, H]: each expert's gate and up rows
+        return torch.cat([x.chunk(tp, dim=1)[rank] for x in full.chunk(2, dim=1)], dim=1)
+    if name.endswith("experts.w2"):  # [E, H, I]: each expert's down columns
+        return full.chunk(tp, dim=2)[rank]
     if "gate_up_proj" in name:
         return torch.cat([x.chunk(tp)[rank] for x in full.chunk(2)])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -121,13 +126,22 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
 
 @pytest.mark.parametrize(
     "case",
-    ["llama-safetensors", "qwen3-tied-replicated-kv", "llama-gguf", "llama-dummy-padded-vocab"],
+    [
+        "llama-safetensors",
+        "qwen3-tied-replicated-kv",
+        "llama-gguf",
+        "llama-dummy-padded-vocab",
+        "qwen2_moe-shared-expert",
+        "qwen3_moe-dummy",
+    ],
 )
 def test_each_rank_holds_its_slice(case, tmp_path):
     arch = case.split("-")[0]
     overrides = {
         "qwen3-tied-replicated-kv": dict(num_key_value_heads=1, tie_word_embeddings=True),
         "llama-dummy-padded-vocab": dict(vocab_size=509),
+        "qwen2_moe-shared-expert": dict(MOE, shared_expert_intermediate_size=48),
+        "qwen3_moe-dummy": dict(MOE, head_dim=32),
     }.get(case, {})
     folder = make_tiny_hf_model(arch, tmp_path, **overrides)
     path, load_format, tp = folder, "auto", 2
@@ -196,6 +210,16 @@ def test_two_ranks_same_tokens_as_one(llama_tp2, tiny_llama, monkeypatch):
     assert [r["rank"] for r in ranks] == [0, 1]
     assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
     assert all(r["num_kv_heads"] == 1 for r in ranks)  # 2 KV heads, one per rank
+
+
+def test_moe_experts_split_over_two_ranks(tmp_path, monkeypatch):
+    """Qwen3-MoE: each expert's intermediate rows split over the ranks, one all-reduce."""
+    folder = make_tiny_hf_model("qwen3_moe", tmp_path, **MOE, head_dim=32, mlp_only_layers=[0])
+    want = _one_rank_reference(folder, monkeypatch)
+    with LLM(
+        model=folder, max_model_len=256, tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV
+    ) as llm:
+        assert _token_ids(llm, TOKEN_PROMPTS) == want
 
 
 # ---- faults (last: the module's engine dies here) ----------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.models.layers import FusedLinear, RMSNorm
+from pagellm.models.layers import RMSNorm
 from pagellm.models.weights import load_param
 
 
@@ -28,7 +28,7 @@ def init_dummy_weights(
                 tensor.zero_()
             else:
                 tensor.normal_(0.0, std, generator=generator)
-            if isinstance(module, FusedLinear):
+            if hasattr(module, "load_full"):  # FusedLinear, FusedMoE: several parts
                 module.load_full(name, tensor)
             else:
                 load_param(module, name, tensor)

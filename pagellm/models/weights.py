@@ -112,6 +112,9 @@ def load_param(module: nn.Module, name: str, tensor: Any, shard: str | None = No
     if shard is not None:
         module.load_shard(name, shard, tensor)
         return
+    if hasattr(module, "load_full"):  # several parts in one tensor (a layer's stacked experts)
+        module.load_full(name, tensor.read())
+        return
     slicer = getattr(module, "checkpoint_slice", None)
     set_param(module, name, tensor.read(slicer(name) if slicer else None))
 
