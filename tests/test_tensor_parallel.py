@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -26,7 +27,7 @@ import torch
 from conftest import PROMPTS
 from model_utils import load_our_model, make_tiny_hf_model, write_tiny_gguf
 
-from pagellm import LLM, EngineArgs, SamplingParams
+from pagellm import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
 from pagellm.cli import build_parser, engine_args_from
 from pagellm.distributed.parallel_state import building_rank
 from pagellm.engine.core_client import EngineDeadError
@@ -281,6 +282,19 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+REGEX = r"(ab|cd)[0-9]{2,4}(x|yz)"
+
+
+def _regex_params() -> SamplingParams:
+    regex = StructuredOutputsParams(regex=REGEX)
+    return SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex)
+
+
+def _completion_texts(server, body: dict) -> list[str]:
+    out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    return [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
 def test_two_rank_server_answers_as_one_rank_then_dies_whole(tmp_path, monkeypatch):
     """`pagellm serve -tp 2` on random weights (each rank draws the full tensors and keeps its
     part: the same model as one rank's) with SmolLM2's tokenizer, async scheduling (each
@@ -299,11 +313,15 @@ def test_two_rank_server_answers_as_one_rank_then_dies_whole(tmp_path, monkeypat
         monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
         with LLM(model=folder, load_format="dummy", max_model_len=256) as llm:
             outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+            constrained = llm.generate(PROMPTS[:2], _regex_params(), use_tqdm=False)
         _wait_healthy(server)
         body = {"prompt": PROMPTS[:4], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        texts = [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])]
-        assert texts == [o.outputs[0].text for o in outputs]
+        assert _completion_texts(server, body) == [o.outputs[0].text for o in outputs]
+        # grammar masks reach rank 0 with the step (async: the step waits for them)
+        body = {"prompt": PROMPTS[:2], "max_tokens": 24, "temperature": 0, "guided_regex": REGEX}
+        texts = _completion_texts(server, body)
+        assert texts == [o.outputs[0].text for o in constrained]
+        assert all(re.fullmatch(REGEX, t) for t in texts)
         assert "rank1" in server.log()  # the second rank logged its shard
         (core,) = _children(server.proc.pid)
         processes = [core, *_children(core)]

@@ -1,8 +1,9 @@
 """Executor: the layer between the EngineCore and the ranks that hold the model.
 
 The EngineCore calls only `determine_num_kv_blocks()`, `initialize_kv_cache(n)`,
-`execute_model(scheduler_output)` / `execute_model_async(...)` and `collective_rpc()`; it
-never knows how many ranks there are. Three implementations, chosen by
+`execute_model(scheduler_output, grammar)` / `execute_model_async(...)` (or, for a step whose
+grammar masks wait for the previous step's tokens, `forward_async()` then `sample_async()`)
+and `collective_rpc()`; it never knows how many ranks there are. Three implementations, chosen by
 `ParallelConfig.distributed_executor_backend`:
 
 - `UniProcExecutor` ("uni"): the one ModelRunner in the EngineCore's process (no copies);
@@ -23,6 +24,7 @@ import msgspec
 
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.structured_output.bitmask import GrammarBitmask
 
 
 class Executor(ABC):
@@ -51,12 +53,25 @@ class Executor(ABC):
         self.failure_callback = callback
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput: ...
 
     @abstractmethod
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> Any:
         """Queue the step; the result's `get_output()` waits for its ModelRunnerOutput.
         Outputs are read in the order the steps were queued."""
+
+    def forward_async(self, scheduler_output: SchedulerOutput) -> Any:
+        """Queue the step's forward pass; `sample_async()` queues its sampling once the grammar
+        masks are known. Ranks in other processes take forward and sampling as one message,
+        so by default the step only waits here (it loses the forward's overlap)."""
+        return scheduler_output
+
+    def sample_async(self, forwarded: Any, grammar: GrammarBitmask | None) -> Any:
+        return self.execute_model_async(forwarded, grammar)
 
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
@@ -92,16 +107,26 @@ class DistributedExecutor(Executor):
     @abstractmethod
     def _send(self, method: str, payload: bytes) -> Reply: ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        payload = self._encoder.encode((scheduler_output, False))
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        payload = self._step_payload(scheduler_output, False, grammar)
         return self._decode_output(self._send("execute_model", payload).get())
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
-        reply = self._send("execute_model", self._encoder.encode((scheduler_output, True)))
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> StepFuture:
+        reply = self._send("execute_model", self._step_payload(scheduler_output, True, grammar))
         if self._newest is not None:
             self._newest.reply = reply  # ranks answer this step with the one before it
         self._newest = StepFuture(self)
         return self._newest
+
+    def _step_payload(
+        self, scheduler_output: SchedulerOutput, non_block: bool, grammar: GrammarBitmask | None
+    ) -> bytes:
+        wire = None if grammar is None else grammar.to_wire()
+        return self._encoder.encode((scheduler_output, non_block, wire))
 
     def output_of(self, future: StepFuture) -> ModelRunnerOutput:
         if future.reply is None:  # the newest step: no step followed to carry its answer

@@ -8,7 +8,8 @@ answered. `flush()` reads back the step still in flight when no next step comes.
 
 `handle(method, payload)` is the wire form both transports use (msgpack in, msgpack out):
 
-    "execute_model" (SchedulerOutput, non_block) -> rank 0: the ModelRunnerOutput, if any
+    "execute_model" (SchedulerOutput, non_block, grammar bitmask wire | None)
+                                                 -> rank 0: the ModelRunnerOutput, if any
     "flush"                                      -> rank 0: the step in flight's, if any
     "rpc" (call id, method, args)                -> every rank: (call id, ok, result)
 """
@@ -25,6 +26,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagellm.structured_output.bitmask import GrammarBitmask, GrammarBitmaskWire
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,9 @@ class Worker:
         self.rank = rank
         self.model_runner = ModelRunner(config)
         self.in_flight: AsyncModelRunnerOutput | None = None
-        self._step_decoder = msgspec.msgpack.Decoder(tuple[SchedulerOutput, bool])
+        self._step_decoder = msgspec.msgpack.Decoder(
+            tuple[SchedulerOutput, bool, GrammarBitmaskWire | None]
+        )
         self._encoder = msgspec.msgpack.Encoder()
 
     def handle(self, method: str, payload: bytes) -> bytes | None:
@@ -73,11 +77,15 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool
+        self,
+        scheduler_output: SchedulerOutput,
+        non_block: bool,
+        grammar: GrammarBitmaskWire | None = None,
     ) -> ModelRunnerOutput | None:
         """Run one step. non_block: queue it, and return the output of the step queued
         before it (None if there is none); else return this step's output. Rank 0 only."""
-        queued = self.model_runner.execute_model_async(scheduler_output)
+        bitmask = None if grammar is None else GrammarBitmask.from_wire(grammar)
+        queued = self.model_runner.execute_model_async(scheduler_output, bitmask)
         if non_block:
             previous, self.in_flight = self.in_flight, queued
             return self._answer(previous)
