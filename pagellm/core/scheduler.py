@@ -232,7 +232,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=kv.get_block_ids(request.request_id),
             num_computed_tokens=num_computed,
-            eos_token_id=request.eos_token_id,
+            eos_token_ids=request.eos_token_ids,
         )
         step.new_reqs.append(new_req)
         self._advance(request, num_new, step)
@@ -354,7 +354,7 @@ class Scheduler:
             return True
         if request.num_output_tokens < params.min_tokens:
             return False
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if token_id in (params.stop_token_ids or ()):

@@ -22,7 +22,7 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.eos_token_id = _eos_token_id(model_config, tokenizer)
+        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
 
     def process_inputs(
         self,
@@ -44,7 +44,7 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
         )
         return text, request
@@ -113,8 +113,11 @@ def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None 
         raise ValueError(f"{owner}: {message}" if owner else message.capitalize())
 
 
-def _eos_token_id(model_config: ModelConfig, tokenizer: Any | None) -> int | None:
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> list[int]:
+    """The tokenizer's EOS (else config.json's first), then the generation config's."""
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(model_config.hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
+        first = [tokenizer.eos_token_id]
+    else:
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+        first = eos[:1] if isinstance(eos, list) else [] if eos is None else [eos]
+    return list(dict.fromkeys([*first, *model_config.eos_token_ids]))

@@ -33,6 +33,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's defaults (its generation_config.json: temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), else vLLM's neutral ones. Used
+        when `generate` / `chat` get no sampling params; start from it to change a few."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -69,7 +75,7 @@ class LLM:
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
         if len(params) != len(prompts):

@@ -1,24 +1,79 @@
-"""Weights of an HF model folder: every `*.safetensors` file, tensor by tensor."""
+"""Weights of an HF model folder: safetensors shards (the index's, when there is one), or
+PyTorch `.bin` files when the folder has no safetensors (load_format "auto" or "pt").
+
+`checkpoint_files` says which files hold the weights (a ValueError naming the folder when
+none do); `checkpoint_shapes` reads only their headers; `hf_folder_weights` reads the tensors,
+one at a time, with a progress bar over the files.
+"""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from tqdm.auto import tqdm
+
+_INDEXES = {"safetensors": "model.safetensors.index.json", "pt": "pytorch_model.bin.index.json"}
+_PATTERNS = {"safetensors": "*.safetensors", "pt": "*.bin"}
+_NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.bin")
 
 
-def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs in file order; tensors are read lazily, one at a time."""
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise ValueError(
-            f"{os.path.abspath(folder)} has no *.safetensors files "
-            "(PyTorch .bin checkpoints are not supported)"
-        )
+def checkpoint_files(folder: str, load_format: str = "auto") -> list[str]:
+    """Paths of the weight files: safetensors first (for "auto"), `.bin` only without them."""
+    formats = ("safetensors", "pt") if load_format == "auto" else (load_format,)
+    for fmt in formats:
+        files = _files_of(folder, fmt)
+        if files:
+            return files
+    wanted = " or ".join(_PATTERNS[f] for f in formats)
+    raise ValueError(f"model folder {os.path.abspath(folder)} has no weights ({wanted} files)")
+
+
+def _files_of(folder: str, fmt: str) -> list[str]:
+    index = os.path.join(folder, _INDEXES[fmt])
+    if os.path.isfile(index):  # a sharded checkpoint: only the shards it names
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+        if missing:
+            raise ValueError(f"{index} names shards that are not in the folder: {missing[:3]}")
+        return [os.path.join(folder, n) for n in names]
+    files = sorted(glob.glob(os.path.join(folder, _PATTERNS[fmt])))
+    return [f for f in files if os.path.basename(f) not in _NOT_WEIGHTS]
+
+
+def checkpoint_shapes(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, HF name, a `meta` tensor of the stored shape): headers only, no data read."""
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
+        for name, tensor in _read(path, meta=True):
+            yield path, name, tensor
+
+
+def hf_folder_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs in file order; tensors are read lazily, one at a time."""
+    for path in tqdm(files, desc="Loading checkpoint shards", unit="file", dynamic_ncols=True):
+        yield from _read(path, meta=False)
+
+
+def _read(path: str, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.endswith(".safetensors"):
+        yield from _read_safetensors(path, meta)
+        return
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    for name, tensor in state.items():
+        yield name, tensor.to("meta") if meta else tensor
+
+
+def _read_safetensors(path: str, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if meta:
+                shape = f.get_slice(name).get_shape()
+                yield name, torch.empty(shape, device="meta")
+            else:
                 yield name, f.get_tensor(name)

@@ -28,6 +28,7 @@ from pagellm.models.layers import (
     apply_rotary,
     qk_norm_rotary,
 )
+from pagellm.models.rope import max_positions, rope_parameters, rotary_dim
 from pagellm.models.weights import load_packed_weights
 
 if TYPE_CHECKING:
@@ -39,17 +40,21 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    norm_cls: type[RMSNorm] = RMSNorm  # of that q/k norm (Gemma 3: GemmaRMSNorm)
+    scale: float | None = None  # of q.k; None: head_dim ** -0.5
+    logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(score / cap)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_of(config: PretrainedConfig) -> tuple[float, dict | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    return float(theta), params
+def rotary_embedding(config: PretrainedConfig, params: dict | None = None) -> RotaryEmbedding:
+    """The config's rotary table (`params`: one layer type's rope parameters, Gemma 3), over
+    the rotated dims of a head, for every position the model may serve."""
+    theta, scaling = rope_parameters(config, params)
+    dim = rotary_dim(config, head_dim_of(config))
+    return RotaryEmbedding(dim, max_positions(config), theta, scaling)
 
 
 class LlamaAttention(nn.Module):
@@ -58,6 +63,7 @@ class LlamaAttention(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -68,10 +74,18 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=options.qkv_bias)
         self.o_proj = Linear(self.num_heads * hd, config.hidden_size, bias=options.o_bias)
         if options.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.q_norm = options.norm_cls(hd, config.rms_norm_eps)
+            self.k_norm = options.norm_cls(hd, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, hd, attn_backend_cls)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            hd,
+            attn_backend_cls,
+            scale=options.scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=options.logits_soft_cap,
+        )
 
     def forward(
         self,
@@ -129,17 +143,16 @@ class LlamaModel(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        layer_cls: type[nn.Module] | None = None,  # LlamaDecoderLayer; OLMo 2 has its own
     ) -> None:
         super().__init__()
+        layer_cls = layer_cls or LlamaDecoderLayer
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend_cls, options)
-            for _ in range(config.num_hidden_layers)
+            layer_cls(config, attn_backend_cls, options) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        theta, scaling = rope_of(config)
-        max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_pos, theta, scaling)
+        self.rotary_emb = rotary_embedding(config)
 
     def forward(
         self,
@@ -164,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    decoder_layer_cls: type[nn.Module] | None = None  # None: LlamaDecoderLayer
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -174,11 +188,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attn_backend_cls = attn_backend_cls
-        self.model = LlamaModel(config, attn_backend_cls, self.attention_options(config))
+        self.model = self.build_model(config, attn_backend_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: PackedWeight | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build_model(
+        self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]
+    ) -> nn.Module:
+        """The decoder (`self.model`): embeddings, layers, final norm, rotary table."""
+        options = self.attention_options(config)
+        return LlamaModel(config, attn_backend_cls, options, self.decoder_layer_cls)
 
     def forward(
         self,

@@ -60,12 +60,12 @@ def set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         param.data.copy_(tensor)
 
 
-def check_loaded(model: nn.Module, loaded: set[str]) -> None:
+def check_loaded(model: nn.Module, loaded: set[str], checkpoint: str = "checkpoint") -> None:
     """Raise if a parameter (or a shard of a fused one) got no weights."""
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint has no weights for {len(missing)} parameter(s): {shown}")
+        raise ValueError(f"{checkpoint} has no weights for {len(missing)} parameter(s): {shown}")
 
 
 def _module(modules: dict[str, nn.Module], name: str, hf_name: str) -> nn.Module:

@@ -46,7 +46,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.truncated(request, self.encode(prompt))
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
-            self.max_tokens(len(prompt_ids), requested), self._num_logprobs(request)
+            self.max_tokens(len(prompt_ids), requested),
+            self._num_logprobs(request),
+            defaults=self.default_sampling_params,
         )
         request_id = random_id("chatcmpl")
         generation = self.start(
