@@ -12,6 +12,7 @@ from typing import Any
 
 from pagellm.config import ModelConfig
 from pagellm.engine.protocol import EngineCoreRequest
+from pagellm.loader.source import TOKENIZER_FILES
 from pagellm.sampling_params import SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
@@ -64,7 +65,9 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
-                "this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}"
+                f"this model has no tokenizer ({self.model_config.source.path} has none of "
+                f"{', '.join(TOKENIZER_FILES)}): pass tokenizer=..., or prompts as "
+                "{'prompt_token_ids': [...]}"
             )
         return self.tokenizer.encode(text)
 
@@ -95,6 +98,25 @@ class InputProcessor:
                     f"SamplingParams.{name}={k} is more than the {limit} allowed "
                     "(max_logprobs, at most the vocabulary size)"
                 )
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> str:
+    """The prompt text of a conversation; a template's own error (Gemma's templates refuse
+    a system message) becomes a ValueError carrying its message."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except Exception as e:  # jinja's TemplateError, raise_exception() in the template, ...
+        raise ValueError(f"the chat template cannot render these messages: {e}") from e
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

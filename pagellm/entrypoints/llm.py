@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
-from pagellm.engine.input_processor import PromptType
+from pagellm.engine.input_processor import PromptType, render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -61,12 +61,7 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = [
-            tokenizer.apply_chat_template(
-                conv,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
+            render_chat(tokenizer, conv, add_generation_prompt, chat_template)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

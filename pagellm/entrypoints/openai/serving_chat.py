@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.engine.input_processor import render_chat
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -66,12 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         messages = [m.to_template_dict() for m in request.messages]
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
-            )
-        except Exception as e:  # jinja raises its own errors for messages a template rejects
-            raise ValueError(f"the chat template cannot render these messages: {e}") from e
+        return render_chat(self.tokenizer, messages, request.add_generation_prompt)
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:
