@@ -54,6 +54,11 @@ class TritonAttentionMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            raise NotImplementedError("the Triton kernel has no sliding window / soft-cap yet")
+
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(common)
