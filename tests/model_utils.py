@@ -22,6 +22,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
+    MistralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen2Config,
@@ -47,6 +48,7 @@ TINY_CONFIG = dict(
 )
 _CONFIG_CLASSES = {
     "llama": LlamaConfig,
+    "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "gemma2": Gemma2Config,

@@ -306,7 +306,12 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Paged attention through one instance of the model's attention backend."""
+    """Paged attention through one instance of the model's attention backend.
+
+    `scale` multiplies q.k (default head_dim ** -0.5); `sliding_window` W: a query sees only
+    the keys of its last W positions, itself included (HF's `sliding_window`);
+    `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax.
+    """
 
     def __init__(
         self,
@@ -320,10 +325,12 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        if logits_soft_cap is not None:  # TEMPORARY until issue13-sw (the window is ignored)
-            raise NotImplementedError("logits_soft_cap needs issue13-sw")
+        self.sliding_window = sliding_window  # read by the runner: may window blocks be freed?
         scale = head_dim**-0.5 if scale is None else scale
-        self.impl = attn_backend_cls(num_heads, num_kv_heads, head_dim, scale)
+        self.impl = attn_backend_cls(
+            num_heads, num_kv_heads, head_dim, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
 
     def forward(
         self,

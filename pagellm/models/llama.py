@@ -2,12 +2,13 @@
 
 Module names follow HF (`model.layers.N.self_attn.o_proj`, ...) so checkpoint names map 1:1,
 except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules`). Variants differ only in
-`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k.
+`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k; and in
+`sliding_windows` (per layer): Mistral windows every layer, Qwen2/3 the layers HF marks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,20 @@ def rotary_embedding(config: PretrainedConfig, params: dict | None = None) -> Ro
     theta, scaling = rope_parameters(config, params)
     dim = rotary_dim(config, head_dim_of(config))
     return RotaryEmbedding(dim, max_positions(config), theta, scaling)
+
+
+def qwen_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3 as HF applies them: with `use_sliding_window`, the layers `layer_types`
+    marks "sliding_attention" (by default those from `max_window_layers` on) see only the
+    last `sliding_window` tokens; the others attend to everything."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", False) or window is None:
+        return (None,) * n
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i >= config.max_window_layers else "full_attention" for i in range(n)
+    ]
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 class LlamaAttention(nn.Module):
@@ -112,9 +127,10 @@ class LlamaDecoderLayer(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attn_backend_cls, options)
+        self.self_attn = LlamaAttention(config, attn_backend_cls, options, sliding_window)
         mlp_bias = getattr(config, "mlp_bias", False)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -143,13 +159,15 @@ class LlamaModel(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_windows: Sequence[int | None] = (),  # per layer; (): no window anywhere
         layer_cls: type[nn.Module] | None = None,  # LlamaDecoderLayer; OLMo 2 has its own
     ) -> None:
         super().__init__()
         layer_cls = layer_cls or LlamaDecoderLayer
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        windows = sliding_windows or (None,) * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            layer_cls(config, attn_backend_cls, options) for _ in range(config.num_hidden_layers)
+            layer_cls(config, attn_backend_cls, options, window) for window in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary_embedding(config)
@@ -184,6 +202,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: attends to every earlier token)."""
+        return (None,) * config.num_hidden_layers
+
     def __init__(self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
@@ -198,8 +221,8 @@ class LlamaForCausalLM(nn.Module):
         self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]
     ) -> nn.Module:
         """The decoder (`self.model`): embeddings, layers, final norm, rotary table."""
-        options = self.attention_options(config)
-        return LlamaModel(config, attn_backend_cls, options, self.decoder_layer_cls)
+        options, windows = self.attention_options(config), self.sliding_windows(config)
+        return LlamaModel(config, attn_backend_cls, options, windows, self.decoder_layer_cls)
 
     def forward(
         self,
@@ -238,4 +261,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture (sliding-window attention is not used)."""
+    """Mistral is Llama's architecture; a config with `sliding_window` (Mistral 7B v0.1)
+    windows every layer, as HF does."""
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
