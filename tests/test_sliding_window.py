@@ -13,11 +13,16 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import hf_greedy
+from model_utils import make_tiny_hf_model
 from test_kernels import DEVICE, Batch, assert_close  # first: sets TRITON_INTERPRET=1 on CPU
+from test_kv_cache_manager import BLOCK_SIZE, admit, free_ids, make_request
 
+from pagellm import LLM, SamplingParams
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_backend import TritonAttentionBackend
+from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.kernels import paged_attention as kernels
 from pagellm.kernels.reshape_and_cache import reshape_and_cache
 
@@ -270,3 +275,190 @@ def test_triton_backend_window_and_global_layers_share_a_step():
     )
     assert_close(out, Batch.reference(batch), torch.float32)
     assert {key[-1] for key in metadata._plans} == {50, None}
+
+
+# ---------------------------------------------------------------- KV blocks outside the window
+
+
+def window_manager(num_blocks: int = 11, window: int = 6) -> KVCacheManager:
+    return KVCacheManager(BLOCK_SIZE, num_blocks, max_model_len=64, sliding_window=window)
+
+
+def decode(manager: KVCacheManager, request, token: int) -> list[int] | None:
+    """One decode step as the scheduler runs it: allocate, then count the token computed."""
+    request.append_output_token(token)
+    new_ids = manager.allocate_slots(request, 1)
+    request.num_computed_tokens += 1
+    return new_ids
+
+
+def test_blocks_before_the_window_are_freed_as_the_request_grows():
+    manager = window_manager()  # blocks of 4 tokens, window 6
+    a = make_request("a", list(range(8)))
+    assert admit(manager, a) == (0, [1, 2])
+    assert decode(manager, a, 100) == [3]  # position 8 sees keys 3..8: block 1 stays
+    assert manager.get_block_ids("a") == [1, 2, 3]
+    # position 9 sees keys 4..9: block 1 (positions 0..3) is never read again
+    assert decode(manager, a, 101) == []
+    assert manager.get_block_ids("a") == [0, 2, 3]
+    assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 10, 1] and manager.num_free_blocks == 8
+    assert [decode(manager, a, t) for t in (102, 103, 104)] == [[], [], [4]]  # 10, 11, 12
+    assert decode(manager, a, 105) == [] and manager.get_block_ids("a") == [0, 0, 3, 4]  # 13
+    assert free_ids(manager) == [5, 6, 7, 8, 9, 10, 1, 2]
+    manager.free(a)  # the null block is not freed
+    assert free_ids(manager) == [5, 6, 7, 8, 9, 10, 1, 2, 4, 3]
+    assert manager.block_pool.null_block.ref_cnt == 0 and manager.usage == 0.0
+
+
+def test_chunked_prefill_frees_before_each_chunk():
+    manager = window_manager(window=5)
+    a = make_request("a", list(range(24)))
+    assert manager.allocate_slots(a, 8) == [1, 2]
+    a.num_computed_tokens = 8
+    # the chunk 8..15: its first query (8) sees keys 4..8, so block 1 goes
+    assert manager.allocate_slots(a, 8) == [3, 4]
+    a.num_computed_tokens = 16
+    assert manager.get_block_ids("a") == [0, 2, 3, 4]
+    # the chunk 16..23 sees keys from 12 on: blocks 2 and 3 go (after the front blocks)
+    assert manager.allocate_slots(a, 8) == [5, 6]
+    assert manager.get_block_ids("a") == [0, 0, 0, 4, 5, 6]
+    assert free_ids(manager) == [7, 8, 9, 10, 1, 3, 2]
+
+
+def test_global_layers_keep_every_block():
+    manager = KVCacheManager(BLOCK_SIZE, 11, max_model_len=64, sliding_window=None)
+    a = make_request("a", list(range(10)))
+    admit(manager, a)
+    for token in range(6):
+        decode(manager, a, token)
+    assert manager.get_block_ids("a") == [1, 2, 3, 4]
+
+
+def test_prefix_hit_stops_where_window_blocks_are_gone():
+    manager = window_manager(num_blocks=8)
+    a = make_request("a", list(range(16)))
+    admit(manager, a)
+    manager.free(a)  # cached: 1..4 hold positions 0..15
+    assert free_ids(manager) == [5, 6, 7, 4, 3, 2, 1]
+    other = make_request("x", list(range(100, 120)))
+    assert admit(manager, other) == (0, [5, 6, 7, 4, 3])  # evicts positions 8..15
+    manager.free(other)
+    b = make_request("b", list(range(16)) + [50, 51])
+    # a hit past position 8 would need keys from 8 on: the hit is 0..7, blocks 1 and 2
+    hits, num_computed = manager.get_computed_blocks(b)
+    assert num_computed == 8 and [blk.block_id for blk in hits] == [1, 2]
+    assert manager.allocate_slots(b, 10, hits) == [3, 4, 7]
+    assert manager.get_block_ids("b") == [1, 2, 3, 4, 7]
+
+
+def test_prefix_hit_after_the_head_was_evicted():
+    """A request whose early blocks were freed (window) and then reused by another request
+    still gives a hit: only the blocks inside the window of the hit's end are taken."""
+    manager = window_manager(num_blocks=8)
+    a = make_request("a", list(range(12)))
+    assert admit(manager, a) == (0, [1, 2, 3])
+    new_ids = [decode(manager, a, 200 + t) for t in range(8)]  # positions 12..19
+    assert new_ids == [[4], [], [], [], [5], [], [], []]
+    assert manager.get_block_ids("a") == [0, 0, 0, 4, 5]
+    manager.free(a)
+    assert free_ids(manager) == [6, 7, 1, 2, 3, 5, 4]  # freed early: 1, 2, 3 go first
+    x = make_request("x", list(range(100, 116)))
+    assert admit(manager, x) == (0, [6, 7, 1, 2])  # overwrites positions 0..7
+    b = make_request("b", a.all_token_ids + [60])
+    hits, num_computed = manager.get_computed_blocks(b)
+    # a hit up to 20: position 20 sees keys 15..20, in blocks 4 and 5 (3 is not needed)
+    assert num_computed == 20 and [blk.block_id for blk in hits] == [0, 0, 0, 4, 5]
+    assert manager.allocate_slots(b, 1, hits) == [3]
+    assert manager.get_block_ids("b") == [0, 0, 0, 4, 5, 3]
+    assert [manager.block_pool.blocks[i].ref_cnt for i in (0, 4, 5, 3)] == [0, 1, 1, 1]
+    assert manager.num_free_blocks == 0 and (manager.prefix_cache_hits == 20)
+
+
+# ---------------------------------------------------------------- greedy ids equal HF's
+
+GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def window_prompts() -> list[list[int]]:
+    """Prompts of 40-80 tokens; the last shares its first 56 tokens with the first (a prefix
+    hit whose head may already be outside the window)."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (70, 41, 80)]
+    return prompts + [prompts[0][:56] + torch.randint(3, 500, (9,), generator=gen).tolist()]
+
+
+def assert_greedy_matches_hf(folder: str, prompts: list[list[int]], **engine_args) -> dict:
+    """Our greedy ids (the engine in this process, to spare a start-up) against HF's."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with LLM(model=folder, dtype="float32", seed=0, **engine_args) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_32,
+                               use_tqdm=False)  # fmt: skip
+        stats = llm.llm_engine.call_utility("get_stats")
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
+    return stats
+
+
+def test_mistral_window_matches_hf_in_a_cache_only_window_blocks_fit(tmp_path, monkeypatch):
+    """Every layer windowed (12 tokens): 19 usable blocks of 4 hold 76 tokens, less than one
+    prompt and its outputs (up to 112), so requests get through only because the blocks
+    outside the window are freed; four at once also preempt each other. Async scheduling
+    (the GPU default): blocks are freed while the previous step is still in flight."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model("mistral", tmp_path, sliding_window=12)
+    stats = assert_greedy_matches_hf(
+        folder, window_prompts(), block_size=4, num_gpu_blocks_override=20,
+        max_num_batched_tokens=32, async_scheduling=True,
+    )  # fmt: skip
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+
+
+def test_qwen2_window_layers_match_hf(tmp_path, monkeypatch):
+    """Qwen2 windows the layers from max_window_layers on (here layer 1 of 2): the global
+    layer keeps every block."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model(
+        "qwen2", tmp_path, use_sliding_window=True, sliding_window=9, max_window_layers=1
+    )
+    stats = assert_greedy_matches_hf(
+        folder, window_prompts(), block_size=4, num_gpu_blocks_override=80,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    assert stats["num_preemptions"] > 0
+
+
+# ---------------------------------------------------------------- GPU (H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "query_lens,context_lens,window,soft_cap",
+    [
+        ([1] * 64, [4095] * 64, 1024, None),  # decode batch, Mistral-like window
+        ([1] * 2, [16383, 9000], 4096, None),  # long-context decode: split-KV in the window
+        ([2048], [0], 512, 50.0),  # prefill, Gemma 2-like soft-cap
+        ([512, 1, 1, 300] + [1] * 28, [1536, 4000, 100, 0] + [700] * 28, 1000, 30.0),
+    ],
+)
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_kernel_window_gpu(dtype, query_lens, context_lens, window, soft_cap, block_size):
+    batch = WindowBatch(query_lens, context_lens, 32, 8, 128, block_size, dtype,
+                        window=window, soft_cap=soft_cap, seed=7)  # fmt: skip
+    assert_close(batch.run(), batch.reference(), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_mistral_window_gpu_float32_matches_hf(tmp_path):
+    """The engine on CUDA (Triton kernels, CUDA graphs, async scheduling) in float32, blocks
+    outside the window freed: the same greedy ids as HF on the CPU."""
+    folder = make_tiny_hf_model("mistral", tmp_path, sliding_window=12)
+    stats = assert_greedy_matches_hf(
+        folder, window_prompts(), device="cuda", num_gpu_blocks_override=8,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert stats["num_preemptions"] > 0

@@ -40,6 +40,7 @@ class EngineCore:
             self.num_kv_blocks,
             config.log_stats,
             async_scheduling=config.async_scheduling,
+            sliding_window=self.model_runner.kv_sliding_window(),
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
