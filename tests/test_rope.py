@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from pagellm.config import HFConfigView, _resolve_max_model_len
 from pagellm.models.rope import cos_sin_table, rope_parameters, rotary_dim
@@ -82,6 +80,11 @@ CASES = {  # name: (config class, its kwargs, decode one position at a time)
 
 
 def _hf_rows(config, num_positions: int, one_at_a_time: bool) -> tuple[torch.Tensor, ...]:
+    # imported here: transformers' modeling modules import triton, which must not happen
+    # before test_kernels sets TRITON_INTERPRET=1 at collection
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
     cls = Phi3RotaryEmbedding if isinstance(config, Phi3Config) else LlamaRotaryEmbedding
     rope = cls(config)
     x = torch.zeros(1, dtype=torch.float32)
