@@ -66,6 +66,35 @@ def test_hf_home_is_the_default_cache(tiny, tmp_path):
     assert out.stdout.strip() == snapshot
 
 
+def test_download_asks_only_for_what_is_read(tmp_path, monkeypatch):
+    """Online (the Hub stubbed): config and tokenizer files first, then the shards the index
+    names (not the stray full copy, not the .bin); without an index the top-level
+    safetensors; without safetensors the .bin."""
+    import huggingface_hub
+
+    from pagellm.loader.hub import META_PATTERNS, _top_level_weights, download_model
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    listing = ["config.json", "model.safetensors.index.json", *shards, "consolidated.safetensors"]
+    listing += ["pytorch_model.bin", "original/consolidated.00.pth"]
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda *a, **k: listing)
+    index = {"weight_map": {"a.weight": shards[0], "b.weight": shards[1]}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    calls = []
+
+    def snapshot_download(repo_id, *, revision, cache_dir, allow_patterns, local_files_only):
+        calls.append((repo_id, revision, allow_patterns, local_files_only))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert download_model("org/m", "v1", None, with_weights=True) == str(tmp_path)
+    assert calls == [("org/m", "v1", META_PATTERNS, False), ("org/m", "v1", shards, False)]
+    top = ["config.json", "model.safetensors", "pytorch_model.bin", "sub/x.safetensors"]
+    assert _top_level_weights(top) == ["model.safetensors"]
+    assert _top_level_weights(["pytorch_model.bin", "training_args.bin"]) == ["pytorch_model.bin"]
+
+
 def test_missing_hub_id_says_what_was_tried(tmp_path, offline):
     with pytest.raises(HubModelNotFound) as info:
         resolve_model_source("org/missing", download_dir=str(tmp_path / "hub"))

@@ -41,6 +41,8 @@ def download_model(
     if not with_weights:
         return folder
     weights = _index_shards(folder) or _top_level_weights(listing)
+    if not weights:  # the repository has none: the folder's check says so
+        return folder
     return _snapshot(repo_id, revision, cache_dir, weights, reason)
 
 
