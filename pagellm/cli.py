@@ -123,6 +123,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls with --tool-call-parser')  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -138,9 +143,15 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"pagellm serve needs the server extra (pip install 'pagellm[server]'): {e}")
         return 2
     ns.model = ns.model_tag or ns.model
+    chat_options = {
+        "tool_call_parser": ns.tool_call_parser,
+        "enable_auto_tool_choice": ns.enable_auto_tool_choice,
+        "chat_template": ns.chat_template,
+    }
     return run_server(
-        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log
-    )
+        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log,
+        chat_options,
+    )  # fmt: skip
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:

@@ -57,6 +57,8 @@ class EngineArgs:
     served_model_name: str | None = None
     disable_log_stats: bool = False
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -76,6 +78,10 @@ class EngineArgs:
                 f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
                 f"got {self.block_size}"
             )
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(
+                f"reasoning_parser must be 'qwen3' or 'deepseek_r1', got {self.reasoning_parser!r}"
+            )
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
@@ -83,6 +89,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             max_model_len=max_len,
+            policy=self.scheduling_policy,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -104,6 +111,7 @@ class EngineArgs:
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
             log_stats=not self.disable_log_stats,
+            reasoning_parser=self.reasoning_parser,
         )
 
 
@@ -242,8 +250,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
     max_model_len: int = 2048  # prompt + output tokens of one request
+    policy: str = "fcfs"  # the waiting queue's order: fcfs | priority
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -262,6 +273,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
+    reasoning_parser: str | None = None  # structured outputs start after the thinking
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for the EngineCore process (msgpack): the HF config as its dict."""

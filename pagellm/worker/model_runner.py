@@ -35,6 +35,7 @@ from pagellm.models.layers import Attention, cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.sampler import Sampler
+from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
@@ -245,15 +246,32 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(sched).get_output()
+    def execute_model(
+        self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        return self.execute_model_async(sched, grammar).get_output()
+
+    def execute_model_async(
+        self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> AsyncModelRunnerOutput:
+        """Queue the step on the device; the result's get_output() waits for its tokens."""
+        return self.sample_async(self.forward_async(sched), grammar)
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Queue the step on the device; the result's get_output() waits for its tokens."""
+    def sample_async(
+        self, forwarded: tuple[StepBatch, torch.Tensor] | None, grammar: GrammarBitmask | None
+    ) -> AsyncModelRunnerOutput:
+        """Queue the sampling of a forwarded step, its constrained rows masked by `grammar`."""
+        if forwarded is None:
+            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        return self._sample(*forwarded, grammar)
+
+    @torch.inference_mode()
+    def forward_async(self, sched: SchedulerOutput) -> tuple[StepBatch, torch.Tensor] | None:
+        """Queue the step's forward: (its batch, hidden states [T, hidden]); None if empty."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+            return None
         batch = self._prepare_batch(sched)
         arrays = self._host_arrays(batch)
         size = self._graph_size(batch)
@@ -264,7 +282,7 @@ class ModelRunner:
             hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
             hidden = self.graphs.replay(size)
-        return self._sample(batch, hidden)
+        return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:
         if self.graphs is None or not batch.is_decode_only:
@@ -349,7 +367,9 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
+    def _sample(
+        self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
+    ) -> AsyncModelRunnerOutput:
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool
@@ -362,11 +382,13 @@ class ModelRunner:
             return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
+        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
+        if grammar is not None:  # constrained rows: disallowed tokens to -inf
+            apply_grammar_bitmask(logits, req_ids, grammar)
         meta = ib.sampling_metadata(rows, self.device)
         result = self.sampler(logits, meta)  # [S, vocab]
         if meta.penalties is not None:  # counted on the device: the next step sees them
             meta.penalties.record(result.sampled)
-        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
         positions = ib.num_tokens[rows]
         sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, self.device)
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
