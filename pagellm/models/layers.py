@@ -26,6 +26,7 @@ from torch import nn
 
 from pagellm import envs
 from pagellm.attention.base import AttentionBackend
+from pagellm.models.weights import materialize
 
 
 @functools.cache
@@ -268,13 +269,7 @@ class FusedLinear(Linear):
         self.shard_rows = {name: (starts[i], starts[i + 1]) for i, name in enumerate(shards)}
 
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        param = getattr(self, param_name)
-        if param.is_meta:
-            param = nn.Parameter(
-                torch.empty(param.shape, dtype=param.dtype, device=tensor.device),
-                requires_grad=False,
-            )
-            setattr(self, param_name, param)
+        param = materialize(self, param_name, tensor.device)
         start, end = self.shard_rows[shard]
         if tensor.shape != param[start:end].shape:
             raise ValueError(

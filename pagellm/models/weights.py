@@ -60,6 +60,18 @@ def set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         param.data.copy_(tensor)
 
 
+def materialize(module: nn.Module, name: str, device: torch.device) -> nn.Parameter:
+    """Parameter `name` of `module`, first given uninitialized memory on `device` if it is
+    still on `meta` (for loaders that fill it piece by piece)."""
+    param = getattr(module, name)
+    if param.is_meta:
+        param = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False
+        )
+        setattr(module, name, param)
+    return param
+
+
 def check_loaded(model: nn.Module, loaded: set[str]) -> None:
     """Raise if a parameter (or a shard of a fused one) got no weights."""
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)

@@ -1,0 +1,33 @@
+"""Mixtral: the Llama decoder with a sparse MoE block in every layer. Its router takes a
+softmax over the top-k logits; checkpoints name a layer's block `block_sparse_moe` and each
+expert's projections w1 (gate), w3 (up), w2 (down)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagellm.attention.base import AttentionBackend
+from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.moe import MoEWeights, SparseMoeBlock, num_experts_of, use_sparse_mlps
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # the child process never imports transformers
+
+
+class MixtralForCausalLM(MoEWeights, LlamaForCausalLM):
+    expert_params = {"w13": ("w1", "w3"), "w2": ("w2",)}
+    checkpoint_renames = {".block_sparse_moe.": ".mlp.", **MoEWeights.checkpoint_renames}
+
+    def __init__(self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__(config, attn_backend_cls)
+        use_sparse_mlps(self, lambda _: mixtral_block(config))
+
+
+def mixtral_block(config: PretrainedConfig) -> SparseMoeBlock:
+    return SparseMoeBlock(
+        config.hidden_size,
+        num_experts_of(config),
+        config.num_experts_per_tok,
+        config.intermediate_size,
+        renormalize=True,
+    )

@@ -1,0 +1,252 @@
+"""Mixture-of-experts layers: the router's top-k (`select_experts`), the experts as stacked
+weights (`FusedMoE`), the sparse MLP block of Mixtral / Qwen2-MoE / Qwen3-MoE
+(`SparseMoeBlock`), and per-expert checkpoint tensors stacked at load (`MoEWeights`).
+
+The experts of a layer are two parameters, the expert dimension first:
+
+    w13: [E, 2I, H]  gate_proj rows, then up_proj rows (Mixtral: w1, then w3)
+    w2:  [E, H, I]   down_proj (Mixtral: w2)
+
+Tensor parallelism would split I over ranks: each expert's gate and up halves of w13 and
+its w2 columns narrowed to the rank's slice in `FusedMoE.load_expert`, and the block's
+output summed over ranks, as for a dense MLP.
+
+On CUDA the top-k and the experts run as Triton kernels (`pagellm/kernels/fused_moe.py`: no
+host sync, safe in CUDA graphs). On the CPU they are torch (`experts_torch`): the (token, k)
+rows sorted by expert, one gate_up and one down matmul per expert over its rows. That path
+is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.models.layers import GatedMLP, Linear
+from pagellm.models.weights import materialize
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig  # the child process never imports transformers
+
+
+@functools.cache
+def _kernel_module():
+    try:
+        from pagellm.kernels import fused_moe
+    except ImportError:  # no Triton
+        return None
+    return fused_moe
+
+
+def _kernels(x: torch.Tensor):
+    """The fused-MoE Triton module for a CUDA tensor; None on the CPU (the torch path)."""
+    return _kernel_module() if x.is_cuda else None
+
+
+def select_experts(
+    logits: torch.Tensor,  # [T, E] router logits
+    top_k: int,
+    renormalize: bool,  # divide the top-k probabilities by their sum
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, top_k] float32, ids [T, top_k] int32
+    """HF's routing: softmax over all experts in float32, then the top k. With `renormalize`
+    (Mixtral always; Qwen-MoE with norm_topk_prob) that is a softmax over the top-k logits."""
+    kernels = _kernels(logits)
+    if kernels is not None:
+        return kernels.topk_softmax(logits, top_k, renormalize)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def experts_torch(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, K] float32
+    ids: torch.Tensor,  # [T, K] expert ids
+) -> torch.Tensor:  # [T, H]
+    """sum over k of weights[t, k] * expert ids[t, k] applied to x[t]: the N = T * K rows
+    sorted by expert, one matmul pair per expert over its rows (a loop over experts, not
+    tokens). Rounds where `fused_moe` rounds: each expert's output, then times the weight."""
+    t, k = ids.shape
+    flat = ids.flatten().long()
+    order = torch.argsort(flat, stable=True)  # [N]: rows grouped by expert, in row order
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the CPU path may sync
+    rows = x[order // k]  # [N, H]
+    y = torch.empty_like(rows)  # [N, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate, up = F.linear(rows[start : start + count], w13[expert]).chunk(2, dim=-1)
+            y[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+        start += count
+    y = (y * weights.flatten()[order, None]).to(x.dtype)
+    out = torch.empty_like(y)
+    out[order] = y  # back to row order: row r is token r // K, its k-th expert
+    return out.view(t, k, -1).sum(dim=1)
+
+
+class FusedMoE(nn.Module):
+    """A layer's experts as stacked weights, and the routing of tokens to them."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        router_logits: torch.Tensor,  # [T, E]
+    ) -> torch.Tensor:  # [T, H]
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        kernels = _kernels(x)
+        if kernels is not None:
+            return kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        return experts_torch(x, self.w13, self.w2, weights, ids)
+
+    def load_expert(
+        self, param_name: str, expert: int, shard: int, num_shards: int, tensor: torch.Tensor
+    ) -> None:
+        """Write one expert's checkpoint projection into row block `shard` of `num_shards`
+        of its stacked parameter (w13: gate 0, up 1 of 2; w2: down, 0 of 1)."""
+        param = materialize(self, param_name, tensor.device)
+        if not 0 <= expert < param.shape[0]:
+            raise ValueError(f"expert {expert} of {param_name}: the layer has {param.shape[0]}")
+        rows = param.shape[1] // num_shards
+        target = param.data[expert, shard * rows : (shard + 1) * rows]
+        if tensor.shape != target.shape:
+            raise ValueError(
+                f"expert {expert} of {param_name}, shard {shard}: expected "
+                f"{tuple(target.shape)}, got {tuple(tensor.shape)}"
+            )
+        target.copy_(tensor)
+
+
+class SparseMoeBlock(nn.Module):
+    """An MoE layer's MLP: router (`gate`), experts, and Qwen2-MoE's shared expert scaled by
+    sigmoid(shared_expert_gate(x)) when `shared_intermediate_size` is set. Names follow HF."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def num_experts_of(config: PretrainedConfig) -> int:
+    """`num_experts` (Qwen) or `num_local_experts` (Mixtral; and Qwen3-MoE's config dict in
+    transformers 5, which maps one name to the other)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+
+
+def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
+    """Qwen-MoE's rule: every `decoder_sparse_step`-th layer, except `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = getattr(config, "mlp_only_layers", None) or []
+    sparse = num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
+    return sparse and layer_idx not in dense
+
+
+def use_sparse_mlps(model: nn.Module, make_block: Callable[[int], nn.Module | None]) -> None:
+    """Give each decoder layer the block `make_block(layer_idx)` returns in place of the
+    dense MLP the Llama decoder built (on `meta`: nothing was allocated); None keeps it."""
+    for i, layer in enumerate(model.model.layers):
+        block = make_block(i)
+        if block is not None:
+            layer.mlp = block
+
+
+# `<...>.experts.<expert>.<projection>.weight`
+_EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+
+
+class MoEWeights:
+    """Mixin for a Llama-style model with `SparseMoeBlock`s: per-expert checkpoint tensors go
+    into the stacked parameters; the rest loads as the model's `load_weights` loads it."""
+
+    # stacked parameter -> the per-expert checkpoint projections stacked in it, in row order
+    expert_params: dict[str, tuple[str, ...]] = {
+        "w13": ("gate_proj", "up_proj"),
+        "w2": ("down_proj",),
+    }
+    # checkpoint name fragment -> ours (transformers 5 keeps a layer's experts fused in memory)
+    checkpoint_renames: dict[str, str] = {
+        ".experts.gate_up_proj": ".experts.w13",
+        ".experts.down_proj": ".experts.w2",
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        shards: dict[str, set[tuple[int, int]]] = defaultdict(set)
+        loaded = super().load_weights(self._load_experts(weights, shards))
+        for name, seen in shards.items():
+            stacked = self.get_parameter(name)
+            if len(seen) == stacked.shape[0] * len(self.expert_params[name.rpartition(".")[2]]):
+                loaded.add(name)
+        return loaded
+
+    def _load_experts(
+        self, weights: Iterable[tuple[str, torch.Tensor]], shards: dict[str, set]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Load per-expert tensors (recording (expert, shard) pairs); yield every other one."""
+        modules = dict(self.named_modules())
+        param_of = {  # checkpoint projection -> (stacked parameter, shard, shards)
+            proj: (param, i, len(projs))
+            for param, projs in self.expert_params.items()
+            for i, proj in enumerate(projs)
+        }
+        for hf_name, tensor in weights:
+            name = hf_name
+            for old, new in self.checkpoint_renames.items():
+                name = name.replace(old, new)
+            match = _EXPERT_TENSOR.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            experts = modules.get(match["experts"])
+            if not isinstance(experts, FusedMoE) or match["proj"] not in param_of:
+                raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: no such expert weight")
+            param, shard, num_shards = param_of[match["proj"]]
+            expert = int(match["expert"])
+            try:
+                experts.load_expert(param, expert, shard, num_shards, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {hf_name!r}: {exc}") from None
+            shards[f"{match['experts']}.{param}"].add((expert, shard))

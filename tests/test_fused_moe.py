@@ -1,0 +1,184 @@
+"""The fused-MoE Triton kernels (routing top-k, the per-expert layout, the two grouped GEMMs)
+against the torch path of `pagellm/models/moe.py`. Without CUDA they run under Triton's
+interpreter on tiny shapes (fp32 and fp16); `gpu`-marked tests add bf16 at Qwen3-30B-A3B's
+shapes and a CUDA-graph replay. Kernel outputs start as `torch.empty`, so an unwritten row
+fails the comparison.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from test_kernels import _patch_interpreter_for_numpy_2_4
+
+    _patch_interpreter_for_numpy_2_4()  # the GEMM loops to a runtime bound
+
+from pagellm.kernels import fused_moe as fm  # noqa: E402
+from pagellm.models.moe import experts_torch, select_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TINY = fm.MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _problem(t, e, h, i, dtype, top_k=2, unused_expert=True, seed=0):
+    """x, w13, w2 and routing (weights, ids) from random logits; the last expert gets no
+    rows when `unused_expert`."""
+    x = _randn(t, h, dtype=dtype, seed=seed)
+    w13 = _randn(e, 2 * i, h, dtype=dtype, seed=seed + 1, scale=h**-0.5)
+    w2 = _randn(e, h, i, dtype=dtype, seed=seed + 2, scale=i**-0.5)
+    logits = _randn(t, e, seed=seed + 3)
+    if unused_expert:
+        logits[:, -1] = -30.0
+    weights, ids = select_experts(logits.cpu(), top_k, renormalize=True)
+    return x, w13, w2, weights.to(DEVICE), ids.to(DEVICE)
+
+
+def _close(out, ref, dtype):
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (6, 3)])
+def test_topk_softmax_matches_torch(renormalize, num_experts, top_k):
+    logits = _randn(7, num_experts, seed=4)
+    weights, ids = fm.topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts(logits.cpu(), top_k, renormalize)
+    assert ids.dtype == torch.int32 and torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_weights, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_align_groups_every_row_once_per_expert_block(num_tokens):
+    e, k, block_m = 5, 2, 16
+    _, _, _, _, ids = _problem(num_tokens, e, 32, 32, torch.float32)
+    layout = fm.align_by_expert(ids, e, block_m)
+    sorted_ids, expert_ids = layout.sorted_ids.cpu(), layout.expert_ids.cpu()
+    n = num_tokens * k
+    assert sorted_ids.numel() == fm.max_padded_rows(n, e, block_m)
+    counts = torch.bincount(ids.flatten().long().cpu(), minlength=e)
+    assert counts[-1] == 0  # an expert with no rows gets no block
+    used = int(sum(-(-c // block_m) * block_m for c in counts.tolist()))
+    assert layout.num_padded.item() == used
+    assert (sorted_ids[used:] == n).all() and (expert_ids[used // block_m :] >= e).all()
+    rows = sorted_ids[:used].view(-1, block_m)  # one block per line
+    flat_ids = ids.flatten().cpu()
+    for block, expert in zip(rows, expert_ids[: used // block_m].tolist()):
+        real = block[block < n]
+        assert (flat_ids[real.long()] == expert).all() and (block[len(real) :] == n).all()
+    assert sorted(sorted_ids[sorted_ids < n].tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,hidden,inter", [(1, 4, 32, 32), (5, 8, 64, 48), (13, 8, 64, 32)]
+)
+def test_fused_moe_matches_torch(dtype, num_tokens, num_experts, hidden, inter):
+    x, w13, w2, weights, ids = _problem(num_tokens, num_experts, hidden, inter, dtype)
+    out = fm.fused_moe(x, w13, w2, weights, ids, TINY)
+    assert out.shape == (num_tokens, hidden) and out.dtype == dtype
+    _close(out, experts_torch(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()), dtype)
+
+
+def test_fused_moe_default_config_and_top_one():
+    """The H200 table's decode tile (BLOCK_K larger than H: masked K), top-1 routing."""
+    x, w13, w2, weights, ids = _problem(3, 4, 48, 32, torch.float32, top_k=1)
+    out = fm.fused_moe(x, w13, w2, weights, ids)
+    _close(out, experts_torch(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()), x.dtype)
+
+
+def test_out_of_range_ids_are_skipped():
+    """A dry forward (`compile_ahead`) may hand the kernels garbage ids: they are skipped,
+    and the other tokens' outputs are right."""
+    x, w13, w2, weights, ids = _problem(6, 4, 32, 32, torch.float32)
+    bad = ids.clone()
+    bad[0] = torch.tensor([-1, 99], dtype=torch.int32)
+    out = fm.fused_moe(x, w13, w2, weights, bad, TINY)
+    ref = experts_torch(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    _close(out[1:], ref[1:], torch.float32)
+
+
+@pytest.mark.parametrize("expert", [-1, 4])
+def test_blocks_of_unknown_experts_are_skipped(expert):
+    """A block whose expert id is out of range writes nothing (w13 is a view of a larger
+    tensor, so a read past its 4 experts would find numbers, not a fault)."""
+    x = _randn(4, 32)
+    w13 = _randn(6, 64, 32, seed=1)[1:5]
+    sorted_ids = torch.arange(16, dtype=torch.int32, device=DEVICE)  # rows 0-7 real, then N=8
+    layout = fm.ExpertLayout(
+        sorted_ids.clamp(max=8),
+        torch.tensor([expert], dtype=torch.int32, device=DEVICE),
+        torch.tensor([16], dtype=torch.int32, device=DEVICE),
+    )
+    out = torch.zeros(8, 32, device=DEVICE)
+    fm.moe_gemm(x, w13, out, layout, TINY, rows_per_a=2, gated=True)
+    assert (out == 0).all()
+
+
+def test_fused_moe_rejects_bad_inputs():
+    x, w13, w2, weights, ids = _problem(2, 4, 32, 32, torch.float32)
+    with pytest.raises(ValueError, match="fused_moe"):
+        fm.fused_moe(x, w13, w2[:, :, :16], weights, ids)
+    with pytest.raises(ValueError, match="fused_moe"):
+        fm.fused_moe(x, w13, w2, weights.double(), ids)
+    with pytest.raises(ValueError, match="align_by_expert"):
+        fm.align_by_expert(ids.long(), 4, 16)
+    with pytest.raises(ValueError, match="topk_softmax"):
+        fm.topk_softmax(_randn(2, 4), 5, True)
+
+
+def test_choose_config_by_rows_per_expert():
+    assert fm.choose_config(1, 8, 128).block_m == 16  # decode: 1/16 row per expert
+    assert fm.choose_config(8192, 8, 128).block_m == 128  # prefill: 512 rows per expert
+    assert fm.choose_config(256, 2, 8).block_m == 64  # Mixtral decode of 256: 64 rows
+
+
+# ---- CUDA ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 2048])
+def test_fused_moe_bf16_at_qwen3_30b_shapes(num_tokens):
+    """128 experts, top-8, H 2048, I 768: against the torch path in float32."""
+    x, w13, w2, weights, ids = _problem(num_tokens, 128, 2048, 768, torch.bfloat16, top_k=8)
+    out = fm.fused_moe(x, w13, w2, weights, ids)
+    ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph():
+    """Captured once, replayed with other tokens and routing: no host sync, fixed shapes."""
+    from pagellm.models.moe import FusedMoE
+
+    layer = FusedMoE(16, 2, 256, 128, renormalize=True).to("cuda", torch.bfloat16)
+    layer.w13.data.copy_(_randn(16, 256, 256, dtype=torch.bfloat16, scale=1 / 16))
+    layer.w2.data.copy_(_randn(16, 256, 128, dtype=torch.bfloat16, scale=1 / 11))
+    x, logits = _randn(32, 256, dtype=torch.bfloat16), _randn(32, 16, dtype=torch.bfloat16)
+    layer(x, logits)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, logits)
+    for seed in (1, 2):
+        x.copy_(_randn(32, 256, dtype=torch.bfloat16, seed=seed))
+        logits.copy_(_randn(32, 16, dtype=torch.bfloat16, seed=seed + 10))
+        graph.replay()
+        weights, ids = select_experts(logits, 2, True)
+        ref = experts_torch(x, layer.w13, layer.w2, weights, ids)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
