@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
-from model_utils import make_tiny_hf_model
+from model_utils import TINY_CONFIG, make_tiny_hf_model
 from test_kernels import DEVICE, Batch, assert_close  # first: sets TRITON_INTERPRET=1 on CPU
 from test_kv_cache_manager import BLOCK_SIZE, admit, free_ids, make_request
 from test_torch_attention import _Case as TorchCase
@@ -330,6 +330,45 @@ def test_prefix_hit_after_the_head_was_evicted():
     assert manager.get_block_ids("b") == [0, 0, 0, 4, 5, 3]
     assert [manager.block_pool.blocks[i].ref_cnt for i in (0, 4, 5, 3)] == [0, 1, 1, 1]
     assert manager.num_free_blocks == 0 and (manager.prefix_cache_hits == 20)
+
+
+# ---------------------------------------------------------------- which layers are windowed
+
+MOE = dict(num_experts_per_tok=2, num_experts=4, moe_intermediate_size=32)
+# (HF model_type, config overrides): our per-layer windows must be HF's
+LAYER_WINDOW_CONFIGS = {
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "mistral-none": ("mistral", dict(sliding_window=None)),
+    "qwen2-upper": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "qwen2-off": ("qwen2", dict(use_sliding_window=False, sliding_window=8)),
+    "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "mixtral": ("mixtral", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
+                                    shared_expert_intermediate_size=32, **MOE)),
+    "qwen3_moe": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8, **MOE)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYER_WINDOW_CONFIGS))
+def test_layer_windows_are_hfs(name):
+    """Each layer's window as HF's attention modules take it (HF Mistral / Mixtral read
+    `config.sliding_window` in every layer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagellm.models.registry import get_model_cls
+
+    model_type, overrides = LAYER_WINDOW_CONFIGS[name]
+    kwargs = {**TINY_CONFIG, "num_hidden_layers": 4, "head_dim": 16, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    reads_config = model_type in ("mistral", "mixtral")  # the others set it per layer
+    default = config.sliding_window if reads_config else None
+    expected = [getattr(layer.self_attn, "sliding_window", default) for layer in hf.model.layers]
+    expected = [w or None for w in expected]  # Qwen2-MoE's "no window" is 0
+    ours = get_model_cls(type(hf).__name__).sliding_windows(config)
+    assert list(ours) == expected
+    assert name.endswith(("-none", "-off")) == (set(expected) == {None})
 
 
 # ---------------------------------------------------------------- greedy ids equal HF's
