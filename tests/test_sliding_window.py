@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
-from model_utils import make_tiny_hf_model
+from model_utils import TINY_CONFIG, make_tiny_hf_model
 from test_kernels import DEVICE, Batch, assert_close  # first: sets TRITON_INTERPRET=1 on CPU
 from test_kv_cache_manager import BLOCK_SIZE, admit, free_ids, make_request
+from test_torch_attention import _Case as TorchCase
 
 from pagellm import LLM, SamplingParams
-from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_backend import TritonAttentionBackend
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -51,62 +51,19 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-class WindowCase:
-    """A flat batch of (query_len, context_len) requests over random blocks of a NaN cache:
-    only context positions some query of the request may see are written."""
+class WindowCase(TorchCase):
+    """test_torch_attention's flat batch over a NaN cache, with the context positions no
+    query of their request may see (before the first query's window) NaN too."""
 
     def __init__(self, reqs, heads, kv_heads, head_dim, block_size, window, seed):
-        gen = torch.Generator().manual_seed(seed)
-        rng = random.Random(seed)
-        self.reqs, self.heads, self.kv_heads, self.head_dim = reqs, heads, kv_heads, head_dim
-        self.block_size, self.window = block_size, window
-        seq_lens = [q + c for q, c in reqs]
-        blocks_per_req = [-(-s // block_size) for s in seq_lens]
-        num_blocks = sum(blocks_per_req) + 2  # spare blocks stay poisoned
-        ids = list(range(num_blocks))
-        rng.shuffle(ids)
-        self.tables = [[ids.pop() for _ in range(n)] for n in blocks_per_req]
-        self.kv = [torch.randn(2, s, kv_heads, head_dim, generator=gen) for s in seq_lens]
-        self.q = [torch.randn(q, heads, head_dim, generator=gen) for q, _ in reqs]
-        shape = TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
-        self.cache = torch.full(shape, float("nan"))
+        super().__init__(reqs, heads, kv_heads, head_dim, block_size, seed)
+        self.window = window
         flat = self.cache.view(2, -1, kv_heads, head_dim)
         for r, (_, ctx) in enumerate(reqs):
-            first = 0 if window is None else max(0, ctx - window + 1)
-            for p in range(first, ctx):
-                flat[:, self.slot(r, p)] = self.kv[r][:, p]
+            for p in range(0 if window is None else max(0, ctx - window + 1)):
+                flat[:, self.slot(r, p)] = float("nan")
 
-    def slot(self, r: int, pos: int) -> int:
-        return self.tables[r][pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def common(self) -> CommonAttentionMetadata:
-        query_lens = [q for q, _ in self.reqs]
-        seq_lens = np.array([q + c for q, c in self.reqs], dtype=np.int32)
-        qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-        table = torch.zeros(len(self.reqs), max(len(t) for t in self.tables), dtype=torch.int32)
-        for r, t in enumerate(self.tables):
-            table[r, : len(t)] = torch.tensor(t)
-        slots = [self.slot(r, p) for r, (q, c) in enumerate(self.reqs) for p in range(c, c + q)]
-        return CommonAttentionMetadata(
-            num_reqs=len(self.reqs),
-            block_size=self.block_size,
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(query_lens),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(qsl),
-            seq_lens=torch.from_numpy(seq_lens),
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-
-    def new_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.cat([kv[0, c:] for kv, (_, c) in zip(self.kv, self.reqs)])
-        v = torch.cat([kv[1, c:] for kv, (_, c) in zip(self.kv, self.reqs)])
-        return k, v
-
-    def expected(self, scale: float, soft_cap: float | None) -> torch.Tensor:
+    def expected(self, scale: float, soft_cap: float | None = None) -> torch.Tensor:
         return torch.cat([
             reference_attention(q, kv[0], kv[1], c, scale, self.window, soft_cap)
             for q, kv, (_, c) in zip(self.q, self.kv, self.reqs)
@@ -129,9 +86,9 @@ def test_torch_backend_window_and_soft_cap(window, soft_cap, heads, kv_heads, bl
     backend = TorchAttentionBackend(
         heads, kv_heads, 16, scale, sliding_window=window, logits_soft_cap=soft_cap
     )
-    common = case.common()
+    q, k, v, common = case.inputs()
     metadata = TorchAttentionBackend.build_metadata(common)
-    out = backend.forward(torch.cat(case.q), *case.new_kv(), case.cache, metadata)
+    out = backend.forward(q, k, v, case.cache, metadata)
     torch.testing.assert_close(out, case.expected(scale, soft_cap), atol=1e-5, rtol=1e-5)
     if window < common.max_seq_len:  # built once per window, reused by every layer
         assert metadata.windowed(window) is metadata.windowed(window) is not metadata
@@ -144,8 +101,9 @@ def test_torch_backend_soft_cap_bites():
     outs = []
     for cap in (None, 1.0):
         backend = TorchAttentionBackend(2, 2, 16, 0.25, logits_soft_cap=cap)
-        metadata = TorchAttentionBackend.build_metadata(case.common())
-        outs.append(backend.forward(torch.cat(case.q), *case.new_kv(), case.cache, metadata))
+        q, k, v, common = case.inputs()
+        metadata = TorchAttentionBackend.build_metadata(common)
+        outs.append(backend.forward(q, k, v, case.cache, metadata))
         torch.testing.assert_close(outs[-1], case.expected(0.25, cap), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(outs[0], outs[1], atol=1e-2)
 
@@ -244,6 +202,7 @@ def test_kernel_window_split_kv(num_splits):
     assert_close(batch.run(num_splits=num_splits), batch.reference(), torch.float32)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="records the interpreter's calls")
 def test_kernel_skips_key_steps_below_the_window(monkeypatch):
     """The kernel's walk starts at the step holding the tile's first visible key."""
     visited: list[tuple[int, int]] = []  # (first key of a step, one past the last key)
@@ -374,6 +333,45 @@ def test_prefix_hit_after_the_head_was_evicted():
     assert manager.num_free_blocks == 0 and (manager.prefix_cache_hits == 20)
 
 
+# ---------------------------------------------------------------- which layers are windowed
+
+MOE = dict(num_experts_per_tok=2, num_experts=4, moe_intermediate_size=32)
+# (HF model_type, config overrides): our per-layer windows must be HF's
+LAYER_WINDOW_CONFIGS = {
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "mistral-none": ("mistral", dict(sliding_window=None)),
+    "qwen2-upper": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "qwen2-off": ("qwen2", dict(use_sliding_window=False, sliding_window=8)),
+    "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "mixtral": ("mixtral", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
+                                    shared_expert_intermediate_size=32, **MOE)),
+    "qwen3_moe": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8, **MOE)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYER_WINDOW_CONFIGS))
+def test_layer_windows_are_hfs(name):
+    """Each layer's window as HF's attention modules take it (HF Mistral / Mixtral read
+    `config.sliding_window` in every layer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagellm.models.registry import get_model_cls
+
+    model_type, overrides = LAYER_WINDOW_CONFIGS[name]
+    kwargs = {**TINY_CONFIG, "num_hidden_layers": 4, "head_dim": 16, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    reads_config = model_type in ("mistral", "mixtral")  # the others set it per layer
+    default = config.sliding_window if reads_config else None
+    expected = [getattr(layer.self_attn, "sliding_window", default) for layer in hf.model.layers]
+    expected = [w or None for w in expected]  # Qwen2-MoE's "no window" is 0
+    ours = get_model_cls(type(hf).__name__).sliding_windows(config)
+    assert list(ours) == expected
+    assert name.endswith(("-none", "-off")) == (set(expected) == {None})
+
+
 # ---------------------------------------------------------------- greedy ids equal HF's
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -409,7 +407,7 @@ def test_mistral_window_matches_hf_in_a_cache_only_window_blocks_fit(tmp_path, m
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
     folder = make_tiny_hf_model("mistral", tmp_path, sliding_window=12)
     stats = assert_greedy_matches_hf(
-        folder, window_prompts(), block_size=4, num_gpu_blocks_override=20,
+        folder, window_prompts(), device="cpu", block_size=4, num_gpu_blocks_override=20,
         max_num_batched_tokens=32, async_scheduling=True,
     )  # fmt: skip
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
@@ -423,7 +421,7 @@ def test_qwen2_window_layers_match_hf(tmp_path, monkeypatch):
         "qwen2", tmp_path, use_sliding_window=True, sliding_window=9, max_window_layers=1
     )
     stats = assert_greedy_matches_hf(
-        folder, window_prompts(), block_size=4, num_gpu_blocks_override=80,
+        folder, window_prompts(), device="cpu", block_size=4, num_gpu_blocks_override=80,
         max_num_batched_tokens=48,
     )  # fmt: skip
     assert stats["num_preemptions"] > 0

@@ -59,15 +59,17 @@ def rotary_embedding(config: PretrainedConfig, params: dict | None = None) -> Ro
 
 
 def qwen_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
-    """Qwen2 / Qwen3 as HF applies them: with `use_sliding_window`, the layers `layer_types`
-    marks "sliding_attention" (by default those from `max_window_layers` on) see only the
-    last `sliding_window` tokens; the others attend to everything."""
+    """Qwen2 / Qwen3 (and their MoE variants) as HF applies them: with `use_sliding_window`,
+    the layers `layer_types` marks "sliding_attention" (without it, those from
+    `max_window_layers` on; every layer for Qwen3-MoE, which has neither) see only the last
+    `sliding_window` tokens; the others attend to everything."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not getattr(config, "use_sliding_window", False) or window is None:
         return (None,) * n
     types = getattr(config, "layer_types", None) or [
-        "sliding_attention" if i >= config.max_window_layers else "full_attention" for i in range(n)
+        "sliding_attention" if i >= getattr(config, "max_window_layers", 0) else "full_attention"
+        for i in range(n)
     ]
     return tuple(window if kind == "sliding_attention" else None for kind in types)
 
