@@ -347,12 +347,16 @@ LAYER_WINDOW_CONFIGS = {
     "qwen2_moe": ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=3,
                                     shared_expert_intermediate_size=32, **MOE)),
     "qwen3_moe": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8, **MOE)),
+    "gemma2": ("gemma2", dict(sliding_window=8)),
+    "gemma3": ("gemma3_text", dict(sliding_window=8, sliding_window_pattern=3)),
+    "phi3": ("phi3", dict(sliding_window=8, pad_token_id=0)),
+    "olmo2-none": ("olmo2", dict()),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYER_WINDOW_CONFIGS))
 def test_layer_windows_are_hfs(name):
-    """Each layer's window as HF's attention modules take it (HF Mistral / Mixtral read
+    """Each layer's window as HF's attention modules take it (HF Mistral, Mixtral, Phi-3 read
     `config.sliding_window` in every layer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -363,7 +367,7 @@ def test_layer_windows_are_hfs(name):
     config = AutoConfig.for_model(model_type, **kwargs)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
-    reads_config = model_type in ("mistral", "mixtral")  # the others set it per layer
+    reads_config = model_type in ("mistral", "mixtral", "phi3")  # the others set it per layer
     default = config.sliding_window if reads_config else None
     expected = [getattr(layer.self_attn, "sliding_window", default) for layer in hf.model.layers]
     expected = [w or None for w in expected]  # Qwen2-MoE's "no window" is 0
