@@ -1,15 +1,17 @@
 """`load_model`: build the registered model class on the `meta` device in the configured
-dtype, check the checkpoint's tensor names and shapes against it (headers only, on `meta`:
-a mismatch is a ValueError naming the file and the tensor before any weight reaches the
-device), then materialize its parameters from safetensors / .bin, GGUF or random (dummy)
-weights."""
+dtype (with tensor parallelism: this process's rank, its heads, columns and vocabulary
+rows), check the checkpoint's tensor names and shapes against it (headers only, on `meta`: a
+mismatch is a ValueError naming the file and the tensor before any weight reaches the device),
+then materialize its parameters from safetensors / .bin, GGUF or random (dummy) weights. Each
+rank reads only its part of each tensor: from safetensors, only those bytes; a `.bin` or GGUF
+tensor is read (dequantized) whole, one at a time, and then cut."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from pagellm.loader.safetensors_loader import (
 )
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
-from pagellm.models.weights import check_loaded
+from pagellm.models.weights import CheckpointTensor, check_loaded
 
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
@@ -79,8 +81,8 @@ def _shapes(source: ModelSource) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield from checkpoint_shapes(checkpoint_files(source.path, source.load_format))
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of a gguf or hf source."""
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor or safetensors slice) pairs of a gguf or hf source."""
     if source.kind == "gguf":
         return gguf_weights(read_gguf(source.path))
     if source.kind == "hf":
@@ -89,10 +91,11 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _on(
-    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, Any]]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Each tensor read (whole, or the part this rank holds) straight to device and dtype."""
     for name, tensor in weights:
-        yield name, tensor.to(device=device, dtype=dtype)
+        yield name, CheckpointTensor(tensor, device, dtype)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -52,13 +53,14 @@ def checkpoint_shapes(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor
             yield path, name, tensor
 
 
-def hf_folder_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs in file order; tensors are read lazily, one at a time."""
+def hf_folder_weights(files: list[str]) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) pairs in file order. From safetensors a tensor is a slice: nothing is
+    read until the consumer indexes it (a whole tensor, or one rank's rows or columns)."""
     for path in tqdm(files, desc="Loading checkpoint shards", unit="file", dynamic_ncols=True):
         yield from _read(path, meta=False)
 
 
-def _read(path: str, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(path: str, meta: bool) -> Iterator[tuple[str, Any]]:
     if path.endswith(".safetensors"):
         yield from _read_safetensors(path, meta)
         return
@@ -67,13 +69,10 @@ def _read(path: str, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.to("meta") if meta else tensor
 
 
-def _read_safetensors(path: str, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_safetensors(path: str, meta: bool) -> Iterator[tuple[str, Any]]:
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            if meta:
-                shape = f.get_slice(name).get_shape()
-                yield name, torch.empty(shape, device="meta")
-            else:
-                yield name, f.get_tensor(name)
+            part = f.get_slice(name)
+            yield name, torch.empty(part.get_shape(), device="meta") if meta else part
