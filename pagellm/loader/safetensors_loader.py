@@ -3,7 +3,7 @@ PyTorch `.bin` files when the folder has no safetensors (load_format "auto" or "
 
 `checkpoint_files` says which files hold the weights (a ValueError naming the folder when
 none do); `checkpoint_shapes` reads only their headers; `hf_folder_weights` reads the tensors,
-one at a time, with a progress bar over the files.
+one at a time, with a progress bar over the files (rank 0's only).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+from pagellm.distributed.parallel_state import get_tp_group
 
 _INDEXES = {"safetensors": "model.safetensors.index.json", "pt": "pytorch_model.bin.index.json"}
 _PATTERNS = {"safetensors": "*.safetensors", "pt": "*.bin"}
@@ -56,7 +58,11 @@ def checkpoint_shapes(files: list[str]) -> Iterator[tuple[str, str, torch.Tensor
 def hf_folder_weights(files: list[str]) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs in file order. From safetensors a tensor is a slice: nothing is
     read until the consumer indexes it (a whole tensor, or one rank's rows or columns)."""
-    for path in tqdm(files, desc="Loading checkpoint shards", unit="file", dynamic_ncols=True):
+    quiet = get_tp_group().rank != 0  # one bar: rank 0's
+    bar = tqdm(
+        files, desc="Loading checkpoint shards", unit="file", dynamic_ncols=True, disable=quiet
+    )
+    for path in bar:
         yield from _read(path, meta=False)
 
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.models.layers import (
-    Embedding,
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    VocabParallelEmbedding,
     _fused_ops,
 )
 from pagellm.models.llama import (
@@ -37,6 +37,7 @@ from pagellm.models.llama import (
     LlamaForCausalLM,
     rotary_embedding,
 )
+from pagellm.models.weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -66,12 +67,15 @@ class GemmaRMSNorm(RMSNorm):
         return fused if ok else None
 
 
-def unit_offset_norms(
-    weights: Iterable[tuple[str, torch.Tensor]],
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """Checkpoint norm weights w -> 1 + w in float32, what `GemmaRMSNorm` multiplies by."""
+def unit_offset_norms(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """Checkpoint norm weights w -> 1 + w in float32, what `GemmaRMSNorm` multiplies by (a
+    norm is whole on every tensor-parallel rank: read whole)."""
     for name, tensor in weights:
-        yield name, tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
+        if not name.endswith("norm.weight"):
+            yield name, tensor
+            continue
+        whole = tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+        yield name, whole.float() + 1.0
 
 
 def layer_types(config: PretrainedConfig, pattern: int) -> list[str]:
@@ -132,7 +136,7 @@ class GemmaModel(nn.Module):
         rotary: dict[str, RotaryEmbedding],
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # HF multiplies by sqrt(hidden) cast to the weights' dtype (in bf16 59.866 -> 59.75)
         scale = torch.tensor(config.hidden_size**0.5, device="cpu")  # built on `meta` otherwise
         self.embed_scale = float(scale.to(torch.get_default_dtype()))
@@ -205,5 +209,5 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             return logits
         return torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         return super().load_weights(unit_offset_norms(weights))

@@ -147,8 +147,6 @@ def qk_norm_rotary(
     return apply_rotary(q_norm(q), cos_sin), apply_rotary(k_norm(k), cos_sin)
 
 
-
-
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2 * I] (gate | up) -> [T, I]
