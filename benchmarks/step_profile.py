@@ -70,10 +70,10 @@ def main() -> None:
     steps: list[tuple[int, int, float]] = []  # (tokens, requests, seconds)
     execute = ModelRunner.execute_model
 
-    def timed(runner, scheduler_output):
+    def timed(runner, scheduler_output, *grammar):
         _sync(runner.device)
         start = time.perf_counter()
-        out = execute(runner, scheduler_output)
+        out = execute(runner, scheduler_output, *grammar)
         _sync(runner.device)
         tokens = scheduler_output.total_num_scheduled_tokens
         steps.append(
@@ -122,10 +122,10 @@ def async_timeline(args) -> None:
     steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
     queue_step = ModelRunner.execute_model_async
 
-    def recorded(runner, scheduler_output):
+    def recorded(runner, scheduler_output, *grammar):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = queue_step(runner, scheduler_output)
+        out = queue_step(runner, scheduler_output, *grammar)
         end.record()
         tokens = scheduler_output.total_num_scheduled_tokens
         steps.append((tokens, len(scheduler_output.num_scheduled_tokens), start, end))
@@ -174,7 +174,7 @@ def kernel_table(llm, prompts: list[list[int]], temperature: float) -> None:
     from pagellm import SamplingParams
 
     engine = llm.llm_engine
-    runner = engine.engine_core.engine_core.model_runner
+    runner = engine.engine_core.engine_core.model_executor.model_runner
     runner.graphs = None  # eager: every kernel shows in the table
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagellm.config import EngineArgs
@@ -16,6 +17,7 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestOutputKind",

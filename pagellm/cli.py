@@ -27,6 +27,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from pagellm.config import EngineArgs
 
@@ -35,12 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            group.add_argument(flag, type=_scalar_type(hint), default=f.default)
+            group.add_argument(*flags, type=_scalar_type(hint), default=f.default)
 
 
 def _scalar_type(hint: typing.Any) -> type:
@@ -123,6 +126,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls with --tool-call-parser')  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -138,9 +146,15 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"pagellm serve needs the server extra (pip install 'pagellm[server]'): {e}")
         return 2
     ns.model = ns.model_tag or ns.model
+    chat_options = {
+        "tool_call_parser": ns.tool_call_parser,
+        "enable_auto_tool_choice": ns.enable_auto_tool_choice,
+        "chat_template": ns.chat_template,
+    }
     return run_server(
-        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log
-    )
+        engine_args_from(ns), ns.host, ns.port, ns.api_key, ns.uvicorn_log_level, ns.access_log,
+        chat_options,
+    )  # fmt: skip
 
 
 def _chat_parser(sub: argparse._SubParsersAction) -> None:

@@ -11,6 +11,8 @@ import math
 
 import msgspec
 
+from pagellm.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -44,6 +46,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     prompt_logprobs: int | None = None  # per prompt token after the first: its logprob + top k
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, ...
+    bad_words: list[str] | None = None  # never generated (as vLLM: with and without a space)
+    # bad_words as token id sequences, filled by the engine's input processor
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +119,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
             f"must be at least 1, got {self.max_tokens}",
+        )
+        _check(
+            self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words",
+            "must be non-empty strings",
         )
         _check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
         _check(

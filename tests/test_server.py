@@ -103,7 +103,8 @@ def _stop(server: Server, expect_engine: bool = True) -> None:
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
+    args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY,
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # fmt: skip
     srv = _start_server(args, str(tmp_path_factory.mktemp("server") / "server.log"))
     try:
         request.getfixturevalue("llm")  # the in-process reference loads while the server boots
@@ -348,7 +349,12 @@ def _error(response: httpx.Response, status: int) -> dict:
         ({"prompt": [10**9]}, ["vocab"]),
         ({"prompt": "x", "suffix": "y"}, ["suffix", "not supported"]),
         ({"prompt": "x", "best_of": 3}, ["best_of"]),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, ["response_format"]),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, ["response_format"]),
+        ({"prompt": "x", "guided_decoding_backend": "outlines"}, ["guided_decoding_backend"]),
+        ({"prompt": "x", "guided_regex": "([a-z"}, ["regex", "Unclosed"]),
+        ({"prompt": "x", "guided_json": {"type": "nonsense"}}, ["JSON schema", "nonsense"]),
+        ({"prompt": "x", "guided_json": {}, "guided_regex": "a"}, ["guided_json", "guided_regex"]),
+        ({"prompt": "x", "priority": 3}, ["priority", "scheduling-policy"]),
         ({"prompt": "x", "logit_bias": {"-5": 1}}, ["logit_bias", "vocab"]),
         ({"prompt": "x", "n": 10**6}, ["n"]),  # would block the server while fanning out
         ({"prompt": ["x"] * 2049}, ["prompt"]),
@@ -444,3 +450,167 @@ def test_dead_engine_is_503(tmp_path):
         assert "dead" in error["message"]
     finally:
         _stop(srv, expect_engine=False)
+
+
+# ---- structured outputs, tools, extras -------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Give me a person as JSON."}]
+STRUCTURED = {"model": MODEL, "temperature": 0.0, "max_tokens": 64}
+
+
+def test_parse_with_a_pydantic_model(client):
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    out = client.chat.completions.parse(messages=ASK, response_format=Person, **STRUCTURED)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person)
+
+
+def test_json_schema_streamed_and_not(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    whole = client.chat.completions.create(messages=ASK, response_format=fmt, **STRUCTURED)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    chunks = client.chat.completions.create(
+        messages=ASK, response_format=fmt, stream=True, **STRUCTURED
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    done = client.completions.create(
+        prompt="A JSON object:", extra_body={"response_format": {"type": "json_object"}},
+        **STRUCTURED,
+    )  # fmt: skip
+    assert isinstance(json.loads(done.choices[0].text), dict)
+
+
+def test_guided_fields_constrain(client):
+    import jsonschema
+
+    out = client.completions.create(
+        prompt="Person:", extra_body={"guided_json": PERSON}, **STRUCTURED
+    )
+    jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+    regex = client.completions.create(
+        prompt="Code:", extra_body={"guided_regex": r"[A-Z]{3}-\d{2}"}, **STRUCTURED
+    )
+    assert re.fullmatch(r"[A-Z]{3}-\d{2}", regex.choices[0].text)
+    choice = client.chat.completions.create(
+        messages=ASK, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}, **STRUCTURED
+    )
+    assert choice.choices[0].message.content in ("yes", "no")
+
+
+def test_bad_words_never_appear(client, llm):
+    free = client.completions.create(prompt=PROMPTS[3], max_tokens=16, temperature=0.0, model=MODEL)
+    words = [w.strip(".,:") for w in free.choices[0].text.split() if len(w.strip(".,:")) > 3][:2]
+    assert words
+    out = client.completions.create(
+        prompt=PROMPTS[3], max_tokens=16, temperature=0.0, model=MODEL,
+        extra_body={"bad_words": words},
+    )  # fmt: skip
+    from pagellm.engine.input_processor import bad_words_token_ids
+
+    ids = llm.get_tokenizer().encode(out.choices[0].text, add_special_tokens=False)
+    for seq in bad_words_token_ids(llm.get_tokenizer(), words):
+        assert not any(ids[i : i + len(seq)] == seq for i in range(len(ids))), (seq, words)
+
+
+def _streamed_call(client, **kwargs) -> tuple[list[dict], str]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": None, "arguments": ""})
+            if d.function.name:
+                assert call["name"] is None and call["arguments"] == ""  # the name comes first
+                call["name"] = d.function.name
+            call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish
+
+
+def test_tool_conversation(client):
+    """Turn 1: tool_choice "required"; turn 2, after the tool's result: a named function.
+    Each call parses and validates, and its streamed deltas reassemble to it."""
+    import jsonschema
+
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    kwargs = {"messages": messages, "tools": tools, "tool_choice": "required", **STRUCTURED}
+    first = client.chat.completions.create(**kwargs)
+    assert first.choices[0].finish_reason == "tool_calls"
+    calls = first.choices[0].message.tool_calls
+    assert calls and all(c.function.name in schemas for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    streamed, finish = _streamed_call(client, **kwargs)
+    assert finish == "tool_calls"
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in calls]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        *[{"role": "tool", "tool_call_id": c.id, "content": "22 degrees, sunny"} for c in calls],
+        {"role": "user", "content": "And what time is it there?"},
+    ]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kwargs = {"messages": messages, "tools": tools, "tool_choice": named, **STRUCTURED}
+    second = client.chat.completions.create(**kwargs)
+    (call,) = second.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_time"])
+    streamed, _ = _streamed_call(client, **kwargs)
+    assert streamed == [{"name": "get_time", "arguments": call.function.arguments}]
+
+
+def test_tool_choice_errors(server):
+    base = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL]}
+    unknown = {**base, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert "nope" in _error(_post(server, "/v1/chat/completions", unknown), 400)["message"]
+    both = {**base, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    assert "tool_choice" in _error(_post(server, "/v1/chat/completions", both), 400)["message"]
+    auto = _post(server, "/v1/chat/completions", {**base, "max_tokens": 4})
+    assert auto.status_code == 200  # "auto" with --enable-auto-tool-choice: hermes parses

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from pagellm.engine.protocol import EngineCoreRequest, FinishReason
 from pagellm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagellm.structured_output.request import StructuredOutputRequest
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_GRAMMAR = 1  # its structured-output grammar is being compiled
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -57,6 +62,9 @@ class Request:
         "stop_reason",
         "num_output_placeholders",
         "prompt_logprobs",
+        "priority",
+        "structured_output",
+        "error",
     )
 
     def __init__(
@@ -66,6 +74,7 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -87,6 +96,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # async scheduling: tokens being sampled by a step whose output has not come back
         self.num_output_placeholders = 0
+        self.priority = priority  # lower first, with scheduling_policy="priority"
+        # its grammar and matcher (pagellm.structured_output), set by the EngineCore
+        self.structured_output: StructuredOutputRequest | None = None
+        self.error: str | None = None  # why it failed before running (a grammar's compile)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -96,6 +109,7 @@ class Request:
             req.sampling_params,
             req.eos_token_id,
             req.arrival_time,
+            req.priority,
         )
 
     @property

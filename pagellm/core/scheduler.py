@@ -9,8 +9,13 @@ at most `max_num_seqs` requests:
 2. a running request that cannot get KV blocks preempts the most recently admitted one
    (maybe itself): its blocks are freed and it waits at the front of the queue, to be
    recomputed (mostly from the prefix cache) when admitted again;
-3. waiting requests in FIFO order, if nothing was preempted, each starting after its
-   longest cached prefix; admission stops at the first that cannot get blocks.
+3. waiting requests in FIFO order (or by (priority, arrival) with the "priority" policy), if
+   nothing was preempted, each starting after its longest cached prefix; admission stops at
+   the first that cannot get blocks.
+
+A request with a structured-output constraint waits apart (WAITING_FOR_GRAMMAR, no blocks)
+until its grammar is compiled, then joins the queue; its matcher follows every token appended,
+and the request stops when the grammar has terminated.
 
 `num_computed_tokens` advances as soon as a request is scheduled; `update_from_output`
 appends the sampled tokens and decides who stops.
@@ -43,7 +48,6 @@ from pagellm.core.sched_output import (
 from pagellm.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    FinishReason,
     SchedulerStats,
 )
 
@@ -72,6 +76,7 @@ class Scheduler:
         log_stats: bool = True,
         async_scheduling: bool = False,
         sliding_window: int | None = None,  # every layer's window is at most this (None: no)
+        policy: str = "fcfs",
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -90,6 +95,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, in admission order
         self.running: list[Request] = []  # RUNNING, oldest admission first
+        self.waiting_for_grammar: list[Request] = []  # WAITING_FOR_GRAMMAR, by arrival
+        self.policy = policy  # "fcfs" | "priority": the waiting queue's order
         self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.finished_on_arrival: list[Request] = []  # prompts too long: reported next update
         self.num_preemptions = 0
@@ -122,8 +129,41 @@ class Scheduler:
         if request.num_prompt_tokens > self.max_request_len:
             request.status = RequestStatus.FINISHED_LENGTH
             self.finished_on_arrival.append(request)
+        elif request.structured_output is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back (fcfs; the front for a preempted request), or
+        by (priority, arrival time)."""
+        if self.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            after = (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key)
+            self.waiting.insert(next(after, len(self.waiting)), request)
+        elif front:
+            self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
+
+    def _check_grammars(self) -> None:
+        """Queue the requests whose grammar is compiled; fail those whose grammar failed."""
+        if not self.waiting_for_grammar:
+            return
+        still = []
+        for request in self.waiting_for_grammar:
+            so = request.structured_output
+            if not so.poll():
+                still.append(request)
+            elif so.error is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.error = so.error
+                self.finished_on_arrival.append(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self._enqueue(request)
+        self.waiting_for_grammar = still
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort, stop string); unknown ids are ignored."""
@@ -137,6 +177,7 @@ class Scheduler:
         if requests:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
+            self.waiting_for_grammar = [r for r in self.waiting_for_grammar if not r.is_finished]
 
     def _release(self, request: Request) -> None:
         """Free a finished request's blocks and forget it; the runner hears at the next step."""
@@ -161,6 +202,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(self.max_num_batched_tokens)
+        self._check_grammars()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_waiting(step)
@@ -211,7 +253,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -297,8 +339,9 @@ class Scheduler:
         for request in self.finished_on_arrival:
             if self.requests.get(request.request_id) is request:  # not aborted meanwhile
                 self._release(request)
+                reason, error = request.status.finish_reason, request.error
                 outputs.append(
-                    EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.LENGTH)
+                    EngineCoreOutput(request.request_id, [], finish_reason=reason, error=error)
                 )
         self.finished_on_arrival.clear()
         return outputs
@@ -354,6 +397,10 @@ class Scheduler:
         """Set a finished status if `token_id`, just appended, ends the request."""
         params = request.sampling_params
         max_tokens = params.max_tokens
+        grammar = request.structured_output
+        if grammar is not None and grammar.accept(token_id):  # the grammar is complete
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if request.num_tokens >= self.max_request_len or (
             max_tokens is not None and request.num_output_tokens >= max_tokens
         ):
@@ -374,7 +421,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.waiting_for_grammar),
             kv_cache_usage=kv.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,

@@ -46,10 +46,15 @@ class AsyncLLM:
         return self.dead_error is not None
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs as its `output_kind` asks; the last one is finished."""
-        queue = await self.add_request(request_id, prompt, sampling_params)
+        """Yields this request's outputs as its `output_kind` asks; the last one is finished.
+        A request the engine fails (a grammar that does not compile) raises ValueError."""
+        queue = await self.add_request(request_id, prompt, sampling_params, priority)
         finished = False
         try:
             while not finished:
@@ -63,12 +68,14 @@ class AsyncLLM:
                 await self.abort(request_id)
 
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> asyncio.Queue:
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error))
         self._start_output_handler()
-        prompt_text, request = self.input_processor.process_inputs(request_id, prompt, params)
+        prompt_text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, priority=priority
+        )
         queue: asyncio.Queue = asyncio.Queue()
         for child, parent, index in fan_out(request):
             self.output_processor.add_request(prompt_text, child, parent, index, queue)

@@ -1,13 +1,21 @@
 """EngineCore: the scheduler and the model runner, one step at a time.
 
-`step()` is the whole engine loop body: Scheduler.schedule() -> ModelRunner.execute_model()
--> Scheduler.update_from_output(). EngineCoreProc (the child-process wrapper that runs
-`step()` in a busy loop behind ZMQ sockets) lives beside it.
+`step()` is the whole engine loop body: Scheduler.schedule() -> Executor.execute_model()
+-> Scheduler.update_from_output(). The executor (`pagellm/executor/`) runs the step on the
+model's ranks: the ModelRunner in this process, or tensor-parallel workers. EngineCoreProc
+(the child-process wrapper that runs `step()` in a busy loop behind ZMQ sockets) lives
+beside it.
 
 With async scheduling (the default on CUDA) one step stays in flight: `step()` schedules and
 queues step N+1 on the device while step N still runs there, then waits for step N's tokens
 and returns its outputs. The host's scheduling, input preparation and output handling thus
 overlap the device's work instead of adding to it.
+
+Structured outputs (`pagellm/structured_output/`): grammars compile in the manager's threads;
+each step fills the bitmask rows of the constrained requests that sample, from their matchers,
+which must first have seen the previous step's tokens. So under async scheduling a step with
+such rows queues its forward, then waits for the step before it and reports it, then fills
+the masks and queues its sampling: it keeps the forward's overlap, and loses the rest.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from pagellm.worker.async_output import AsyncModelRunnerOutput
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.executor import Executor
+from pagellm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -31,24 +39,33 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.model_runner = ModelRunner(config)
-        self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
-        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.model_executor = Executor.get_class(config)(config)
+        self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
+        self.model_executor.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             self.num_kv_blocks,
             config.log_stats,
             async_scheduling=config.async_scheduling,
-            sliding_window=self.model_runner.kv_sliding_window(),
+            sliding_window=self.model_executor.kv_sliding_window(),
+            policy=config.scheduler_config.policy,
+        )
+        self.structured_output = StructuredOutputManager(
+            config.model_config,
+            config.scheduler_config.max_num_seqs,
+            config.async_scheduling,
+            config.reasoning_parser,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
-        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        self.structured_output.add_request(req)  # a grammar starts compiling in a thread
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -61,20 +78,46 @@ class EngineCore:
             return self._step_async()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(timestamp=time.monotonic())
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        scheduler_output = self._schedule(idle=True)
+        waiting = self.structured_output.sampling_requests(scheduler_output)
+        grammar = self.structured_output.grammar_bitmask(waiting) if waiting else None
+        runner_output = self.model_executor.execute_model(scheduler_output, grammar)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _schedule(self, idle: bool) -> SchedulerOutput:
+        """The next step; with nothing to run (nor `idle` step in flight) but grammars
+        compiling, wait a little for them."""
+        scheduler_output = self.scheduler.schedule()
+        pending = self.scheduler.waiting_for_grammar
+        if scheduler_output.total_num_scheduled_tokens == 0 and pending and idle:
+            self.structured_output.wait_for_compiles([r.structured_output.future for r in pending])
+        return scheduler_output
 
     def _step_async(self) -> EngineCoreOutputs:
         """Queue the next step, then report the one before it (empty on the first call)."""
         previous, self._in_flight = self._in_flight, None
+        outputs = None
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
-            queued = self.model_runner.execute_model_async(scheduler_output)
+            scheduler_output = self._schedule(idle=previous is None)
+            executor = self.model_executor
+            waiting = self.structured_output.sampling_requests(scheduler_output)
+            if not waiting:
+                queued = executor.execute_model_async(scheduler_output)
+            else:  # their masks need the previous step's tokens: the sampling waits for them
+                forwarded = executor.forward_async(scheduler_output)
+                if previous is not None:
+                    outputs, previous = self._report(previous), None
+                queued = executor.sample_async(
+                    forwarded, self.structured_output.grammar_bitmask(waiting)
+                )
             self._in_flight = (scheduler_output, queued)
-        if previous is None:
-            return EngineCoreOutputs(timestamp=time.monotonic())
-        scheduler_output, queued = previous
+        if previous is not None:
+            outputs = self._report(previous)
+        return outputs or EngineCoreOutputs(timestamp=time.monotonic())
+
+    def _report(self, step: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
+        """Wait for a queued step's tokens and turn them into outputs."""
+        scheduler_output, queued = step
         return self.scheduler.update_from_output(scheduler_output, queued.get_output())
 
     # ---- utility calls (by name, from the client) -----------------------------------------
@@ -93,12 +136,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def collective_rpc(self, method: str, args: list) -> list[Any]:
+        return self.model_executor.collective_rpc(method, tuple(args))
+
     def get_stats(self) -> dict[str, Any]:
         stats = self.scheduler.make_stats()
         return {f: getattr(stats, f) for f in stats.__struct_fields__}
 
     def shutdown(self) -> None:
-        self.model_runner.kv_caches = []
+        self.structured_output.shutdown()
+        self.model_executor.shutdown()
 
 
 _UTILITIES = {
@@ -107,4 +154,5 @@ _UTILITIES = {
     "reset_prefix_cache",
     "get_stats",
     "abort_requests",
+    "collective_rpc",
 }

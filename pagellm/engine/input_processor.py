@@ -6,9 +6,12 @@ ValueError that says what is wrong and what the limit is.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from typing import Any
+
+import msgspec
 
 from pagellm.config import ModelConfig
 from pagellm.engine.protocol import EngineCoreRequest
@@ -30,6 +33,7 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (None for token-id prompts) and the request for the core."""
         if not isinstance(params, SamplingParams):
@@ -40,12 +44,18 @@ class InputProcessor:
         )
         self._validate(token_ids)
         self._validate_sampling_fields(params)
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs.key())
+        if params.bad_words:
+            ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = msgspec.structs.replace(params, bad_words_token_ids=ids)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
         )
         return text, request
 
@@ -95,6 +105,30 @@ class InputProcessor:
                     f"SamplingParams.{name}={k} is more than the {limit} allowed "
                     "(max_logprobs, at most the vocabulary size)"
                 )
+
+
+@functools.lru_cache(maxsize=1024)
+def check_structured_outputs(key: tuple[str, str]) -> None:
+    """ValueError naming the problem if a constraint (StructuredOutputsParams.key()) is not a
+    valid schema, regex or grammar; valid keys are remembered. The first call imports
+    xgrammar (seconds): a server calls this off its event loop."""
+    from pagellm.structured_output.backend import parse
+
+    parse(key)
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, as it starts a text and after a space (" word"), as vLLM
+    bans them; the spaced form only where it tokenizes differently."""
+    if tokenizer is None:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

@@ -48,10 +48,11 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validates and submits a request; raises ValueError before anything is queued."""
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time
+            request_id, prompt, params, arrival_time, priority
         )
         children = fan_out(request)
         if len(children) > 1:

@@ -137,14 +137,20 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out and the request ids stopped by a stop string."""
+        """Returns the RequestOutputs to hand out and the request ids stopped by a stop string.
+        A request the core failed raises ValueError in its queue (AsyncLLM), or here after
+        the other outputs are handled (LLMEngine: the caller aborts the rest)."""
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
+        errors: list[str] = []
         now = time.time()
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the caller, or stopped by a string a step ago
+            if out.error is not None:
+                self._fail(state, out.error, errors)
+                continue
             finish_reason, stop_reason = self._update(state, out, now)
             if finish_reason is not None:
                 del self.request_states[out.request_id]
@@ -157,7 +163,18 @@ class OutputProcessor:
                 state.queue.put_nowait(request_output)
             else:
                 request_outputs.append(request_output)
+        if errors:
+            raise ValueError(errors[0])
         return request_outputs, reqs_to_abort
+
+    def _fail(self, state: RequestState, error: str, errors: list[str]) -> None:
+        del self.request_states[state.request_id]
+        request_id = state.parent.request_id if state.parent else state.request_id
+        message = f"request {request_id!r} failed: {error}"
+        if state.queue is not None:
+            state.queue.put_nowait(ValueError(message))
+        else:
+            errors.append(message)
 
     def _update(
         self, state: RequestState, out: EngineCoreOutput, now: float

@@ -29,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    priority: int = 0  # lower is scheduled first, with scheduling_policy="priority"
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -46,6 +47,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[list[float]] | None = None
     prompt_logprob_ids: list[list[int]] | None = None
     prompt_logprob_ranks: list[int] | None = None
+    error: str | None = None  # the request failed (finish_reason ABORT): why, for the caller
 
     @property
     def finished(self) -> bool:

@@ -38,10 +38,16 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`sampling_params.structured_outputs` constrains outputs (StructuredOutputsParams);
+        `priority`, one per prompt, orders waiting requests with scheduling_policy="priority"
+        (lower first)."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        request_ids = self._add_requests(prompt_list, params_list)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        request_ids = self._add_requests(prompt_list, params_list, priority)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -51,7 +57,11 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """Each conversation through the chat template (`tools`: OpenAI tool definitions the
+        template shows the model; `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -60,6 +70,8 @@ class LLM:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                tools=tools,
+                **(chat_template_kwargs or {}),
             )
             for conv in conversations
         ]
@@ -79,14 +91,20 @@ class LLM:
             )
         return list(params)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None = None,
+    ) -> list[str]:
         added: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._request_counter))
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                self.llm_engine.add_request(request_id, prompt, p)
+                level = 0 if priority is None else priority[i]
+                self.llm_engine.add_request(request_id, prompt, p, priority=level)
                 added.append(request_id)
         except Exception:
             self.llm_engine.abort_request(added)  # all or nothing: the engine stays clean

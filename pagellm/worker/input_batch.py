@@ -50,6 +50,7 @@ class InputBatch:
         self.prompt_logprob_rows: set[int] = set()  # rows whose requests want prompt logprobs
         self._min_tokens_rows: set[int] = set()  # rows with min_tokens (EOS / stop ids banned)
         self._logprob_rows: set[int] = set()  # rows that want logprobs of sampled tokens
+        self._bad_words_rows: set[int] = set()  # rows with bad_words
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
         self.eos_token_ids: list[int | None] = [None] * max_num_reqs
@@ -96,6 +97,8 @@ class InputBatch:
             self._min_tokens_rows.add(row)
         if params.logprobs is not None:
             self._logprob_rows.add(row)
+        if params.bad_words_token_ids:
+            self._bad_words_rows.add(row)
         if params.seed is not None:
             self.generators[row] = torch.Generator(self.device).manual_seed(params.seed)
 
@@ -109,6 +112,7 @@ class InputBatch:
         self.prompt_logprob_rows.discard(row)
         self._min_tokens_rows.discard(row)
         self._logprob_rows.discard(row)
+        self._bad_words_rows.discard(row)
         self._free_rows.append(row)
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
@@ -170,9 +174,14 @@ class InputBatch:
         )
 
     def _banned_tokens(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:
+        """(row, ids) banned this step: stop ids under min_tokens, bad words' last tokens."""
+        banned = self._min_tokens_bans(rows) if self._min_tokens_rows else []
+        if self._bad_words_rows:  # most steps: no row has either, no row is walked
+            banned += self._bad_words_bans(rows)
+        return banned
+
+    def _min_tokens_bans(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:
         banned: list[tuple[int, list[int]]] = []
-        if not self._min_tokens_rows:
-            return banned  # most steps: no row has min_tokens, no row is walked
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]
         for i, row in enumerate(rows):
             params = self.params[row]
@@ -182,6 +191,24 @@ class InputBatch:
                 if eos is not None and not params.ignore_eos:
                     stop_ids.append(eos)
                 banned.append((i, stop_ids))
+        return banned
+
+    def _bad_words_bans(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:
+        """A bad word's last token is banned where the output so far ends with the rest of it
+        (the output's last token must be on the host: the engine waits for it)."""
+        banned: list[tuple[int, list[int]]] = []
+        for i, row in enumerate(rows.tolist()):
+            if row not in self._bad_words_rows:
+                continue
+            start, end = self.num_prompt_tokens[row], self.num_tokens[row]
+            ids = [
+                seq[-1]
+                for seq in self.params[row].bad_words_token_ids
+                if len(seq) - 1 <= end - start
+                and self.token_ids[row, end - len(seq) + 1 : end].tolist() == seq[:-1]
+            ]
+            if ids:
+                banned.append((i, ids))
         return banned
 
     def _max_num_logprobs(self, rows: np.ndarray) -> int | None:

@@ -30,11 +30,15 @@ from pagellm import envs
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
-from pagellm.models.layers import Attention, cpu_prepack_supported
+from pagellm.models.layers import Attention
+from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
+from pagellm.sample.rank0_sampler import Rank0Sampler
 from pagellm.sample.sampler import Sampler
+from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
@@ -80,13 +84,19 @@ class ModelRunner:
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         start = time.perf_counter()
         self.model = loader.load_model(self.model_config, self.device, self.attn_backend_cls)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         sc = config.scheduler_config
         if cpu_prepack_supported(self.device, self.model_config.dtype):
             self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
         logger.info(
-            "model %s loaded in %.1f s (%s, %s)", self.model_config.model,
+            "model %s loaded in %.1f s (%s, %s): %.2f GiB of weights", self.model_config.model,
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
+            self.weight_bytes / (1 << 30),
         )  # fmt: skip
+        # this rank's KV heads (all of them with one rank)
+        _, self.num_kv_heads = heads_per_rank(
+            self.model_config.hf_config.num_attention_heads, self.model_config.num_kv_heads
+        )
         self.input_batch = InputBatch(
             sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
             vocab_size=self.model_config.vocab_size,
@@ -94,7 +104,7 @@ class ModelRunner:
         max_blocks = self.input_batch.block_table.shape[1]
         max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
@@ -108,7 +118,7 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * mc.dtype.itemsize
         return per_layer * mc.num_layers
 
     def determine_num_kv_blocks(self) -> int:
@@ -165,7 +175,7 @@ class ModelRunner:
         seq_lens = query_lens.copy()
         seq_lens[-1] = min(self.block_size + 1, mc.max_model_len)  # the decode: a short context
         shape = self.attn_backend_cls.kv_cache_shape(
-            1, self.block_size, mc.num_kv_heads, mc.head_dim
+            1, self.block_size, self.num_kv_heads, mc.head_dim
         )
         kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
@@ -202,7 +212,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
-            num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim
+            num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
         )
         self.kv_caches = [
             torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)
@@ -245,15 +255,32 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(sched).get_output()
+    def execute_model(
+        self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        return self.execute_model_async(sched, grammar).get_output()
+
+    def execute_model_async(
+        self, sched: SchedulerOutput, grammar: GrammarBitmask | None = None
+    ) -> AsyncModelRunnerOutput:
+        """Queue the step on the device; the result's get_output() waits for its tokens."""
+        return self.sample_async(self.forward_async(sched), grammar)
 
     @torch.inference_mode()
-    def execute_model_async(self, sched: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Queue the step on the device; the result's get_output() waits for its tokens."""
+    def sample_async(
+        self, forwarded: tuple[StepBatch, torch.Tensor] | None, grammar: GrammarBitmask | None
+    ) -> AsyncModelRunnerOutput:
+        """Queue the sampling of a forwarded step, its constrained rows masked by `grammar`."""
+        if forwarded is None:
+            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        return self._sample(*forwarded, grammar)
+
+    @torch.inference_mode()
+    def forward_async(self, sched: SchedulerOutput) -> tuple[StepBatch, torch.Tensor] | None:
+        """Queue the step's forward: (its batch, hidden states [T, hidden]); None if empty."""
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return AsyncModelRunnerOutput(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+            return None
         batch = self._prepare_batch(sched)
         arrays = self._host_arrays(batch)
         size = self._graph_size(batch)
@@ -264,7 +291,7 @@ class ModelRunner:
             hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
             hidden = self.graphs.replay(size)
-        return self._sample(batch, hidden)
+        return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:
         if self.graphs is None or not batch.is_decode_only:
@@ -349,7 +376,9 @@ class ModelRunner:
         attn_metadata = self.attn_backend_cls.build_metadata(common)
         return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
+    def _sample(
+        self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
+    ) -> AsyncModelRunnerOutput:
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool
@@ -362,11 +391,13 @@ class ModelRunner:
             return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
+        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
+        if grammar is not None:  # constrained rows: disallowed tokens to -inf
+            apply_grammar_bitmask(logits, req_ids, grammar)
         meta = ib.sampling_metadata(rows, self.device)
         result = self.sampler(logits, meta)  # [S, vocab]
         if meta.penalties is not None:  # counted on the device: the next step sees them
             meta.penalties.record(result.sampled)
-        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
         positions = ib.num_tokens[rows]
         sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, self.device)
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back

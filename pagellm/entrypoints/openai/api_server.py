@@ -127,7 +127,11 @@ async def _scheduler_stats(engine: AsyncLLM) -> dict[str, Any]:
     return {f: getattr(stats, f) for f in stats.__struct_fields__} if stats is not None else {}
 
 
-def init_app_state(app: FastAPI, engine: AsyncLLM, api_key: str | None) -> None:
+def init_app_state(
+    app: FastAPI, engine: AsyncLLM, api_key: str | None, chat_options: dict | None = None
+) -> None:
+    """`chat_options`: OpenAIServingChat's tool_parser, enable_auto_tool_choice and
+    chat_template (the text)."""
     model_config = engine.config.model_config
     names = [model_config.served_model_name]
     state = app.state
@@ -138,12 +142,40 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, api_key: str | None) -> None:
     state.max_model_len = model_config.max_model_len
     state.metrics = ServerMetrics(names[0])
     state.serving_completion = OpenAIServingCompletion(engine, names, state.metrics)
-    state.serving_chat = OpenAIServingChat(engine, names, state.metrics)
+    state.serving_chat = OpenAIServingChat(engine, names, state.metrics, **(chat_options or {}))
     state.serving_tokenization = OpenAIServingTokenization(engine, names, state.metrics)
 
 
-def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str = "") -> FastAPI:
+def chat_options_from(options: dict) -> dict:
+    """Check the chat flags before the engine starts; read the --chat-template file."""
+    from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    parser = options.get("tool_call_parser")
+    if parser is not None and parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"--tool-call-parser must be one of {sorted(TOOL_PARSERS)}, got {parser!r}"
+        )
+    if options.get("enable_auto_tool_choice") and parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    template = options.get("chat_template")
+    if template is not None:
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    return {
+        "tool_parser": parser,
+        "enable_auto_tool_choice": bool(options.get("enable_auto_tool_choice")),
+        "chat_template": template,
+    }
+
+
+def build_app(
+    engine_args: EngineArgs,
+    api_key: str | None = None,
+    address: str = "",
+    chat_options: dict | None = None,
+) -> FastAPI:
     """The app; `address` ("host:port") only goes into the log line said when it is ready."""
+    chat_options = chat_options_from(chat_options or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -153,7 +185,7 @@ def build_app(engine_args: EngineArgs, api_key: str | None = None, address: str 
             logger.error("pagellm serve: cannot start the engine: %s", e)  # before the traceback
             raise
         try:
-            init_app_state(app, engine, api_key)
+            init_app_state(app, engine, api_key, chat_options)
             logger.info(
                 "pagellm server ready on http://%s (model %r, max_model_len %d)",
                 address,
@@ -178,10 +210,11 @@ def run_server(
     api_key: str | None = None,
     log_level: str = "info",
     access_log: bool = False,
+    chat_options: dict | None = None,
 ) -> int:
     import uvicorn
 
-    app = build_app(engine_args, api_key, f"{host}:{port}")
+    app = build_app(engine_args, api_key, f"{host}:{port}", chat_options)
     uvicorn.run(
         app,
         host=host,

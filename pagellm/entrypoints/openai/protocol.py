@@ -1,21 +1,23 @@
 """Pydantic models of the OpenAI API the server speaks: requests in, responses and chunks out.
 
 Field names and defaults are OpenAI's; vLLM's extra sampling fields (`top_k`, `min_p`,
-`ignore_eos`, `min_tokens`, ...) are accepted too. Unknown fields are ignored, as OpenAI
-clients send a few this engine has no use for; known OpenAI features that would change the
-output and that this engine lacks (`response_format` other than text, `tools`, `suffix`,
-`best_of` above `n`) are refused with a 400 instead of being ignored. `to_sampling_params()`
-is where a request becomes a `SamplingParams` (which raises ValueError for values out of
-range).
+`ignore_eos`, `min_tokens`, `bad_words`, `priority`, `structured_outputs`, `guided_json`,
+...) are accepted too. A field this server does not know is refused with a 400 naming it,
+unless it is one of the OpenAI fields that change nothing here (`structured.IGNORED_FIELDS`);
+known OpenAI features that would change the output and that this engine lacks (`suffix`,
+`best_of` above `n`) are refused too. `to_sampling_params()` is where a request becomes a
+`SamplingParams` (which raises ValueError for values out of range).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagellm.entrypoints.openai.structured import structured_outputs, unknown_field
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20
@@ -33,7 +35,9 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingRequest(OpenAIModel):
-    """The fields completions and chat share."""
+    """The fields completions and chat share; unknown ones are kept, to be refused."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = Field(default=1, le=MAX_N)
@@ -57,6 +61,14 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    bad_words: list[str] | None = None  # vLLM's: never generated
+    priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority
+    # output constraints: vLLM's body and its older fields (`structured.py`)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,9 +78,7 @@ class SamplingRequest(OpenAIModel):
 
     def unsupported(self) -> str | None:
         """The first field asking for something this engine cannot do, or None."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
-        return None
+        return unknown_field(self.model_extra)
 
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -77,6 +87,8 @@ class SamplingRequest(OpenAIModel):
         if field is not None:
             raise ValueError(f"{field} is not supported by this server")
         return SamplingParams(
+            structured_outputs=structured_outputs(self),
+            bad_words=self.bad_words,
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -141,7 +153,21 @@ class ChatMessage(OpenAIModel):
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # content parts: only text ones are understood
             message["content"] = "".join(_text_part(part) for part in self.content)
+        if message.get("tool_calls"):  # templates take arguments as objects, as vLLM gives
+            message.setdefault("content", "")
+            message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
         return message
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"tool_calls arguments must be JSON, got {arguments!r}") from None
+    return {**call, "function": function}
 
 
 def _text_part(part: dict[str, Any]) -> str:
@@ -158,9 +184,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-
-    def unsupported(self) -> str | None:
-        return "tools" if self.tools else super().unsupported()
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
+    chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
 
 
 class TokenizeRequest(OpenAIModel):
@@ -171,6 +197,9 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompts only: a chat template adds its own
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # rendered by the template as in a chat request
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -228,6 +257,8 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
+    tool_calls: list[dict[str, Any]] = []
 
 
 class ChatChoice(OpenAIModel):
@@ -250,6 +281,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

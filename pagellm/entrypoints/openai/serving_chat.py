@@ -4,6 +4,11 @@ Without `max_tokens` / `max_completion_tokens` a reply may fill the context. `lo
 with `top_logprobs: N` returns OpenAI's chat logprobs (`content`: one entry per token).
 A stream starts each choice with a `role` delta and may end with a usage chunk
 (`stream_options.include_usage`).
+
+Tools (`tools`, `tool_choice`) go to the chat template; "auto" needs the server's
+`--enable-auto-tool-choice --tool-call-parser NAME` and parses the reply, "required" and a
+named function constrain it (`structured.tool_constraint`) so the call always parses. With
+`--reasoning-parser` the thinking goes to `reasoning_content` (`chat_reply.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
+from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -34,23 +42,52 @@ from pagellm.entrypoints.openai.serving_engine import (
     random_id,
     usage,
 )
+from pagellm.entrypoints.openai.structured import named_tool, tool_constraint
 from pagellm.outputs import CompletionOutput, Logprob
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        *args: Any,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.chat_template = chat_template  # --chat-template: the file's text
+        self.reasoning_parser = self.engine.config.reasoning_parser
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         model = self.model_name(request.model)
+        mode = self._tool_mode(request)
         prompt = self._render(request)
         prompt_ids = self.truncated(request, self.encode(prompt))
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
             self.max_tokens(len(prompt_ids), requested), self._num_logprobs(request)
         )
+        if mode in ("required", "named"):
+            if params.structured_outputs is not None:
+                raise APIError(
+                    f"tool_choice {request.tool_choice!r} constrains the reply: it cannot be "
+                    "combined with response_format or another output constraint",
+                    400,
+                    "tool_choice",
+                )
+            constraint = tool_constraint(request.tools, request.tool_choice)
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
+        await self.check(request, [params])
         request_id = random_id("chatcmpl")
         generation = self.start(
-            [{"prompt": prompt, "prompt_token_ids": prompt_ids}], [params], request_id
+            [{"prompt": prompt, "prompt_token_ids": prompt_ids}],
+            [params],
+            request_id,
+            request.priority,
         )
         if request.stream:
             events = self._stream_events(request, model, request_id, len(prompt_ids), generation)
@@ -60,13 +97,54 @@ class OpenAIServingChat(OpenAIServing):
             self._response(request, model, request_id, len(prompt_ids), outputs).model_dump()
         )
 
+    def _tool_mode(self, request: ChatCompletionRequest) -> str | None:
+        """None (no tools, or "none"), "auto", "required" or "named"."""
+        choice = request.tool_choice
+        if not request.tools:
+            if choice not in (None, "none"):
+                raise APIError("tool_choice needs tools", 400, "tool_choice")
+            return None
+        for tool in request.tools:
+            if tool.get("type") != "function" or not (tool.get("function") or {}).get("name"):
+                raise APIError("tools: each tool must be a function with a name", 400, "tools")
+        choice = "auto" if choice is None else choice
+        if choice == "none":
+            return None
+        if choice == "auto":
+            if not (self.enable_auto_tool_choice and self.tool_parser):
+                raise APIError(
+                    '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                    "and --tool-call-parser",
+                    400,
+                    "tool_choice",
+                )
+            return "auto"
+        if choice == "required" or named_tool(request.tools, choice) is not None:
+            return "required" if choice == "required" else "named"
+        raise APIError(
+            f"tool_choice must be none, auto, required or a function, got {choice!r}",
+            400,
+            "tool_choice",
+        )
+
+    def _reply(self, request: ChatCompletionRequest) -> ChatReply:
+        mode = None if not request.tools else self._tool_mode(request)
+        named = request.tool_choice["function"]["name"] if mode == "named" else None
+        parser = tool_parser_for(mode, self.tool_parser, named)
+        return ChatReply(parser, self.reasoning_parser)
+
     def _render(self, request: ChatCompletionRequest) -> str:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         messages = [m.to_template_dict() for m in request.messages]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                tools=request.tools,
+                chat_template=request.chat_template or self.chat_template,
+                **(request.chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja raises its own errors for messages a template rejects
             raise ValueError(f"the chat template cannot render these messages: {e}") from e
@@ -92,12 +170,16 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self._logprobs(state.token_ids, state.logprobs, request.top_logprobs)
+            reasoning, content, calls = self._reply(request).final(state.text)
+            message = ChatResponseMessage(
+                content=content, reasoning_content=reasoning, tool_calls=calls
+            )
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=ChatResponseMessage(content=state.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=state.finish_reason,
+                    finish_reason=_finish_reason(request, state.finish_reason, calls),
                     stop_reason=state.stop_reason,
                 )
             )
@@ -144,17 +226,24 @@ class OpenAIServingChat(OpenAIServing):
             role = DeltaMessage(role="assistant", content="")
             yield chunk([ChatStreamChoice(index=index, delta=role)])
         num_generated = 0
+        replies = [self._reply(request) for _ in range(request.n)]
+        called = [False] * request.n
         async for _, out in generation.outputs():
             for completion in out.outputs:
                 num_generated += len(completion.token_ids)
-                choice = self._stream_choice(request, completion)
+                choice = self._stream_choice(request, completion, replies[completion.index])
                 if choice is not None:
+                    called[completion.index] |= bool(choice.delta.tool_calls)
+                    if choice.finish_reason is not None:
+                        choice.finish_reason = _finish_reason(
+                            request, choice.finish_reason, called[completion.index]
+                        )
                     yield chunk([choice])
         if request.include_usage:
             yield chunk([], usage=usage(num_prompt_tokens, num_generated))
 
     def _stream_choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput
+        self, request: ChatCompletionRequest, completion: CompletionOutput, reply: ChatReply
     ) -> ChatStreamChoice | None:
         if not completion.text and completion.finish_reason is None and not completion.token_ids:
             return None
@@ -163,10 +252,25 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = self._logprobs(
                 completion.token_ids, completion.logprobs or [], request.top_logprobs
             )
+        reasoning, content, calls = reply.update(
+            completion.text, final=completion.finish_reason is not None
+        )
+        delta = DeltaMessage(
+            content=content if content or not (reasoning or calls) else None,
+            reasoning_content=reasoning or None,
+            tool_calls=calls or None,
+        )
         return ChatStreamChoice(
             index=completion.index,
-            delta=DeltaMessage(content=completion.text),
+            delta=delta,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _finish_reason(request: ChatCompletionRequest, reason: str | None, called: Any) -> str | None:
+    """ "tool_calls" when the reply called tools and stopped by itself ("stop" for a named
+    tool_choice, as OpenAI)."""
+    named = isinstance(request.tool_choice, dict)
+    return "tool_calls" if reason == "stop" and called and not named else reason

@@ -49,8 +49,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p in prompts
         ]
+        await self.check(request, params)
         request_id = random_id("cmpl")
-        generation = self.start(prompts, params, request_id)
+        generation = self.start(prompts, params, request_id, request.priority)
         if request.stream:
             events = self._stream_events(request, model, request_id, prompts, generation)
             return await self.stream(raw_request, generation, events)

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.input_processor import truncate_prompt
+from pagellm.engine.input_processor import check_structured_outputs, truncate_prompt
 from pagellm.entrypoints.openai.errors import APIError, from_exception
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -42,9 +42,11 @@ class Generation:
         params: list[SamplingParams],
         request_id: str,
         metrics: ServerMetrics,
+        priority: int = 0,
     ) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.peeked: tuple[int, Any] | None = None
+        self.priority = priority
         self.tasks = [
             asyncio.create_task(self._run(engine, i, prompt, sp, f"{request_id}-{i}", metrics))
             for i, (prompt, sp) in enumerate(zip(prompts, params))
@@ -62,7 +64,7 @@ class Generation:
     ) -> None:
         timer = metrics.timer()
         try:
-            async for out in engine.generate(prompt, params, request_id):
+            async for out in engine.generate(prompt, params, request_id, self.priority):
                 timer.on_output(out)
                 self.queue.put_nowait((index, out))
         except Exception as e:
@@ -190,10 +192,28 @@ class OpenAIServing:
             )
         return wanted
 
+    async def check(self, request: SamplingRequest, params: list[SamplingParams]) -> None:
+        """What the engine would refuse later, refused now: a priority without the priority
+        policy, a constraint that does not parse (off the event loop: the first parse
+        imports xgrammar; the result is cached for the engine's own check)."""
+        if request.priority and self.engine.config.scheduler_config.policy != "priority":
+            raise APIError(
+                "priority needs the server started with --scheduling-policy priority",
+                400,
+                "priority",
+            )
+        constraint = params[0].structured_outputs if params else None
+        if constraint is not None:
+            await asyncio.to_thread(check_structured_outputs, constraint.key())
+
     def start(
-        self, prompts: list[dict[str, Any]], params: list[SamplingParams], request_id: str
+        self,
+        prompts: list[dict[str, Any]],
+        params: list[SamplingParams],
+        request_id: str,
+        priority: int = 0,
     ) -> Generation:
-        return Generation(self.engine, prompts, params, request_id, self.metrics)
+        return Generation(self.engine, prompts, params, request_id, self.metrics, priority)
 
     async def collect(
         self, raw_request: Request, generation: Generation

@@ -1,0 +1,70 @@
+"""Reasoning parsers (`--reasoning-parser`): a reply's `<think>...</think>` span goes to
+`reasoning_content`, the rest to `content`.
+
+- qwen3: the model opens the span itself (`<think>`); a reply without it is all content
+  (thinking off: the chat template closed an empty span in the prompt).
+- deepseek_r1: the prompt opens the span; everything up to `</think>` is reasoning, all of
+  it while `</think>` has not come.
+
+`split(text, final)` reads the whole text so far; while streaming (`final` False) a suffix
+that may be the start of a tag is held back, so a tag split across chunks is never shown.
+`ReasoningStream` turns successive splits into deltas.
+"""
+
+from __future__ import annotations
+
+from pagellm.entrypoints.openai.tool_parsers import held_back
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    opens_in_prompt = False  # deepseek_r1: the reply starts inside the span
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(reasoning or None, content) of the text so far."""
+        body = text
+        if not self.opens_in_prompt:
+            stripped = text.lstrip()
+            if not stripped.startswith(START):
+                maybe_tag = not final and START.startswith(stripped)
+                return None, "" if maybe_tag else text
+            body = stripped[len(START) :]
+        cut = body.find(END)
+        if cut < 0:
+            return (body if final else held_back(body, END)), ""
+        return body[:cut], body[cut + len(END) :]
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    opens_in_prompt = False
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    opens_in_prompt = True
+
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        return super().split(text.removeprefix(START), final)
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+}
+
+
+class ReasoningStream:
+    """Successive splits of a growing text -> (reasoning delta, content delta)."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = [0, 0]  # reasoning, content characters given out
+
+    def update(self, delta: str, final: bool) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = self.parser.split(self.text, final)
+        parts = (reasoning or "", content)
+        out = tuple(part[sent:] for part, sent in zip(parts, self.sent))
+        self.sent = [max(s, len(p)) for s, p in zip(self.sent, parts)]
+        return out

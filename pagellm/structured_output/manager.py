@@ -1,0 +1,180 @@
+"""StructuredOutputManager: the EngineCore's grammars, compiled off the step loop.
+
+A constrained request gets its grammar from a compile cache keyed by the canonical
+constraint (`StructuredOutputsParams.key()`); a miss is compiled in a small thread pool (the
+first compile also loads the tokenizer and builds the vocabulary tables: xgrammar's
+`TokenizerInfo`). Meanwhile the request waits in the scheduler as WAITING_FOR_GRAMMAR, holding
+no blocks, and everything else runs. A constraint that fails to compile fails its request.
+
+Each step, `sampling_requests()` names the scheduled requests that sample and whose sampling
+reads their last token on the host (a grammar's matcher, a multi-token bad word), and
+`grammar_bitmask()` fills one bitmask row per constrained one (`bitmask.py` applies them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagellm.structured_output.bitmask import GrammarBitmask
+from pagellm.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from pagellm.config import ModelConfig
+    from pagellm.core.request import Request
+    from pagellm.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 512  # compiled grammars kept (each holds token-mask tables: ~100 KB to a few MB)
+_IDLE_WAIT_S = 0.02  # an idle step waits this long for a compile before looking again
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        max_num_seqs: int,
+        async_scheduling: bool = False,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.max_num_seqs = max_num_seqs
+        # async: a step that samples for a request has already counted its placeholder
+        self.placeholder = int(async_scheduling)
+        self.reasoning_parser = reasoning_parser  # constraints start after the thinking
+        self.executor = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="pagellm-grammar"
+        )
+        self._backend: Any = None
+        self._backend_error: Exception | None = None
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        # unfinished requests whose sampling reads their last token on the host, by id
+        self.live: dict[str, Request] = {}
+        self._bitmask: torch.Tensor | None = None  # [max_num_seqs, words] int32, host
+
+    # ---- requests in ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        constraint = params.structured_outputs
+        if constraint is not None:
+            request.structured_output = StructuredOutputRequest(
+                constraint, self.compile(constraint.key()), request.prompt_token_ids
+            )
+        if constraint is not None or any(len(seq) > 1 for seq in params.bad_words_token_ids or ()):
+            self.live[request.request_id] = request
+
+    def compile(self, key: tuple[str, str]) -> Future:
+        """The compiled grammar of `key`, from the cache or a worker thread."""
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        future = self.executor.submit(self._compile_now, key)
+        self._cache[key] = future
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile_now(self, key: tuple[str, str]) -> tuple[Any, tuple[int, int] | None]:
+        start = time.perf_counter()
+        backend = self._get_backend()
+        compiled = backend.compile(key)
+        elapsed_ms = 1e3 * (time.perf_counter() - start)
+        logger.debug("compiled a %s grammar in %.1f ms", key[0], elapsed_ms)
+        return compiled, backend.reasoning_ids
+
+    def _get_backend(self) -> Any:
+        with self._backend_lock:
+            if self._backend is None and self._backend_error is None:
+                try:
+                    self._backend = _make_backend(self.model_config, self.reasoning_parser)
+                except Exception as e:
+                    self._backend_error = e
+            if self._backend_error is not None:
+                raise ValueError(f"structured outputs are unavailable: {self._backend_error}")
+            return self._backend
+
+    def wait_for_compiles(self, futures: list[Future]) -> None:
+        """Nothing else to run: block briefly until one of these compiles finishes."""
+        concurrent.futures.wait(futures, _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def sampling_requests(self, sched: SchedulerOutput) -> list[Request]:
+        """The requests of `sched` that sample and need their last token on the host first."""
+        if not self.live:
+            return []
+        self.live = {rid: r for rid, r in self.live.items() if not r.is_finished}
+        scheduled = sched.num_scheduled_tokens
+        return [r for rid, r in self.live.items() if rid in scheduled and self._samples(r)]
+
+    def _samples(self, request: Request) -> bool:
+        """Whether the step just scheduled brings the request to the end of its tokens."""
+        end = request.num_tokens + request.num_output_placeholders - self.placeholder
+        return request.num_computed_tokens == end
+
+    def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
+        """One row per request whose next token the grammar constrains (its last token must be
+        on the host, in `output_token_ids`); None when no row restricts anything."""
+        bitmask = self._bitmask_buffer()
+        req_ids: list[str] = []
+        for request in requests:
+            so = request.structured_output
+            if so is None or so.matcher is None or request.is_finished:
+                continue
+            so.sync(request.output_token_ids)
+            if so.constrains_next and so.fill(bitmask, len(req_ids)):
+                req_ids.append(request.request_id)
+        if not req_ids:
+            return None
+        return GrammarBitmask(req_ids, bitmask[: len(req_ids)].numpy())
+
+    def _bitmask_buffer(self) -> torch.Tensor:
+        if self._bitmask is None:
+            self._bitmask = self._get_backend().allocate_bitmask(self.max_num_seqs)
+        return self._bitmask
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> Any:
+    from pagellm.loader import load_tokenizer
+    from pagellm.structured_output.backend import XgrammarBackend
+
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(model_config.source)
+    if tokenizer is None:
+        raise ValueError(f"the model {model_config.model!r} has no tokenizer (pass tokenizer=...)")
+    stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
+    backend = XgrammarBackend(tokenizer, model_config.vocab_size, stop_ids)
+    if reasoning_parser is not None:
+        backend.reasoning_ids = reasoning_token_ids(tokenizer)
+    logger.info("grammar backend (xgrammar) ready in %.1f s", time.perf_counter() - start)
+    return backend
+
+
+def reasoning_token_ids(tokenizer: Any) -> tuple[int, int]:
+    """The ids of the <think> and </think> tokens, which a reasoning parser needs."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+        raise ValueError("a reasoning parser needs <think> and </think> tokens in the vocabulary")
+    return ids[0], ids[1]
+
+
+def stop_token_ids(model_config: ModelConfig, tokenizer_eos: int | None) -> list[int]:
+    """The ids a finished grammar allows: the model's EOS ids (config and tokenizer)."""
+    eos = getattr(model_config.hf_config, "eos_token_id", None)
+    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer_eos]
+    return sorted({i for i in ids if i is not None and i < model_config.vocab_size})

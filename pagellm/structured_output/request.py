@@ -1,0 +1,114 @@
+"""StructuredOutputRequest: one request's grammar, from its compile to its last token.
+
+Invariant: the matcher has seen exactly the request's first `num_seen` output tokens, and
+before a bitmask is filled `sync()` brings `num_seen` to the number of output tokens (tokens
+are never taken back today, preemption keeps them; a rollback or a replay covers the case).
+With a reasoning parser, tokens up to the end of the thinking are not the grammar's.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from pagellm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputRequest:
+    __slots__ = (
+        "params", "future", "matcher", "error", "num_seen", "num_matched",
+        "reasoning_end_id", "reasoning_ended", "ended_in_prompt",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        params: StructuredOutputsParams,
+        future: Future,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        self.params = params
+        # -> (CompiledGrammar, (think start, think end) ids or None), or raises ValueError
+        self.future = future
+        self.matcher: Any = None  # xgrammar.GrammarMatcher once compiled
+        self.error: str | None = None
+        self.num_seen = 0  # output tokens looked at
+        self.num_matched = 0  # of those, tokens the matcher accepted (after the thinking)
+        self.reasoning_end_id: int | None = None
+        self.ended_in_prompt: Any = prompt_token_ids  # the prompt, until poll() decides
+        self.reasoning_ended = True
+
+    def poll(self) -> bool:
+        """True once compiled (the matcher is made) or failed (`error` says why)."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self.future.done():
+            return False
+        error = self.future.exception()
+        if error is not None:
+            self.error = str(error)
+            return True
+        import xgrammar as xgr  # already imported by the compile thread
+
+        compiled, reasoning_ids = self.future.result()
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.set_reasoning(reasoning_ids)
+        return True
+
+    def set_reasoning(self, reasoning_ids: tuple[int, int] | None) -> None:
+        """With a reasoning parser the grammar starts after the thinking's end token; a prompt
+        that closed its thinking (enable_thinking=False) starts with it."""
+        prompt, self.ended_in_prompt = self.ended_in_prompt, True
+        if reasoning_ids is not None:
+            self.reasoning_end_id = reasoning_ids[1]
+            self.ended_in_prompt = _closed(prompt, *reasoning_ids)
+        self.reasoning_ended = self.ended_in_prompt
+
+    @property
+    def constrains_next(self) -> bool:
+        """Whether the next token is constrained (thinking over, grammar not yet done)."""
+        return self.reasoning_ended and not self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> bool:
+        """Follow one sampled output token; True if the request must stop here: the grammar
+        has terminated, or it refused the token (which a mask should have prevented)."""
+        self.num_seen += 1
+        if not self.reasoning_ended:
+            self.reasoning_ended = token_id == self.reasoning_end_id
+            return False
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.accept_token(token_id):
+            logger.error("the grammar refused token %d; the request stops", token_id)
+            return True
+        self.num_matched += 1
+        return self.matcher.is_terminated()
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Make the matcher follow exactly `output_token_ids` (a rollback, or a replay)."""
+        if self.num_seen == len(output_token_ids):
+            return
+        if self.num_seen > len(output_token_ids):  # tokens were taken back
+            self.matcher.reset()
+            self.num_seen = self.num_matched = 0
+            self.reasoning_ended = self.ended_in_prompt
+        for token_id in output_token_ids[self.num_seen :]:
+            self.accept(token_id)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Fill `bitmask[row]` with the tokens allowed next; False when every token is."""
+        return self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _closed(token_ids: list[int] | None, start_id: int, end_id: int) -> bool:
+    """Whether the last thinking span of `token_ids` is closed (or there is none open)."""
+    ids = token_ids or []
+    last = {start_id: -1, end_id: -1}
+    for i, t in enumerate(ids):
+        if t in last:
+            last[t] = i
+    return last[end_id] > last[start_id]

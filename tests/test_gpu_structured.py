@@ -1,0 +1,64 @@
+"""Structured outputs on the GPU: the embedded SmolLM2 in bf16, async scheduling and CUDA
+graphs on (the defaults there), every schema, regex and choice case of the CPU tests in one
+batch with unconstrained requests; and Qwen3-0.6B's shape with dummy weights, whose logits
+(151936) are wider than the borrowed SmolLM2 tokenizer (49152): the padding ids are masked."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from structured_cases import CHOICES, REGEXES, SCHEMAS, check_json, check_regex
+
+from pagellm import LLM, SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _cases():
+    cases = [({"json": s}, lambda t, s=s: check_json(t, s)) for s in SCHEMAS]
+    cases += [({"regex": r}, lambda t, r=r: check_regex(t, r)) for r in REGEXES]
+    cases += [({"choice": c}, lambda t, c=c: t in c or pytest.fail(t)) for c in CHOICES]
+    return cases
+
+
+def test_every_case_validates_on_cuda():
+    with LLM(max_model_len=1024) as llm:
+        assert llm.llm_engine.config.async_scheduling
+        tokenizer = llm.get_tokenizer()
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Reply in JSON."}], tokenize=False,
+            add_generation_prompt=True,
+        )  # fmt: skip
+        cases = _cases()
+        params = [
+            SamplingParams(temperature=t, seed=i, max_tokens=96,
+                           structured_outputs=StructuredOutputsParams(**kw))
+            for i, (kw, _) in enumerate(cases) for t in (0.0, 0.7)
+        ]  # fmt: skip
+        free = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        outputs = llm.generate([prompt] * (len(params) + 1), [*params, free], use_tqdm=False)
+        for out, (_, check) in zip(outputs, [c for c in cases for _ in (0, 1)]):
+            assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+            check(out.outputs[0].text)
+        assert len(outputs[-1].outputs[0].token_ids) == 32
+
+
+def test_padded_vocabulary_is_masked():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from structured import borrowed_tokenizer
+
+    with LLM(model="qwen3-0.6b", load_format="dummy", tokenizer=borrowed_tokenizer()) as llm:
+        params = SamplingParams(
+            temperature=1.0, seed=0, max_tokens=64,
+            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,8}"),
+        )  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": [100 + i, 7, 9]} for i in range(16)],
+                               params, use_tqdm=False)  # fmt: skip
+        for out in outputs:
+            ids = out.outputs[0].token_ids
+            assert out.outputs[0].finish_reason == "stop"
+            assert ids[-1] in (2, 151645)  # an EOS of the tokenizer or of the model's config
+            assert all(t < 49152 for t in ids[:-1]), ids  # never a padding id of the logits
+            check_regex(out.outputs[0].text, r"[a-z]{4,8}")
