@@ -37,6 +37,10 @@ class EngineArgs:
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
+    revision: str | None = None  # of a Hub model: branch, tag or commit
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HOME's)
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -44,7 +48,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    load_format: str = "auto"  # auto | safetensors | pt | gguf | dummy
     kv_cache_memory_bytes: int | None = None  # KV cache size; CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -142,13 +146,26 @@ class ModelConfig:
     served_model_name: str
     seed: int = 0
     max_logprobs: int = 20
+    # from generation_config.json (pagellm/loader/generation_config.py)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    eos_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
         from pagellm import loader
+        from pagellm.models.registry import check_architecture
 
-        source = loader.resolve_model_source(args.model, args.load_format, args.tokenizer)
+        source = loader.resolve_model_source(
+            args.model,
+            args.load_format,
+            args.tokenizer,
+            revision=args.revision,
+            download_dir=args.download_dir,
+            tokenizer_revision=args.tokenizer_revision,
+        )
         hf_config = loader.load_hf_config(source)
+        check_architecture(_architecture(hf_config))
+        generation = loader.load_generation_config(source, hf_config, args.generation_config)
         max_len = _resolve_max_model_len(hf_config, args.max_model_len)
         dtype = _resolve_dtype(args.dtype, hf_config, device)
         return cls(
@@ -160,11 +177,13 @@ class ModelConfig:
             served_model_name=args.served_model_name or source.name,
             seed=args.seed,
             max_logprobs=args.max_logprobs,
+            default_sampling_params=generation.sampling,
+            eos_token_ids=generation.eos_token_ids,
         )
 
     @property
     def architecture(self) -> str:
-        return (self.hf_config.architectures or ["LlamaForCausalLM"])[0]
+        return _architecture(self.hf_config)
 
     @property
     def num_layers(self) -> int:
@@ -185,14 +204,20 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+def _architecture(hf_config: PretrainedConfig | HFConfigView) -> str:
+    return (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+
+
 def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    from pagellm.models.rope import max_positions
+
+    limit = max_positions(hf_config)
     if requested is None:
         return limit
     if requested < 1 or requested > limit:
         raise ValueError(
             f"max_model_len={requested} must be in [1, {limit}] "
-            "(the model's max_position_embeddings)"
+            "(the model's max_position_embeddings, times a yarn or dynamic rope factor)"
         )
     return requested
 

@@ -17,7 +17,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
@@ -36,14 +47,29 @@ TINY_CONFIG = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-_ARCH_DEFAULTS = {"qwen3": dict(head_dim=32)}  # Qwen3: head_dim != hidden / heads
+_CONFIG_CLASSES = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
+    "phi3": Phi3Config,
+    "olmo2": Olmo2Config,
+}
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, pad_token_id=0, tie_word_embeddings=True)
+_ARCH_DEFAULTS = {
+    "qwen3": dict(head_dim=32),  # Qwen3: head_dim != hidden / heads
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA,
+    "phi3": dict(pad_token_id=0),
+}
 
 
 def make_tiny_hf_model(
     arch: str, tmp_path: Path | str, *, seed: int = 0, std: float = 0.5, **overrides
 ) -> str:
-    """Save a random HF model ("llama" | "qwen2" | "qwen3", or any HF model_type, e.g.
+    """Save a random HF model (a key of `_CONFIG_CLASSES`, or any HF model_type, e.g.
     "mixtral") under tmp_path; return the folder."""
     kwargs = {**TINY_CONFIG, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
     config_cls = _CONFIG_CLASSES.get(arch)
@@ -336,3 +362,58 @@ def _add_gguf_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
         kind = gguf.GGMLQuantizationType[qtype]
         data = gguf.quants.quantize(array.astype(np.float32), kind)
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+
+
+def fake_hub_snapshot(
+    cache: Path | str, repo_id: str, folder: str, revision: str = "main", commit: str = "a" * 40
+) -> str:
+    """Copy `folder` into a Hugging Face cache as `repo_id` at `revision` (the
+    `models--org--name/{refs,snapshots}` layout huggingface_hub reads); return the snapshot."""
+    import shutil
+
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(folder, snapshot)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / revision).write_text(commit)
+    return str(snapshot)
+
+
+# Gemma's chat template as its tokenizer_config.json has it: no system role, user/model turns
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def save_tiny_tokenizer(folder: Path | str, chat_template: str | None = None) -> str:
+    """A word-level tokenizer (Gemma's special token ids: pad 0, eos 1, bos 2) saved into
+    `folder`: every word of WORDS has an id below 64, others are <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+    )
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(str(folder))
+    return str(folder)
+
+
+WORDS = "user model hi hello the a cat sat on mat why is sky blue tell me story".split()

@@ -1,7 +1,9 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
-For Qwen3 (head_dim 128), Llama (head_dim 64) and the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), three layers each, an HF model is built
+For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
+(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2 with
+their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary), three layers each,
+an HF model is built
 from its config, trained for a few hundred steps on a synthetic language (a random block of
 PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions back),
 saved in bf16 with `save_pretrained`, and loaded by our engine from that folder.
@@ -28,8 +30,12 @@ import torch
 from model_utils import load_our_model, run_paged
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
@@ -49,6 +55,16 @@ COMMON = dict(
     tie_word_embeddings=False,
     bos_token_id=1,
     eos_token_id=2,
+)
+GEMMA = dict(
+    COMMON,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    sliding_window=64,
+    final_logit_softcapping=30.0,
+    pad_token_id=0,
 )
 CONFIGS = {
     "qwen3": lambda: Qwen3Config(
@@ -72,6 +88,38 @@ CONFIGS = {
         num_local_experts=8,
         num_experts_per_tok=2,
     ),
+    # the families of issue 13, their quirks on: windows (64) shorter than most prompts,
+    # soft-caps, yarn on Gemma 3's global layers, Phi-3's longrope crossing its original
+    # length (128) and partial rotary, OLMo 2's norms
+    "gemma2": lambda: Gemma2Config(**GEMMA, attn_logit_softcapping=50.0),
+    "gemma3": lambda: Gemma3TextConfig(
+        **GEMMA,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e6,
+                "original_max_position_embeddings": 128,
+            },
+        },
+    ),  # fmt: skip
+    "phi3": lambda: Phi3Config(
+        **{**COMMON, "max_position_embeddings": 512},
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        sliding_window=64,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=128,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(24)],
+            "long_factor": [1.0 + 0.2 * i for i in range(24)],
+        },
+    ),  # fmt: skip
+    "olmo2": lambda: Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2),
 }
 
 

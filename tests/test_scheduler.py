@@ -112,7 +112,8 @@ def make_scheduler(
 
 def make_request(req_id: str, prompt: list[int], eos: int | None = EOS, **params) -> Request:
     params.setdefault("max_tokens", 8)
-    return Request(req_id, list(prompt), SamplingParams(**params), eos_token_id=eos)
+    eos_ids = () if eos is None else (eos,)
+    return Request(req_id, list(prompt), SamplingParams(**params), eos_token_ids=eos_ids)
 
 
 def step(

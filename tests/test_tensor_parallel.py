@@ -99,17 +99,21 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
     """What rank `rank` of `tp` should hold of one-rank parameter `name` (written out here,
     independently of the layers)."""
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if kv_heads >= tp:
+        mine = slice(rank * kv_heads // tp, (rank + 1) * kv_heads // tp)
+    else:  # replicated: ranks tp / kv_heads apart share a head
+        head = rank // (tp // kv_heads)
+        mine = slice(head, head + 1)
     if "qkv_proj" in name:
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         q, k, v = full.split([heads * d, kv_heads * d, kv_heads * d])
-        if kv_heads >= tp:
-            mine = slice(rank * kv_heads // tp, (rank + 1) * kv_heads // tp)
-        else:  # replicated: ranks tp / kv_heads apart share a head
-            head = rank // (tp // kv_heads)
-            mine = slice(head, head + 1)
         q = q.unflatten(0, (heads, d))[rank * heads // tp : (rank + 1) * heads // tp]
         k, v = (x.unflatten(0, (kv_heads, d))[mine] for x in (k, v))
         return torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)])
+    if name.endswith("q_norm.weight") and full.shape[0] == heads * d:  # OLMo 2: whole q
+        return full.chunk(tp)[rank]
+    if name.endswith("k_norm.weight") and full.shape[0] == kv_heads * d:
+        return full.unflatten(0, (kv_heads, d))[mine].flatten()
     if name.endswith("experts.w13"):  # [E, 2I, H]: each expert's gate and up rows
         return torch.cat([x.chunk(tp, dim=1)[rank] for x in full.chunk(2, dim=1)], dim=1)
     if name.endswith("experts.w2"):  # [E, H, I]: each expert's down columns
@@ -134,6 +138,9 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
         "llama-dummy-padded-vocab",
         "qwen2_moe-shared-expert",
         "qwen3_moe-dummy",
+        "gemma2-tied-softcap",
+        "phi3-fused-checkpoint",
+        "olmo2-replicated-kv",
     ],
 )
 def test_each_rank_holds_its_slice(case, tmp_path):
@@ -143,6 +150,8 @@ def test_each_rank_holds_its_slice(case, tmp_path):
         "llama-dummy-padded-vocab": dict(vocab_size=509),
         "qwen2_moe-shared-expert": dict(MOE, shared_expert_intermediate_size=48),
         "qwen3_moe-dummy": dict(MOE, head_dim=32),
+        "gemma2-tied-softcap": dict(attn_logit_softcapping=20.0, final_logit_softcapping=15.0),
+        "olmo2-replicated-kv": dict(num_key_value_heads=1),
     }.get(case, {})
     folder = make_tiny_hf_model(arch, tmp_path, **overrides)
     path, load_format, tp = folder, "auto", 2
@@ -216,6 +225,17 @@ def test_two_ranks_same_tokens_as_one(llama_tp2, tiny_llama, monkeypatch):
 def test_moe_experts_split_over_two_ranks(tmp_path, monkeypatch):
     """Qwen3-MoE: each expert's intermediate rows split over the ranks, one all-reduce."""
     folder = make_tiny_hf_model("qwen3_moe", tmp_path, **MOE, head_dim=32, mlp_only_layers=[0])
+    want = _one_rank_reference(folder, monkeypatch)
+    with LLM(
+        model=folder, max_model_len=256, tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV
+    ) as llm:
+        assert _token_ids(llm, TOKEN_PROMPTS) == want
+
+
+def test_olmo2_whole_projection_norms_over_two_ranks(tmp_path, monkeypatch):
+    """OLMo 2 RMS-normalizes q and k over all heads, which the ranks split: one all-reduce of
+    the sums of squares; its one KV head, replicated on both ranks, is counted once."""
+    folder = make_tiny_hf_model("olmo2", tmp_path, num_key_value_heads=1)
     want = _one_rank_reference(folder, monkeypatch)
     with LLM(
         model=folder, max_model_len=256, tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV

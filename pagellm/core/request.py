@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pagellm.engine.protocol import EngineCoreRequest, FinishReason
@@ -52,7 +53,7 @@ class Request:
         "output_token_ids",
         "all_token_ids",
         "sampling_params",
-        "eos_token_id",
+        "eos_token_ids",
         "arrival_time",
         "status",
         "num_computed_tokens",
@@ -72,7 +73,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -81,7 +82,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)  # any of them ends the request
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -107,7 +108,7 @@ class Request:
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
-            req.eos_token_id,
+            req.eos_token_ids,
             req.arrival_time,
             req.priority,
         )

@@ -23,7 +23,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # all its blocks, in order
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
-    eos_token_id: int | None = None  # the sampler bans it (and stop ids) before min_tokens
+    eos_token_ids: tuple[int, ...] = ()  # the sampler bans them (and stop ids) before min_tokens
 
 
 @dataclass

@@ -82,6 +82,7 @@ class Scheduler:
         num_kv_blocks: int,
         log_stats: bool = True,
         async_scheduling: bool = False,
+        sliding_window: int | None = None,  # every layer's window is at most this (None: no)
         policy: str = "fcfs",
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -92,6 +93,7 @@ class Scheduler:
             num_kv_blocks,
             self.max_model_len,
             cache_config.enable_prefix_caching,
+            sliding_window,
         )
         # a request stops at max_model_len tokens, or earlier if the whole cache holds fewer
         self.max_request_len = self._max_request_len(num_kv_blocks, cache_config.block_size)
@@ -108,6 +110,11 @@ class Scheduler:
 
     def _max_request_len(self, num_kv_blocks: int, block_size: int) -> int:
         capacity = (num_kv_blocks - 1) * block_size  # the null block holds nothing
+        window = self.kv_cache_manager.sliding_window
+        # blocks outside the window are freed: a step needs at most the window before its
+        # first token and a full token budget after it, however long the request
+        if window is not None and capacity >= window + self.max_num_batched_tokens + block_size:
+            return self.max_model_len
         if capacity < self.max_model_len:
             logger.warning(
                 "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "
@@ -281,7 +288,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=kv.get_block_ids(request.request_id),
             num_computed_tokens=num_computed,
-            eos_token_id=request.eos_token_id,
+            eos_token_ids=request.eos_token_ids,
         )
         step.new_reqs.append(new_req)
         self._advance(request, num_new, step)
@@ -419,7 +426,7 @@ class Scheduler:
             return True
         if request.num_output_tokens < params.min_tokens:
             return False
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if token_id in (params.stop_token_ids or ()):

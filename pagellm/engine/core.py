@@ -49,6 +49,7 @@ class EngineCore:
             self.num_kv_blocks,
             config.log_stats,
             async_scheduling=config.async_scheduling,
+            sliding_window=self.model_executor.kv_sliding_window(),
             policy=config.scheduler_config.policy,
         )
         self.structured_output = StructuredOutputManager(

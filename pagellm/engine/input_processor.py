@@ -13,9 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
+from jinja2 import TemplateError
 
 from pagellm.config import ModelConfig
 from pagellm.engine.protocol import EngineCoreRequest
+from pagellm.loader.source import TOKENIZER_FILES
 from pagellm.sampling_params import SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
@@ -26,7 +28,7 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.eos_token_id = _eos_token_id(model_config, tokenizer)
+        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
 
     def process_inputs(
         self,
@@ -54,7 +56,7 @@ class InputProcessor:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
         )
@@ -75,7 +77,9 @@ class InputProcessor:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
-                "this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}"
+                f"this model has no tokenizer ({self.model_config.source.path} has none of "
+                f"{', '.join(TOKENIZER_FILES)}): pass tokenizer=..., or prompts as "
+                "{'prompt_token_ids': [...]}"
             )
         return self.tokenizer.encode(text)
 
@@ -106,6 +110,30 @@ class InputProcessor:
                     f"SamplingParams.{name}={k} is more than the {limit} allowed "
                     "(max_logprobs, at most the vocabulary size)"
                 )
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    **template_kwargs: Any,  # tools=..., and chat_template_kwargs
+) -> str:
+    """The prompt text of a conversation; a template's own error (Gemma's templates refuse
+    a system message) becomes a ValueError carrying its message."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **template_kwargs,
+        )
+    except TemplateError as e:  # the template's own words (`raise_exception`), if any
+        reason = str(e) if type(e) is TemplateError else "the messages do not fit it"
+        raise ValueError(f"messages: the model's chat template refuses them: {reason}") from e
+    except Exception as e:  # not echoed: it may be an internal error of the tokenizer
+        raise ValueError("messages: the model's chat template cannot render them") from e
 
 
 @functools.lru_cache(maxsize=1024)
@@ -165,8 +193,11 @@ def check_in_vocab(token_ids: Iterable[int], vocab_size: int, owner: str | None 
         raise ValueError(f"{owner}: {message}" if owner else message.capitalize())
 
 
-def _eos_token_id(model_config: ModelConfig, tokenizer: Any | None) -> int | None:
+def eos_token_ids(model_config: ModelConfig, tokenizer: Any | None) -> list[int]:
+    """The tokenizer's EOS (else config.json's first), then the generation config's."""
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(model_config.hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
+        first = [tokenizer.eos_token_id]
+    else:
+        eos = getattr(model_config.hf_config, "eos_token_id", None)
+        first = eos[:1] if isinstance(eos, list) else [] if eos is None else [eos]
+    return list(dict.fromkeys([*first, *model_config.eos_token_ids]))

@@ -27,7 +27,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: list[int]  # the tokenizer's EOS and the generation config's: each ends it
     arrival_time: float
     priority: int = 0  # lower is scheduled first, with scheduling_policy="priority"
 

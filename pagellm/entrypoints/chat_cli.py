@@ -12,6 +12,7 @@ import itertools
 from typing import Any
 
 from pagellm.config import EngineArgs
+from pagellm.engine.input_processor import render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,10 +67,8 @@ def _reply(
     engine: LLMEngine, messages: list[dict[str, Any]], params: SamplingParams, request_id: str
 ) -> str | None:
     """Streams the assistant's reply to stdout; None if it could not be made."""
-    prompt = engine.get_tokenizer().apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True
-    )
     try:
+        prompt = render_chat(engine.get_tokenizer(), messages)
         engine.add_request(request_id, prompt, params)
     except ValueError as e:  # e.g. the conversation outgrew the context
         print(f"[error: {e}; /reset starts a new conversation]", flush=True)

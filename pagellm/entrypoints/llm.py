@@ -14,7 +14,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
-from pagellm.engine.input_processor import PromptType
+from pagellm.engine.input_processor import PromptType, render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -32,6 +32,12 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's defaults (its generation_config.json: temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), else vLLM's neutral ones. Used
+        when `generate` / `chat` get no sampling params; start from it to change a few."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params)
 
     def generate(
         self,
@@ -65,11 +71,11 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts = [
-            tokenizer.apply_chat_template(
+            render_chat(
+                tokenizer,
                 conv,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+                add_generation_prompt,
+                chat_template,
                 tools=tools,
                 **(chat_template_kwargs or {}),
             )
@@ -81,7 +87,7 @@ class LLM:
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * len(prompts)
         if len(params) != len(prompts):

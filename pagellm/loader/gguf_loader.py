@@ -99,7 +99,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str, head_dim: int, theta: float) -> dic
 
 def _llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, path: str) -> dict:
     """Llama 3.x files store per-frequency divisors; find the llama3 parameters behind them."""
-    from pagellm.models.layers import default_inv_freq, llama3_inv_freq
+    from pagellm.models.rope import default_inv_freq, llama3_inv_freq
 
     base = default_inv_freq(head_dim, theta)
     for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
@@ -129,6 +129,13 @@ def gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         elif arch == "llama" and ".attn_k." in name:
             weight = _unpermute(weight, kv_heads)
         yield hf_name(name), weight
+
+
+def gguf_shapes(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, a `meta` tensor of the dequantized shape) for every weight: nothing is read."""
+    for name, tensor in gguf.tensors.items():
+        if name not in _NOT_WEIGHTS:
+            yield hf_name(name), torch.empty(tensor.shape, device="meta")
 
 
 def hf_name(gguf_name: str) -> str:

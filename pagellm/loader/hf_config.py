@@ -21,4 +21,19 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig:
 
     if source.path.endswith(".gguf"):
         return config_from_gguf(read_gguf(source.path))
-    return AutoConfig.from_pretrained(source.path)
+    return language_model_config(AutoConfig.from_pretrained(source.path))
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A multimodal checkpoint served as text (Gemma3ForConditionalGeneration): its text
+    config, under the checkpoint's architecture name."""
+    if (config.architectures or [""])[0] not in _TEXT_OF_MULTIMODAL:
+        return config
+    text = config.get_text_config()
+    text.architectures = list(config.architectures)
+    if getattr(text, "dtype", None) is None:
+        text.dtype = getattr(config, "dtype", None)
+    return text
+
+
+_TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)

@@ -1,13 +1,15 @@
 """`load_model`: build the registered model class on the `meta` device in the configured
-dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights.
-
-With tensor parallelism the model is built for this process's rank (its heads, columns and
-vocabulary rows) and each rank reads only its part of each tensor: from safetensors, only
-those bytes; a GGUF tensor is dequantized whole, one at a time, and then cut."""
+dtype (with tensor parallelism: this process's rank, its heads, columns and vocabulary
+rows), check the checkpoint's tensor names and shapes against it (headers only, on `meta`: a
+mismatch is a ValueError naming the file and the tensor before any weight reaches the device),
+then materialize its parameters from safetensors / .bin, GGUF or random (dummy) weights. Each
+rank reads only its part of each tensor: from safetensors, only those bytes; a `.bin` or GGUF
+tensor is read (dequantized) whole, one at a time, and then cut."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +19,12 @@ from torch import nn
 from pagellm.attention.base import AttentionBackend
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
-from pagellm.loader.gguf_loader import gguf_weights
-from pagellm.loader.safetensors_loader import safetensors_weights
+from pagellm.loader.gguf_loader import gguf_shapes, gguf_weights
+from pagellm.loader.safetensors_loader import (
+    checkpoint_files,
+    checkpoint_shapes,
+    hf_folder_weights,
+)
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
 from pagellm.models.weights import CheckpointTensor, check_loaded
@@ -40,9 +46,39 @@ def load_model(
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         init_dummy_weights(model, device, dtype, std, model_config.seed)
     else:
+        check_checkpoint(model, source)
         weights = _on(device, dtype, iter_weights(source))
-        check_loaded(model, model.load_weights(weights))
+        check_loaded(model, model.load_weights(weights), source.path)
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)
+
+
+def check_checkpoint(model: nn.Module, source: ModelSource) -> None:
+    """Run the model's own `load_weights` on `meta` tensors of the checkpoint's shapes: an
+    unknown name, a wrong shape or a parameter without a tensor raises a ValueError naming
+    the file and the tensor. Nothing is read but headers; the parameters stay on `meta`."""
+    current = ["", ""]  # the file and tensor being checked
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for path, name, tensor in _shapes(source):
+            current[:] = [os.path.basename(path), name]
+            yield name, tensor
+
+    try:
+        loaded = model.load_weights(tracked())
+    except (ValueError, RuntimeError) as e:
+        path, name = current
+        raise ValueError(
+            f"{path}: tensor {name!r} does not fit the model its config describes: {e}"
+        ) from e
+    check_loaded(model, loaded, source.path)
+
+
+def _shapes(source: ModelSource) -> Iterator[tuple[str, str, torch.Tensor]]:
+    if source.kind == "gguf":
+        for name, tensor in gguf_shapes(read_gguf(source.path)):
+            yield source.path, name, tensor
+    else:
+        yield from checkpoint_shapes(checkpoint_files(source.path, source.load_format))
 
 
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
@@ -50,7 +86,7 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
     if source.kind == "gguf":
         return gguf_weights(read_gguf(source.path))
     if source.kind == "hf":
-        return safetensors_weights(source.path)
+        return hf_folder_weights(checkpoint_files(source.path, source.load_format))
     raise ValueError(f"a {source.kind!r} model source has no weights to read")
 
 

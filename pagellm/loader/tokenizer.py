@@ -15,30 +15,32 @@ from typing import TYPE_CHECKING
 
 from pagellm import envs
 from pagellm.loader.gguf_file import read_gguf
-from pagellm.loader.source import ModelSource
+from pagellm.loader.source import ModelSource, has_tokenizer_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     """A fast tokenizer, or None for a folder without tokenizer files (a shipped config, a test
-    checkpoint): such a model can still be driven with token ids."""
-    from transformers import AutoTokenizer  # here: the EngineCore process never needs it
-
+    checkpoint): such a model can still be driven with token ids. transformers is imported
+    only here: the EngineCore process never needs it."""
     if source.tokenizer is not None:
-        return AutoTokenizer.from_pretrained(source.tokenizer)
+        return _from_pretrained(source.tokenizer)
     if source.path.endswith(".gguf"):
         return gguf_tokenizer(source.path)
     if not has_tokenizer_files(source.path):
         return None
-    return AutoTokenizer.from_pretrained(source.path)
+    return _from_pretrained(source.path)
 
 
-def has_tokenizer_files(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES)
+def _from_pretrained(folder: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # a broken or partial tokenizer: say which folder
+        raise ValueError(f"the tokenizer in {os.path.abspath(folder)} cannot be loaded: {e}") from e
 
 
 def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

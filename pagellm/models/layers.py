@@ -16,7 +16,6 @@ On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton ker
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from pagellm.models.linear import (  # noqa: F401  (re-exported for the models)
     cpu_prepack_supported,
     heads_per_rank,
 )
+from pagellm.models.rope import cos_sin_table
 from pagellm.models.vocab_embedding import (  # noqa: F401  (re-exported for the models)
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -90,18 +90,16 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a precomputed cos/sin table per position.
 
-    `rope_scaling` follows HF: None / "default", "linear" (factor) or "llama3" (factor,
-    low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    `rope_scaling` follows HF: None / "default", "linear", "llama3", "yarn", "dynamic" or
+    "longrope" with their parameters (see `pagellm/models/rope.py`); `head_dim` is the number
+    of rotated dims (less than the head's with partial rotary).
     """
 
     def __init__(
         self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None
     ) -> None:
         super().__init__()
-        inv_freq = _scaled_inv_freq(default_inv_freq(head_dim, theta), rope_scaling)  # [D/2]
-        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)  # [max_position, D/2]
-        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, D]
+        table = cos_sin_table(head_dim, max_position, theta, rope_scaling)  # [max_position, D]
         self.register_buffer("cos_sin", table, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -110,7 +108,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos_sin: [T, 1, D] -> [T, H, D]
+    # x: [T, H, D]; cos_sin: [T, 1, R] -> [T, H, D]; R < D: partial rotary, the rest passes
+    rot = cos_sin.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rot], cos_sin), x[..., rot:]], dim=-1)
     fused = _fused_ops(x)
     if fused is not None and fused.supports_rotary(x.shape[-1]) and x.stride(-1) == 1:
         return fused.rotary(x, cos_sin.contiguous())
@@ -146,33 +147,6 @@ def qk_norm_rotary(
     return apply_rotary(q_norm(q), cos_sin), apply_rotary(k_norm(k), cos_sin)
 
 
-def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    return 1.0 / (theta**exponents)
-
-
-def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
-    factor, old_len = s["factor"], s["original_max_position_embeddings"]
-    low, high = s["low_freq_factor"], s["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)  # 0 at the low edge, 1 at the high edge
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
-    return torch.where(wavelen < old_len / high, inv_freq, out)
-
-
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2 * I] (gate | up) -> [T, I]
@@ -183,15 +157,37 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; each rank holds
-    1/tp of the intermediate columns (gate_up column-parallel, down row-parallel)."""
+class GeluTanhAndMul(nn.Module):
+    """GeGLU (Gemma): gelu(gate) * up, gelu with its tanh approximation."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * I] (gate | up) -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# HF `hidden_act` / `hidden_activation` -> the gated activation of the MLP
+GATED_ACTIVATIONS = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_tanh": GeluTanhAndMul,
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul; act is SiLU, or
+    gelu-tanh for Gemma's GeGLU. Each rank holds 1/tp of the intermediate columns (gate_up
+    column-parallel, down row-parallel)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
+        if act not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported: {sorted(GATED_ACTIVATIONS)}")
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = FusedLinear(hidden_size, shards, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS[act]()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,7 +196,12 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Paged attention through one instance of the model's attention backend."""
+    """Paged attention through one instance of the model's attention backend.
+
+    `scale` multiplies q.k (default head_dim ** -0.5); `sliding_window` W: a query sees only
+    the keys of its last W positions, itself included (HF's `sliding_window`);
+    `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax.
+    """
 
     def __init__(
         self,
@@ -208,9 +209,18 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         attn_backend_cls: type[AttentionBackend],
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        self.impl = attn_backend_cls(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+        self.sliding_window = sliding_window  # read by the runner: may window blocks be freed?
+        scale = head_dim**-0.5 if scale is None else scale
+        self.impl = attn_backend_cls(
+            num_heads, num_kv_heads, head_dim, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
 
     def forward(
         self,

@@ -183,6 +183,9 @@ class FusedLinear(Linear):
     ) -> None:
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor(tensor)
+        full = (self.full_rows[shard], self.in_features)[: getattr(self, param_name).dim()]
+        if tensor.shape != full:  # checked whole: a rank's slice of a wrong shape may fit
+            raise ValueError(f"{shard}.{param_name}: expected {full}, got {tensor.shape}")
         rows = tensor.read(self.parts[shard])
         param = materialize(self, param_name, rows.device)
         start, end = self.shard_rows[shard]

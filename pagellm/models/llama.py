@@ -2,12 +2,13 @@
 
 Module names follow HF (`model.layers.N.self_attn.o_proj`, ...) so checkpoint names map 1:1,
 except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules`). Variants differ only in
-`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k.
+`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k; and in
+`sliding_windows` (per layer): Mistral windows every layer, Qwen2/3 the layers HF marks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from pagellm.models.layers import (
     gather_logits,
     qk_norm_rotary,
 )
+from pagellm.models.rope import max_positions, rope_parameters, rotary_dim
 from pagellm.models.weights import load_packed_weights
 
 if TYPE_CHECKING:
@@ -42,17 +44,37 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    norm_cls: type[RMSNorm] = RMSNorm  # of that q/k norm (Gemma 3: GemmaRMSNorm)
+    scale: float | None = None  # of q.k; None: head_dim ** -0.5
+    logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(score / cap)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def rope_of(config: PretrainedConfig) -> tuple[float, dict | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    return float(theta), params
+def rotary_embedding(config: PretrainedConfig, params: dict | None = None) -> RotaryEmbedding:
+    """The config's rotary table (`params`: one layer type's rope parameters, Gemma 3), over
+    the rotated dims of a head, for every position the model may serve."""
+    theta, scaling = rope_parameters(config, params)
+    dim = rotary_dim(config, head_dim_of(config))
+    return RotaryEmbedding(dim, max_positions(config), theta, scaling)
+
+
+def qwen_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3 (and their MoE variants) as HF applies them: with `use_sliding_window`,
+    the layers `layer_types` marks "sliding_attention" (without it, those from
+    `max_window_layers` on; every layer for Qwen3-MoE, which has neither) see only the last
+    `sliding_window` tokens; the others attend to everything."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", False) or window is None:
+        return (None,) * n
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(config, "max_window_layers", 0) else "full_attention"
+        for i in range(n)
+    ]
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
 class LlamaAttention(nn.Module):
@@ -61,6 +83,7 @@ class LlamaAttention(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
@@ -73,10 +96,18 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(num_heads * hd, config.hidden_size, bias=options.o_bias)
         if options.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.q_norm = options.norm_cls(hd, config.rms_norm_eps)
+            self.k_norm = options.norm_cls(hd, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, hd, attn_backend_cls)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            hd,
+            attn_backend_cls,
+            scale=options.scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=options.logits_soft_cap,
+        )
 
     def forward(
         self,
@@ -103,9 +134,10 @@ class LlamaDecoderLayer(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attn_backend_cls, options)
+        self.self_attn = LlamaAttention(config, attn_backend_cls, options, sliding_window)
         mlp_bias = getattr(config, "mlp_bias", False)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -134,17 +166,18 @@ class LlamaModel(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_windows: Sequence[int | None] = (),  # per layer; (): no window anywhere
+        layer_cls: type[nn.Module] | None = None,  # LlamaDecoderLayer; OLMo 2 has its own
     ) -> None:
         super().__init__()
+        layer_cls = layer_cls or LlamaDecoderLayer
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        windows = sliding_windows or (None,) * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend_cls, options)
-            for _ in range(config.num_hidden_layers)
+            layer_cls(config, attn_backend_cls, options, window) for window in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        theta, scaling = rope_of(config)
-        max_pos = config.max_position_embeddings
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_pos, theta, scaling)
+        self.rotary_emb = rotary_embedding(config)
 
     def forward(
         self,
@@ -169,21 +202,34 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    decoder_layer_cls: type[nn.Module] | None = None  # None: LlamaDecoderLayer
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: attends to every earlier token)."""
+        return (None,) * config.num_hidden_layers
+
     def __init__(self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
         self.attn_backend_cls = attn_backend_cls
-        self.model = LlamaModel(config, attn_backend_cls, self.attention_options(config))
+        self.model = self.build_model(config, attn_backend_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: PackedWeight | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+
+    def build_model(
+        self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]
+    ) -> nn.Module:
+        """The decoder (`self.model`): embeddings, layers, final norm, rotary table."""
+        options, windows = self.attention_options(config), self.sliding_windows(config)
+        return LlamaModel(config, attn_backend_cls, options, windows, self.decoder_layer_cls)
 
     def forward(
         self,
@@ -226,4 +272,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture (sliding-window attention is not used)."""
+    """Mistral is Llama's architecture; a config with `sliding_window` (Mistral 7B v0.1)
+    windows every layer, as HF does."""
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers

@@ -15,6 +15,11 @@ _MODELS = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
 }
 
 
@@ -22,12 +27,17 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_cls(architecture: str) -> type[nn.Module]:
+def check_architecture(architecture: str) -> None:
+    """A ValueError naming `architecture` and the supported ones (nothing is imported)."""
     if architecture not in _MODELS:
         raise ValueError(
             f"model architecture {architecture!r} is not supported; "
             f"supported: {', '.join(supported_architectures())}"
         )
+
+
+def get_model_cls(architecture: str) -> type[nn.Module]:
+    check_architecture(architecture)
     module_name, cls_name = _MODELS[architecture]
     module = importlib.import_module(f"pagellm.models.{module_name}")
     return getattr(module, cls_name)

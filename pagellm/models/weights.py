@@ -116,6 +116,8 @@ def load_param(module: nn.Module, name: str, tensor: Any, shard: str | None = No
         module.load_full(name, tensor.read())
         return
     slicer = getattr(module, "checkpoint_slice", None)
+    if slicer is not None and tensor.shape != module.full_shape(name):  # before it is cut
+        raise ValueError(f"{name}: expected shape {module.full_shape(name)}, got {tensor.shape}")
     set_param(module, name, tensor.read(slicer(name) if slicer else None))
 
 
@@ -145,12 +147,12 @@ def materialize(module: nn.Module, name: str, device: torch.device) -> nn.Parame
     return param
 
 
-def check_loaded(model: nn.Module, loaded: set[str]) -> None:
+def check_loaded(model: nn.Module, loaded: set[str], checkpoint: str = "checkpoint") -> None:
     """Raise if a parameter (or a shard of a fused one) got no weights."""
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint has no weights for {len(missing)} parameter(s): {shown}")
+        raise ValueError(f"{checkpoint} has no weights for {len(missing)} parameter(s): {shown}")
 
 
 def _module(modules: dict[str, nn.Module], name: str, hf_name: str) -> nn.Module:

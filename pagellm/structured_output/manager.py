@@ -174,7 +174,8 @@ def reasoning_token_ids(tokenizer: Any) -> tuple[int, int]:
 
 
 def stop_token_ids(model_config: ModelConfig, tokenizer_eos: int | None) -> list[int]:
-    """The ids a finished grammar allows: the model's EOS ids (config and tokenizer)."""
+    """The ids a finished grammar allows: the model's EOS ids (config, tokenizer and
+    generation config)."""
     eos = getattr(model_config.hf_config, "eos_token_id", None)
-    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer_eos]
+    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer_eos, *model_config.eos_token_ids]
     return sorted({i for i in ids if i is not None and i < model_config.vocab_size})

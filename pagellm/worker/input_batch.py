@@ -64,7 +64,7 @@ class InputBatch:
         self._bad_words_rows: set[int] = set()  # rows with bad_words
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.generators: dict[int, torch.Generator] = {}
-        self.eos_token_ids: list[int | None] = [None] * max_num_reqs
+        self.eos_token_ids: list[tuple[int, ...]] = [()] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -78,7 +78,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_block_ids(row, new.block_ids)
-        self._set_sampling(row, new.sampling_params, new.eos_token_id)
+        self._set_sampling(row, new.sampling_params, new.eos_token_ids)
         if new.sampling_params.has_penalties:
             self.penalty_state().add_request(row, new.prompt_token_ids, new.output_token_ids)
         return row
@@ -98,9 +98,11 @@ class InputBatch:
             self.penalties = PenaltyState(len(self.params), self.vocab_size, self.device)
         return self.penalties
 
-    def _set_sampling(self, row: int, params: SamplingParams, eos_token_id: int | None) -> None:
+    def _set_sampling(
+        self, row: int, params: SamplingParams, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self.params[row] = params
-        self.eos_token_ids[row] = eos_token_id
+        self.eos_token_ids[row] = eos_token_ids
         for name in _SAMPLING_ROWS:
             getattr(self, name)[row] = getattr(params, name)
         if params.logit_bias or params.allowed_token_ids:
@@ -200,11 +202,9 @@ class InputBatch:
         for i, row in enumerate(rows):
             params = self.params[row]
             if params.min_tokens and num_outputs[i] < params.min_tokens:
-                eos = self.eos_token_ids[row]
-                stop_ids = list(params.stop_token_ids)
-                if eos is not None and not params.ignore_eos:
-                    stop_ids.append(eos)
-                banned.append((i, stop_ids))
+                # every EOS id, also with ignore_eos (vLLM's `_all_stop_token_ids`, HF's
+                # min_new_tokens), and the stop token ids
+                banned.append((i, [*self.eos_token_ids[row], *params.stop_token_ids]))
         return banned
 
     def _bad_words_bans(self, rows: np.ndarray) -> list[tuple[int, list[int]]]:

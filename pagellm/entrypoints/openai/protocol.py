@@ -30,6 +30,8 @@ from pagellm.sampling_params import (
 )
 
 MAX_LOGPROBS = 20
+# sampling fields a request may leave out (None), for the model's defaults to fill
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # OpenAI's limits: one request fans out into n x prompts engine requests, added in one go
 MAX_N = 128
 MAX_PROMPTS = 2048
@@ -82,7 +84,7 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
     presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: Number = Field(default=1.0, gt=0)  # vLLM's extension of the OpenAI API
+    repetition_penalty: Number | None = Field(default=None, gt=0)  # vLLM's extension
     logit_bias: dict[str, Number] | None = None  # token id (a string in JSON) -> bias
     allowed_token_ids: list[TokenId] | None = None  # vLLM's extension
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
@@ -114,22 +116,26 @@ class SamplingRequest(RequestModel):
         return unknown_field(self.model_extra)
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """`defaults` (the model's generation config) fill the sampling fields the request
+        left out; then SamplingParams' own defaults."""
         field = self.unsupported()
         if field is not None:
             raise ValueError(f"{field} is not supported by this server")
+        sampling = {k: v for k, v in (defaults or {}).items() if k in _DEFAULTABLE}
+        sampling.update({k: getattr(self, k) for k in _DEFAULTABLE if getattr(self, k) is not None})
         return SamplingParams(
             structured_outputs=structured_outputs(self),
             bad_words=self.bad_words,
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            **sampling,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             # OpenAI's range for a bias is [-100, 100]; vLLM clamps to it too
             logit_bias=None
             if self.logit_bias is None

@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
+from pagellm.engine.input_processor import render_chat
 from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
@@ -89,7 +89,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.truncated(request, prompt_ids)
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
-            self.max_tokens(len(prompt_ids), requested), self._num_logprobs(request)
+            self.max_tokens(len(prompt_ids), requested),
+            self._num_logprobs(request),
+            defaults=self.default_sampling_params,
         )
         if mode in ("required", "named"):
             if params.structured_outputs is not None:
@@ -164,20 +166,14 @@ class OpenAIServingChat(OpenAIServing):
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         messages = [m.to_template_dict() for m in request.messages]
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                tools=getattr(request, "tools", None),  # /tokenize's requests have none
-                chat_template=getattr(request, "chat_template", None) or self.chat_template,
-                **(getattr(request, "chat_template_kwargs", None) or {}),
-            )
-        except TemplateError as e:  # the template's own words (`raise_exception`), if any
-            reason = str(e) if type(e) is TemplateError else "the messages do not fit it"
-            raise ValueError(f"messages: the model's chat template refuses them: {reason}") from e
-        except Exception as e:
-            raise ValueError("messages: the model's chat template cannot render them") from e
+        return render_chat(
+            self.tokenizer,
+            messages,
+            request.add_generation_prompt,
+            getattr(request, "chat_template", None) or self.chat_template,
+            tools=getattr(request, "tools", None),  # /tokenize's requests have none
+            **(getattr(request, "chat_template_kwargs", None) or {}),
+        )
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:

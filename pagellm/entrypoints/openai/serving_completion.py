@@ -59,6 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.max_tokens(len(p["prompt_token_ids"]), request.max_tokens),
                 request.logprobs,
                 prompt_logprobs,
+                self.default_sampling_params,
             )
             for p in prompts
         ]

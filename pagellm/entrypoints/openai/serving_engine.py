@@ -224,6 +224,9 @@ class OpenAIServing:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
 
+        # generation_config.json's defaults for what a request leaves out (vLLM's name)
+        self.default_sampling_params = engine.config.model_config.default_sampling_params
+
     def admit(self, cost: int) -> Callable[[], None]:
         """Room for `cost` engine requests (see Admission), while the engine runs."""
         if self.engine.errored:
@@ -268,10 +271,14 @@ class OpenAIServing:
         return truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int | None:
-        """The requested max_tokens, or all the room left; a ValueError past the context."""
+        """The requested max_tokens, or the room left (at most the generation config's
+        max_new_tokens); an APIError past the context."""
         room = self.max_model_len - num_prompt_tokens
         if requested is not None and requested < 1:
             return requested  # SamplingParams says what is wrong with it
+        default = self.default_sampling_params.get("max_tokens")
+        if requested is None and default is not None and room >= 1:
+            return min(default, room)
         wanted = room if requested is None else requested
         if wanted > room or room < 1:
             raise APIError(
