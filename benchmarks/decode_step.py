@@ -3,6 +3,7 @@
     python benchmarks/decode_step.py                  # Qwen3-0.6B shape (16/8 heads, 28 layers)
     python benchmarks/decode_step.py --model llama    # Llama-3.1-8B shape (32/8 heads, 32 layers)
     python benchmarks/decode_step.py --sweep          # also decode tile configs
+    python benchmarks/decode_step.py --sliding-window 512   # every layer windowed
 
 256 requests with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
 workload's prompts, half-way through their outputs), head_dim 128, pages of 16 tokens, bf16.
@@ -11,7 +12,8 @@ earlier one left in L2); one CUDA graph replays the paged-attention launch of ev
 as the engine's decode graphs do. Variants, timed in turns (A B C D, three times):
 the page layout (token-major `[block, slot, kv_head, d]`, the engine's; head-major
 `[block, kv_head, slot, d]` through strides) and the program order (request order, or
-longest first: `order_by_length`). Reported as TB/s of K/V read; medians of the turns.
+longest first: `order_by_length`). Reported as TB/s of K/V read (with --sliding-window W,
+each request's last W keys); medians of the turns.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen")
     p.add_argument("--sweep", action="store_true", help="block_n / warps / stages, longest first")
+    p.add_argument("--sliding-window", type=int, default=0, help="0: none")
     args = p.parse_args()
+    window = args.sliding_window or None
     heads, kv_heads, layers = SHAPES[args.model]
 
     rng = random.Random(0)
@@ -62,13 +66,13 @@ def main() -> None:
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qsl_cpu = torch.arange(BATCH + 1, dtype=torch.int32)
     qsl = qsl_cpu.cuda()
-    kv_bytes = sum(lens) * kv_heads * HEAD_DIM * 2 * 2 * layers
+    kv_bytes = sum(min(n, window or n) for n in lens) * kv_heads * HEAD_DIM * 2 * 2 * layers
     outs = [torch.empty_like(q) for _ in range(layers)]
 
     def graph_ms(cache, longest_first: bool, config=None) -> float:
         plan = plan_attention(
             qsl_cpu.numpy(), seq_lens.cpu().numpy(), heads, kv_heads, HEAD_DIM, "cuda",
-            decode=config,
+            decode=config, sliding_window=window,
         )  # fmt: skip
         if longest_first:
             plan.launches = [order_by_length(launch, seq_lens) for launch in plan.launches]

@@ -4,6 +4,7 @@
     python benchmarks/kernels.py --sweep decode   # also try tile/warp/stage/split configs
     python benchmarks/kernels.py --sweep all
     python benchmarks/kernels.py --only prompts --sweep prefill   # short prompts, varlen
+    python benchmarks/kernels.py --sliding-window 1024 --soft-cap 50   # a windowed layer
 
 decode:  batch 64, context 4096, 32 query / 8 KV heads, head_dim 128, block 16, bf16;
          reported as TB/s of K/V read (2 * batch * seq_len * kv_heads * head_dim * 2 bytes).
@@ -13,6 +14,9 @@ prompts: the prefill of a step of the standard workload: --prompts prompts of
          randint(100, 1024) tokens (random.seed(0)), 16 query / 8 KV heads (Qwen3-0.6B),
          in one varlen launch; against torch's varlen flash attention where it exists
          (torch.nn.attention.varlen) and SDPA run prompt by prompt.
+--sliding-window W: each query reads only its last W keys (bandwidth and FLOPs count only
+those, so the SDPA columns, which attend to every key, are not comparable then);
+--soft-cap c: Gemma 2's logit soft-cap.
 SDPA runs on contiguous tensors with the flash and cuDNN backends. Times are medians of
 `triton.testing.do_bench` (warm-up and compilation excluded). The last line is JSON.
 """
@@ -51,18 +55,35 @@ def paged_inputs(batch, q_len, seq_len, heads, kv_heads, head_dim, block_size, d
     return q, kv_cache, block_table, qsl_cpu, seq_lens_cpu
 
 
+# the layer options of every run (main() sets them from --sliding-window / --soft-cap)
+LAYER = {"sliding_window": None, "logits_soft_cap": None}
+
+
+def keys_read(q_len: int, seq_len: int) -> int:
+    """Keys the queries of one request read together (each its last sliding_window)."""
+    window = LAYER["sliding_window"]
+    return seq_len if window is None else min(seq_len, window + q_len - 1)
+
+
+def attended_pairs(q_len: int, seq_len: int) -> int:
+    """(query, key) pairs of one causal request: sum over queries of the keys each sees."""
+    window = LAYER["sliding_window"] or seq_len
+    return sum(min(p + 1, window) for p in range(seq_len - q_len, seq_len))
+
+
 def triton_fn(inputs, scale, **plan_kwargs):
     from pagellm.kernels.paged_attention import paged_attention, plan_attention
 
     q, kv_cache, block_table, qsl_cpu, seq_lens_cpu = inputs
     plan = plan_attention(
         qsl_cpu.numpy(), seq_lens_cpu.numpy(), q.shape[1], kv_cache.shape[3], q.shape[2],
-        q.device, **plan_kwargs,
+        q.device, sliding_window=LAYER["sliding_window"], **plan_kwargs,
     )  # fmt: skip
     qsl, seq_lens = qsl_cpu.cuda(), seq_lens_cpu.cuda()
     out = torch.empty_like(q)
+    cap = LAYER["logits_soft_cap"]
     return plan, lambda: paged_attention(
-        q, kv_cache, block_table, seq_lens, qsl, scale, plan=plan, out=out
+        q, kv_cache, block_table, seq_lens, qsl, scale, plan=plan, out=out, logits_soft_cap=cap
     )
 
 
@@ -122,7 +143,7 @@ def bench_decode(args, sweep: bool) -> dict:
 
     b, s, h, kvh, d = args.batch, args.ctx, args.heads, args.kv_heads, args.head_dim
     inputs = paged_inputs(b, 1, s, h, kvh, d, args.block_size, torch.bfloat16)
-    kv_bytes = 2 * b * s * kvh * d * 2
+    kv_bytes = 2 * b * keys_read(1, s) * kvh * d * 2
     scale = d**-0.5
     tbps = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
 
@@ -213,7 +234,7 @@ def bench_prefill(args, sweep: bool) -> dict:
     s, h, d = args.prefill_len, args.prefill_heads, args.head_dim
     kvh = args.prefill_kv_heads or h
     inputs = paged_inputs(1, s, s, h, kvh, d, args.block_size, torch.bfloat16)
-    flops = 4 * h * d * s * (s + 1) / 2
+    flops = 4 * h * d * attended_pairs(s, s)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     scale = d**-0.5
 
@@ -276,7 +297,7 @@ def bench_prompts(args, sweep: bool) -> dict:
     q = torch.randn(total, h, d, dtype=torch.bfloat16, device="cuda")
     qsl_cpu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     inputs = (q, kv_cache, table.cuda(), qsl_cpu, torch.tensor(lens, dtype=torch.int32))
-    flops = sum(4 * h * d * n * (n + 1) / 2 for n in lens)
+    flops = sum(4 * h * d * attended_pairs(n, n) for n in lens)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     scale = d**-0.5
     plan, fn = triton_fn(inputs, scale)
@@ -342,12 +363,15 @@ def main() -> None:
     p.add_argument("--prompt-kv-heads", type=int, default=8)
     p.add_argument("--only", choices=("decode", "prefill", "prompts"), default=None)
     p.add_argument("--sweep", choices=("decode", "prefill", "all"), default=None)
+    p.add_argument("--sliding-window", type=int, default=0, help="0: none")
+    p.add_argument("--soft-cap", type=float, default=0.0, help="logit soft-cap; 0: none")
     args = p.parse_args()
+    LAYER.update(sliding_window=args.sliding_window or None, logits_soft_cap=args.soft_cap or None)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (Triton kernels); none found.")
     torch.manual_seed(0)
 
-    result: dict = {"device": torch.cuda.get_device_name()}
+    result: dict = {"device": torch.cuda.get_device_name(), **LAYER}
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args, sweep=args.sweep in ("decode", "all"))
     if args.only in (None, "prefill"):

@@ -12,6 +12,10 @@ One step's batch is flat: the query tokens of all scheduled requests, request af
 
 A decode is a request whose query length is 1; a prefill chunk attends causally to its
 own tokens and to the whole context before it.
+
+Per layer (each layer owns its backend instance): `scale` multiplies q.k; `sliding_window` W
+lets the query at position p see only keys p - W < k <= p (HF's `sliding_window_overlay`);
+`logits_soft_cap` c turns a score s into c * tanh(s / c) before the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -45,16 +49,33 @@ class AttentionBackend(ABC):
     """One attention implementation. Build metadata once per step, then run every layer.
 
     Invariants: `forward` first writes this step's K/V into the cache at `slot_mapping`,
-    then attends each query token to all tokens of its request up to and including itself.
+    then attends each query token to all tokens of its request up to and including itself
+    (only the last `sliding_window` of them, when set). Keys outside a query's window are
+    never read: their blocks may already belong to another request.
     """
 
     name: str = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @staticmethod
     def kv_cache_shape(

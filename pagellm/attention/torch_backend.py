@@ -15,6 +15,11 @@
 Keys and values are never repeated for grouped-query attention: a decode views the query heads
 of one KV head as that head's query rows, a prefill uses SDPA's `enable_gqa`. Gathers use
 `index_select` on the flat `[num_slots, H_kv, D]` cache, 2-3x faster on CPU than fancy indexing.
+
+A sliding-window layer uses the same work built for its window (`metadata.windowed(W)`, once
+per step and window): a decode gathers only its last W keys, a prefill chunk the keys from
+its first query's window start on, with a banded causal mask. Nothing outside a window is
+read. With a logit soft-cap the scores are computed explicitly (SDPA cannot cap them).
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ class DecodeGroup:
     """Query-length-1 requests of similar lengths, attended together."""
 
     rows: torch.Tensor  # [n] int64: their rows in the flat batch
-    slots: torch.Tensor  # [n, max_seq_len] int64 flat cache slots
-    mask: torch.Tensor  # [n, 1, 1, max_seq_len] bool, True where a key is attended
+    slots: torch.Tensor  # [n, max_keys] int64 flat cache slots of the keys each row attends
+    mask: torch.Tensor  # [n, 1, 1, max_keys] bool, True where a key is attended
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
@@ -56,8 +61,10 @@ class PrefillChunk:
 
     start: int  # its query rows in the flat batch: start .. end
     end: int
-    slots: torch.Tensor | None  # [seq_len] int64; None when the chunk has no cached context
-    mask: torch.Tensor | None  # [query_len, seq_len] bool; None: plain causal
+    # [num_keys] int64 slots of its keys (from its first query's window start, else 0);
+    # None when the chunk has no cached context: its keys are this step's
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [query_len, num_keys] bool; None: plain causal
 
 
 @dataclass
@@ -66,6 +73,16 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    common: CommonAttentionMetadata | None = None
+    _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int | None) -> TorchAttentionMetadata:
+        """This step's work for layers whose queries see only their last `window` keys."""
+        if window is None or window >= self.common.max_seq_len:
+            return self  # no query has a key outside its window
+        if window not in self._windowed:
+            self._windowed[window] = _build_metadata(self.common, window)
+        return self._windowed[window]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -73,19 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl = common.query_start_loc_cpu
-        query_lens = np.diff(qsl)
-        context_lens = common.seq_lens_cpu - query_lens
-        decode_reqs = np.flatnonzero(query_lens == 1)
-        prefill_reqs = np.flatnonzero(query_lens > 1)
-        decodes = _build_decode_groups(common, decode_reqs) if len(decode_reqs) else []
-        prefills = [_build_prefill(common, int(r), int(context_lens[r])) for r in prefill_reqs]
-        return TorchAttentionMetadata(
-            num_actual_tokens=common.num_actual_tokens,
-            slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-            decodes=decodes,
-            prefills=prefills,
-        )
+        return _build_metadata(common, None)
 
     def forward(
         self,
@@ -102,9 +107,10 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache.index_copy_(0, metadata.slot_mapping, v[:n])
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
-        for group in metadata.decodes:
+        work = metadata.windowed(self.sliding_window)
+        for group in work.decodes:
             out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group))
-        for chunk in metadata.prefills:
+        for chunk in work.prefills:
             out[chunk.start : chunk.end] = self._prefill(q, k, v, key_cache, value_cache, chunk)
         return out
 
@@ -117,7 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
         keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
         values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
         bias = group.bias(q.dtype)
-        out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=self.scale)
+        if self.logits_soft_cap is not None:
+            out = _soft_capped_attention(q_d, keys, values, bias, self.scale, self.logits_soft_cap)
+        else:
+            out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=self.scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
     def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
@@ -127,52 +136,110 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             keys = key_cache.index_select(0, chunk.slots)
             values = value_cache.index_select(0, chunk.slots)
-        # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
-        out = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],  # [1, H, query_len, D]
-            keys.transpose(0, 1)[None],  # [1, H_kv, seq_len, D]
-            values.transpose(0, 1)[None],
-            chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=self.scale,
-            enable_gqa=True,
-        )[0]
-        return out.transpose(0, 1)  # [query_len, H, D]
+        q_4d = q[rows].transpose(0, 1)[None]  # [1, H, query_len, D]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, L, D]
+        if self.logits_soft_cap is not None:
+            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask)
+        else:
+            # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
+            out = F.scaled_dot_product_attention(
+                q_4d, keys, values, chunk.mask, is_causal=chunk.mask is None,
+                scale=self.scale, enable_gqa=True,
+            )  # fmt: skip
+        return out[0].transpose(0, 1)  # [query_len, H, D]
+
+    def _soft_capped_prefill(self, q, keys, values, mask) -> torch.Tensor:
+        # q: [1, H, ql, D] -> the query heads of one KV head as its rows: [1, H_kv, g * ql, D]
+        ql, seq_len = q.shape[2], keys.shape[2]
+        if mask is None:  # no context: plain causal
+            mask = torch.ones(ql, seq_len, dtype=torch.bool, device=q.device).tril()
+        group = self.num_heads // self.num_kv_heads
+        q_g = q.reshape(1, self.num_kv_heads, group * ql, self.head_dim)
+        cap = self.logits_soft_cap
+        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), self.scale, cap)
+        return out.view(1, self.num_heads, ql, self.head_dim)
 
 
-def _build_decode_groups(common: CommonAttentionMetadata, reqs: np.ndarray) -> list[DecodeGroup]:
-    """Decode requests, longest first, in groups of at most ~DECODE_GROUP_TOKENS padded keys."""
+def _soft_capped_attention(
+    q: torch.Tensor,  # [B, H_kv, M, D]
+    keys: torch.Tensor,  # [B, H_kv, L, D]
+    values: torch.Tensor,  # [B, H_kv, L, D]
+    mask: torch.Tensor,  # bool (True: attended) or additive, broadcastable to [B, H_kv, M, L]
+    scale: float,
+    cap: float,
+) -> torch.Tensor:  # [B, H_kv, M, D]
+    """softmax(cap * tanh(scale * q.k / cap) + mask) @ v, as HF's eager Gemma 2 attention."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(-1), values)
+
+
+def _build_metadata(common: CommonAttentionMetadata, window: int | None) -> TorchAttentionMetadata:
+    query_lens = np.diff(common.query_start_loc_cpu)
+    context_lens = common.seq_lens_cpu - query_lens
+    decode_reqs = np.flatnonzero(query_lens == 1)
+    prefill_reqs = np.flatnonzero(query_lens > 1)
+    decodes = _build_decode_groups(common, decode_reqs, window) if len(decode_reqs) else []
+    prefills = [_build_prefill(common, int(r), int(context_lens[r]), window) for r in prefill_reqs]
+    return TorchAttentionMetadata(
+        num_actual_tokens=common.num_actual_tokens,
+        slot_mapping=common.slot_mapping[: common.num_actual_tokens],
+        decodes=decodes,
+        prefills=prefills,
+        common=common,
+    )
+
+
+def _build_decode_groups(
+    common: CommonAttentionMetadata, reqs: np.ndarray, window: int | None
+) -> list[DecodeGroup]:
+    """Decode requests, most keys first, in groups of at most ~DECODE_GROUP_TOKENS padded keys;
+    with a window, a request's keys are its last `window` tokens."""
     device = common.block_table.device
-    all_lens = common.seq_lens_cpu[reqs]
+    seq_lens = common.seq_lens_cpu[reqs]
+    all_lens = seq_lens if window is None else np.minimum(seq_lens, window)  # keys attended
     order = np.argsort(-all_lens, kind="stable")
-    reqs, all_lens = reqs[order], all_lens[order]
+    reqs, all_lens, all_firsts = reqs[order], all_lens[order], (seq_lens - all_lens)[order]
     groups, i = [], 0
     while i < len(reqs):
         max_len = int(all_lens[i])  # the group's longest: the first, lengths go down
         n = max(1, DECODE_GROUP_TOKENS // max_len)
-        g_reqs, seq_lens = reqs[i : i + n], all_lens[i : i + n]
+        g_reqs, lens, firsts = reqs[i : i + n], all_lens[i : i + n], all_firsts[i : i + n]
         i += n
         # positions clamped to each request's last token: padding re-reads a slot it owns
-        pos = np.minimum(np.arange(max_len)[None, :], seq_lens[:, None] - 1)  # [n, max_len]
+        pos = firsts[:, None] + np.minimum(np.arange(max_len)[None, :], lens[:, None] - 1)
         g_reqs_t, pos_t = torch.from_numpy(g_reqs).to(device), torch.from_numpy(pos).to(device)
-        slots = _slots(common, g_reqs_t, pos_t)
-        mask = torch.from_numpy(np.arange(max_len)[None, :] < seq_lens[:, None]).to(device)
+        slots = _slots(common, g_reqs_t, pos_t)  # [n, max_len]
+        mask = torch.from_numpy(np.arange(max_len)[None, :] < lens[:, None]).to(device)
         rows = torch.from_numpy(common.query_start_loc_cpu[g_reqs].astype(np.int64)).to(device)
         groups.append(DecodeGroup(rows=rows, slots=slots, mask=mask[:, None, None, :]))
     return groups
 
 
-def _build_prefill(common: CommonAttentionMetadata, req: int, context_len: int) -> PrefillChunk:
+def _build_prefill(
+    common: CommonAttentionMetadata, req: int, context_len: int, window: int | None
+) -> PrefillChunk:
     start, end = (int(x) for x in common.query_start_loc_cpu[req : req + 2])
-    if context_len == 0:
+    seq_len = context_len + end - start
+    window = None if window is None or window >= seq_len else window
+    if context_len == 0 and window is None:
         return PrefillChunk(start, end, slots=None, mask=None)
     device = common.block_table.device
-    seq_len = context_len + end - start
-    pos = torch.arange(seq_len, device=device)
+    # keys from the first query's window start: query i (at position context_len + i) sees
+    # keys context_len + i - window < k <= context_len + i
+    first = 0 if window is None else max(0, context_len - window + 1)
+    pos = torch.arange(first, seq_len, device=device)
+    q_pos = torch.arange(context_len, seq_len, device=device)[:, None]
+    mask = pos[None, :] <= q_pos  # [query_len, seq_len - first]
+    if window is not None:
+        mask &= pos[None, :] > q_pos - window
+    if context_len == 0:  # this step's own keys, positions 0 .. seq_len - 1
+        return PrefillChunk(start, end, slots=None, mask=mask)
     slots = _slots(common, torch.tensor([req], device=device), pos[None, :])[0]
-    # query i (at position context_len + i) sees keys 0 .. context_len + i
-    q_pos = torch.arange(context_len, seq_len, device=device)
-    mask = pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
     return PrefillChunk(start, end, slots=slots, mask=mask)
 
 

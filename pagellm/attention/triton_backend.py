@@ -4,6 +4,8 @@
 The host-side plan (which requests are decode tiles, the prefill tile -> request map, the
 split-KV count) depends on the head layout, which a classmethod `build_metadata` cannot see;
 so the metadata builds it on the first layer's call and every later layer reuses it.
+A sliding-window layer gets a plan of its own (the window bounds its keys: split count, tile
+order), never dropped for short sequences: a CUDA graph replays it at any length.
 Importing this module needs Triton (ImportError otherwise, which the selector catches) but
 no CUDA device.
 
@@ -26,15 +28,21 @@ from pagellm.kernels.reshape_and_cache import reshape_and_cache
 
 @dataclass
 class TritonAttentionMetadata:
-    """One step's metadata; `plan()` is computed once per head layout and cached here."""
+    """One step's metadata; `plan()` is computed once per head layout and sliding window and
+    cached here."""
 
     common: CommonAttentionMetadata
-    _plans: dict[tuple[int, int, int, int], AttentionPlan] = field(default_factory=dict)
+    _plans: dict[tuple[int, int, int, int, int | None], AttentionPlan] = field(default_factory=dict)
 
     def plan(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, element_size: int = 2
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        element_size: int = 2,
+        sliding_window: int | None = None,
     ) -> AttentionPlan:
-        key = (num_heads, num_kv_heads, head_dim, element_size)
+        key = (num_heads, num_kv_heads, head_dim, element_size, sliding_window)
         if key not in self._plans:
             c = self.common
             plan = plan_attention(
@@ -45,6 +53,7 @@ class TritonAttentionMetadata:
                 head_dim,
                 c.query_start_loc.device,
                 element_size=element_size,
+                sliding_window=sliding_window,
             )
             plan.launches = [order_by_length(launch, c.seq_lens) for launch in plan.launches]
             self._plans[key] = plan
@@ -71,7 +80,9 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] > common.num_actual_tokens:
             out[common.num_actual_tokens :].zero_()  # padded rows: defined, never attended
-        plan = metadata.plan(self.num_heads, self.num_kv_heads, self.head_dim, q.element_size())
+        plan = metadata.plan(
+            self.num_heads, self.num_kv_heads, self.head_dim, q.element_size(), self.sliding_window
+        )
         return paged_attention(
             q,
             kv_cache,
@@ -81,4 +92,5 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             plan=plan,
             out=out,
+            logits_soft_cap=self.logits_soft_cap,
         )

@@ -128,9 +128,12 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block; those left unreferenced join the back of the queue.
 
-        Callers pass a request's blocks last-first, so its tail blocks are evicted first.
+        Callers pass a request's blocks last-first, so its tail blocks are evicted first. The
+        null block (standing in for blocks freed outside a sliding window) is skipped.
         """
         for block in blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
@@ -148,11 +151,14 @@ class BlockPool:
         """Record `block_hashes[i] -> blocks[i]` for blocks whose tokens are all known.
 
         A block already cached is left alone. If another block already holds the same hash
-        (two requests computed the same prefix at once), this one stays uncached.
+        (two requests computed the same prefix at once), this one stays uncached. The null
+        block (a block freed outside a sliding window before it was cached) is skipped.
         """
         if not self.enable_caching:
             return
         for block, block_hash in zip(blocks, block_hashes):
+            if block is self.null_block:
+                continue
             if block.block_hash is None and block_hash not in self.cached_blocks:
                 block.block_hash = block_hash
                 self.cached_blocks[block_hash] = block

@@ -4,6 +4,17 @@ Prefix caching: every full block of a request gets a chain hash,
 `hash_block_tokens(parent_hash, block_tokens)`, so equal hashes mean (up to a 64-bit hash
 collision) equal token prefixes. A new request reuses the cached blocks of its longest
 cached prefix instead of computing them again.
+
+Sliding window: when every attention layer of the model sees only the last `sliding_window`
+positions, a request never again reads a block wholly before the window of its next token
+(position `num_computed_tokens`). Such blocks go back to the pool as the request grows; the
+null block takes their place in its table, so block indices stay positions // block_size.
+A freed block keeps its prefix-cache hash until it is reused for other tokens (eviction
+drops the hash), so a hit never sees overwritten content. A prefix hit then needs only the
+blocks inside the window of the hit's end; those before it may be gone.
+
+    positions:  |  freed (null)  |  window of the next token  | next |
+                0          first kept block               num_computed
 """
 
 from __future__ import annotations
@@ -30,24 +41,32 @@ def cdiv(a: int, b: int) -> int:
 
 
 class _RequestBlocks:
-    """A request's block table and how many of its leading blocks are in the prefix cache."""
+    """A request's block table, how many of its leading blocks are in the prefix cache and
+    how many are the null block (freed: outside the sliding window)."""
 
-    __slots__ = ("blocks", "num_cached_blocks")
+    __slots__ = ("blocks", "num_cached_blocks", "num_null_blocks")
 
     def __init__(self) -> None:
         self.blocks: list[KVCacheBlock] = []
         self.num_cached_blocks = 0
+        self.num_null_blocks = 0
 
 
 class KVCacheManager:
     """Allocates blocks to requests as their computed tokens grow; frees them when done."""
 
     def __init__(
-        self, block_size: int, num_blocks: int, max_model_len: int, enable_caching: bool = True
+        self,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,  # set only if every layer is windowed (the largest)
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._reqs: dict[str, _RequestBlocks] = {}
         # since start, in tokens; counted once per admission (see allocate_slots)
@@ -72,13 +91,38 @@ class KVCacheManager:
             return [], 0
         self._update_block_hashes(request, request.num_tokens)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes[:max_hit_blocks]
+        if self.sliding_window is not None:
+            return self._window_hits(hashes)
         hits = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in hashes:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, hashes: list[int]) -> tuple[list[KVCacheBlock], int]:
+        """The longest prefix whose last blocks, those inside the window of the token after
+        it, are all cached; the blocks before them come back as the null block."""
+        found: list[KVCacheBlock | None] = []
+        num_hit, run = 0, 0  # run: cached blocks ending at the current one
+        for block_hash in hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            found.append(block)
+            run = run + 1 if block is not None else 0
+            n = len(found)
+            if run >= n - self._first_kept_block(n * self.block_size):
+                num_hit = n
+        skip = self._first_kept_block(num_hit * self.block_size)
+        hits = [self.block_pool.null_block] * skip + found[skip:num_hit]
+        return hits, num_hit * self.block_size
+
+    def _first_kept_block(self, num_computed: int) -> int:
+        """The first block the token at position `num_computed`, or a later one, may read."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def allocate_slots(
         self,
@@ -98,19 +142,22 @@ class KVCacheManager:
             return self._allocate_first(request, num_new_tokens, new_computed_blocks)
         if new_computed_blocks:
             raise ValueError("prefix-cache hits are only taken on a request's first allocation")
+        self._free_outside_window(req_blocks, request.num_computed_tokens)
         return self._grow(request, req_blocks, request.num_computed_tokens + num_new_tokens)
 
     def _allocate_first(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock]
     ) -> list[int] | None:
-        num_total = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_total += num_new_tokens
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
         num_needed = cdiv(num_total, self.block_size) - len(computed_blocks)
+        # hits before the window are not taken (the null block stands in for them)
+        skip = min(self._first_kept_block(num_computed), len(computed_blocks))
         # hits on free cached blocks take them out of the free queue too
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in computed_blocks[skip:] if block.ref_cnt == 0)
         if num_needed + num_revived > self.block_pool.num_free_blocks:
             return None
-        return self._grow(request, self._admit(request, computed_blocks), num_total)
+        return self._grow(request, self._admit(request, computed_blocks, skip), num_total)
 
     def _grow(
         self, request: Request, req_blocks: _RequestBlocks, num_total: int
@@ -130,18 +177,35 @@ class KVCacheManager:
             self._cache_full_blocks(request, req_blocks, num_known)
         return new_block_ids
 
-    def _admit(self, request: Request, computed_blocks: Sequence[KVCacheBlock]) -> _RequestBlocks:
-        """Start a request's block table with its prefix-cache hits."""
-        self.block_pool.touch(computed_blocks)
+    def _admit(
+        self, request: Request, computed_blocks: Sequence[KVCacheBlock], skip: int
+    ) -> _RequestBlocks:
+        """Start a request's block table with its prefix-cache hits, the first `skip` of them
+        (outside the window) as the null block."""
+        self.block_pool.touch(computed_blocks[skip:])
         req_blocks = _RequestBlocks()
-        req_blocks.blocks.extend(computed_blocks)
+        req_blocks.blocks.extend([self.block_pool.null_block] * skip)
+        req_blocks.blocks.extend(computed_blocks[skip:])
         req_blocks.num_cached_blocks = len(computed_blocks)
+        req_blocks.num_null_blocks = skip
         self._reqs[request.request_id] = req_blocks
         if self.enable_caching:
             # counted here, not at lookup, so a request left waiting for blocks counts once
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
         return req_blocks
+
+    def _free_outside_window(self, req_blocks: _RequestBlocks, num_computed: int) -> None:
+        """Return the blocks wholly before the window of position `num_computed` to the pool
+        (latest first, as `free`), the null block taking their place."""
+        first_kept = min(self._first_kept_block(num_computed), len(req_blocks.blocks))
+        start = req_blocks.num_null_blocks
+        if first_kept <= start:
+            return
+        freed = req_blocks.blocks[start:first_kept]
+        req_blocks.blocks[start:first_kept] = [self.block_pool.null_block] * len(freed)
+        req_blocks.num_null_blocks = first_kept
+        self.block_pool.free_blocks(reversed(freed))
 
     def _cache_full_blocks(
         self, request: Request, req_blocks: _RequestBlocks, num_known_tokens: int

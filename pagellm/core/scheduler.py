@@ -76,6 +76,7 @@ class Scheduler:
         log_stats: bool = True,
         async_scheduling: bool = False,
         policy: str = "fcfs",
+        sliding_window: int | None = None,  # every layer's window is at most this (None: no)
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -85,6 +86,7 @@ class Scheduler:
             num_kv_blocks,
             self.max_model_len,
             cache_config.enable_prefix_caching,
+            sliding_window,
         )
         # a request stops at max_model_len tokens, or earlier if the whole cache holds fewer
         self.max_request_len = self._max_request_len(num_kv_blocks, cache_config.block_size)
@@ -101,6 +103,11 @@ class Scheduler:
 
     def _max_request_len(self, num_kv_blocks: int, block_size: int) -> int:
         capacity = (num_kv_blocks - 1) * block_size  # the null block holds nothing
+        window = self.kv_cache_manager.sliding_window
+        # blocks outside the window are freed: a step needs at most the window before its
+        # first token and a full token budget after it, however long the request
+        if window is not None and capacity >= window + self.max_num_batched_tokens + block_size:
+            return self.max_model_len
         if capacity < self.max_model_len:
             logger.warning(
                 "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "

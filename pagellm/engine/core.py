@@ -48,6 +48,7 @@ class EngineCore:
             config.log_stats,
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
+            sliding_window=self.model_runner.kv_sliding_window(),
         )
         self.structured_output = StructuredOutputManager(
             config.model_config,

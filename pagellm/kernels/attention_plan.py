@@ -87,6 +87,7 @@ class AttentionPlan:
     num_kv_heads: int
     head_dim: int
     launches: list[Launch]
+    sliding_window: int | None = None  # the kernel's WINDOW: each query's last keys
 
 
 @functools.lru_cache(maxsize=8)
@@ -107,7 +108,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
 
 
 def _tile_map(
-    reqs: np.ndarray, q_lens: np.ndarray, kv_ends: np.ndarray, block_q: int
+    reqs: np.ndarray, q_lens: np.ndarray, kv_ends: np.ndarray, block_q: int, window: int | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(request, first query) of every BLOCK_Q-token tile of `reqs`, most keys first."""
     tiles_per_req = -(-q_lens[reqs] // block_q)
@@ -116,6 +117,8 @@ def _tile_map(
     tile_q = (np.arange(len(tile_req)) - first_tile) * block_q
     # keys a tile visits: context + queries up to the tile's last one
     work = kv_ends[tile_req] - q_lens[tile_req] + np.minimum(tile_q + block_q, q_lens[tile_req])
+    if window is not None:  # a tile's rows see at most window + block_q - 1 keys together
+        work = np.minimum(work, window + block_q - 1)
     order = np.argsort(-work, kind="stable")
     return tile_req[order], tile_q[order]
 
@@ -132,6 +135,7 @@ def plan_attention(
     decode: TileConfig | None = None,
     prefill: TileConfig | None = None,
     element_size: int = 2,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Split the step's requests into a decode launch and a prefill launch (host work only).
 
@@ -140,7 +144,8 @@ def plan_attention(
     request i), which keeps it CUDA-graph friendly. A decode-only launch splits its keys
     (`choose_num_splits`), one beside prefill tiles does not, unless `num_splits` forces a
     count. The rest become prefill tiles, ordered heaviest first. `element_size` is the
-    bytes of one q/K/V element (it bounds the prefill tile).
+    bytes of one q/K/V element (it bounds the prefill tile). With a `sliding_window` a
+    query reads at most that many keys, which the split count and tile order use.
     """
     device = torch.device(device)
     queries_per_kv = num_heads // num_kv_heads
@@ -161,16 +166,17 @@ def plan_attention(
         programs = len(dec_reqs) * num_kv_heads * groups
         # a step with prefill tiles keeps its decodes whole: the prefill fills the GPU, and
         # one variant fewer is compiled while serving
+        max_keys = int(seq_lens[dec_reqs].max())
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window + decode.block_q - 1)
         splits = num_splits or (
-            1
-            if len(pre_reqs)
-            else choose_num_splits(programs, int(seq_lens[dec_reqs].max()), _num_sms(device))
+            1 if len(pre_reqs) else choose_num_splits(programs, max_keys, _num_sms(device))
         )
         pending.append((decode, len(dec_reqs), splits))
         if len(pre_reqs):
             host_maps += [dec_reqs, np.zeros_like(dec_reqs)]
     if len(pre_reqs):
-        tile_req, tile_q = _tile_map(pre_reqs, q_lens, seq_lens, prefill.block_q)
+        tile_req, tile_q = _tile_map(pre_reqs, q_lens, seq_lens, prefill.block_q, sliding_window)
         pending.append((prefill, len(tile_req), 1))
         host_maps += [tile_req, tile_q]
 
@@ -179,7 +185,7 @@ def plan_attention(
     for config, num_tiles, splits in pending:
         tile_req, tile_q = (maps.pop(0), maps.pop(0)) if maps else (None, None)
         launches.append(Launch(config, num_tiles, splits, tile_req, tile_q))
-    return AttentionPlan(num_heads, num_kv_heads, head_dim, launches)
+    return AttentionPlan(num_heads, num_kv_heads, head_dim, launches, sliding_window)
 
 
 def _maps_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -39,6 +39,17 @@ A decode-only step (every query fits a decode tile) needs no host-built tile map
 request i, or the order `order_by_length` sorts on the device (the Triton backend's, longest
 first). Its split count is fixed by the plan, and segment bounds come from the live
 `seq_lens`, so a CUDA graph captured with one plan stays correct for any context lengths.
+
+Per-layer options are compile-time switches, so a layer without them runs the code above
+unchanged:
+
+- WINDOW (sliding window W > 0): query i sees keys ctx + i - W < k <= ctx + i. A tile starts
+  its walk at the BLOCK_N step holding its first query's first key, so keys below are never
+  loaded (nor are their blocks, which may belong to another request by now); the steps up to
+  where every row's window has begun, `full_start`, apply the window mask too. Split
+  segments divide the keys from there.
+- SOFT_CAP_LOG2 (Gemma 2's logit soft-cap c, times log2(e)): scores become
+  c * tanh(scale * q.k / c) in registers, before masking and the softmax.
 """
 
 from __future__ import annotations
@@ -76,6 +87,12 @@ def _block_ids(bt_row, start, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    """tanh as 1 - 2 / (exp(2x) + 1): exactly +-1 where exp2 overflows to inf or reaches 0."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _attend_block(
     acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalized output
     m_i,  # [BLOCK_M] fp32, running max (base-2 logits)
@@ -85,6 +102,7 @@ def _attend_block(
     start,  # first key of this step
     kv_end,  # keys >= kv_end are masked for every row
     max_key,  # [BLOCK_M] last key each row may see (causal)
+    win_start,  # WINDOW: keys < win_start are masked (and not loaded) for every row
     k_cache_ptr,
     v_cache_ptr,
     kv_head_offset,
@@ -96,11 +114,15 @@ def _attend_block(
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP_LOG2: tl.constexpr,
 ):
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         key_ok = offs_n < kv_end
+        if WINDOW:
+            key_ok = key_ok & (offs_n >= win_start)
     # [BLOCK_N, HEAD_DIM] element offsets of these keys in the K (and V) cache
     rows = block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
     kv_offs = rows[:, None] + offs_d[None, :]
@@ -114,8 +136,14 @@ def _attend_block(
     else:
         s = tl.dot(q, tl.trans(k))
     # s: [BLOCK_M, BLOCK_N] raw q.k; the scale is folded into exp2's argument (one FMA)
+    if SOFT_CAP_LOG2:
+        # c * tanh(scale * s / c), kept in raw units: cap_raw * qk_scale = c * log2(e)
+        cap_raw = SOFT_CAP_LOG2 / qk_scale
+        s = _tanh(s * (1.0 / cap_raw)) * cap_raw
     if MASKED:
         visible = (offs_n[None, :] <= max_key[:, None]) & key_ok[None, :]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > max_key[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     if MASKED:
@@ -141,10 +169,11 @@ def _attend_block(
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, lo, hi, kv_end, max_key, k_cache_ptr, v_cache_ptr, bt_row,
+    acc, m_i, l_i, q, lo, hi, kv_end, max_key, win_start, k_cache_ptr, v_cache_ptr, bt_row,
     kv_head_offset, qk_scale, stride_cb, stride_cs,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr, FP32_DOT: tl.constexpr,
+    MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SOFT_CAP_LOG2: tl.constexpr,
 ):  # fmt: skip
     """Keys lo .. hi (multiples of BLOCK_N apart) in BLOCK_N steps.
 
@@ -157,9 +186,9 @@ def _attend_range(
     for start in range(lo, hi, BLOCK_N):
         next_block = _block_ids(bt_row, start + BLOCK_N, kv_end, BLOCK_N, BLOCK_SIZE)
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, block, start, kv_end, max_key, k_cache_ptr, v_cache_ptr,
-            kv_head_offset, qk_scale, stride_cb, stride_cs,
-            BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED, FP32_DOT,
+            acc, m_i, l_i, q, block, start, kv_end, max_key, win_start, k_cache_ptr,
+            v_cache_ptr, kv_head_offset, qk_scale, stride_cb, stride_cs,
+            BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
         )  # fmt: skip
         block = next_block
     return acc, m_i, l_i
@@ -200,6 +229,8 @@ def _paged_attention_kernel(
     HAS_TILE_MAP: tl.constexpr,  # False: tile i is request i, starting at query 0
     SPLIT: tl.constexpr,  # write partial results for _combine_splits_kernel
     FP32_DOT: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # sliding window in keys; 0: none
+    SOFT_CAP_LOG2: tl.constexpr = 0.0,  # logit soft-cap * log2(e); 0: none
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
     pid_head = tl.program_id(0)
@@ -234,25 +265,45 @@ def _paged_attention_kernel(
     full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
     lo = 0
     hi = kv_end
-    if SPLIT:
-        seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * seg
-        hi = tl.minimum(lo + seg, kv_end)
+    if WINDOW:
+        win_start = ctx + q0 - WINDOW + 1  # the tile's first visible key (may be < 0)
+        lo = (tl.maximum(win_start, 0) // BLOCK_N) * BLOCK_N  # steps below: skipped
+        # keys from full_start on are inside every row's window (the last row's starts last)
+        full_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
+        if SPLIT:
+            seg = tl.cdiv(tl.cdiv(kv_end - lo, num_splits), BLOCK_N) * BLOCK_N
+            lo = lo + split * seg
+            hi = tl.minimum(lo + seg, kv_end)
+    else:
+        win_start = 0
+        full_start = 0
+        if SPLIT:
+            seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * seg
+            hi = tl.minimum(lo + seg, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_offset = kv_head * stride_ch
+    if WINDOW:  # the window's edge: keys some rows of the tile no longer see
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, lo, tl.minimum(hi, full_start), kv_end, max_key, win_start,
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+            BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
+        )  # fmt: skip
+        lo = tl.maximum(lo, full_start)
+        full_end = tl.maximum(full_end, full_start)
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, k_cache_ptr,
-        v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT,
+        acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, win_start,
+        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, k_cache_ptr,
-        v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT,
+        acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, win_start,
+        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
     )  # fmt: skip
 
     if SPLIT:
@@ -312,7 +363,7 @@ def _combine_splits_kernel(
         mask=split_ok[:, None],
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM]
-    m_max = tl.max(m, 0)  # finite: split 0 always holds key 0, visible to every query
+    m_max = tl.max(m, 0)  # finite: some segment holds the query's own key
     w = tl.math.exp2(m - m_max)  # empty segments have m = -inf: weight 0
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     token = (q_begin + q_idx).to(tl.int64)
@@ -376,13 +427,17 @@ def paged_attention(
     *,
     plan: AttentionPlan,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of every query token over its request's paged K/V.
 
     `plan` comes from `plan_attention` with the same `query_start_loc` / `seq_lens` (on the
-    host). Rows of `out` past `query_start_loc[-1]` are left as they were.
+    host) and the layer's sliding window. Rows of `out` past `query_start_loc[-1]` are left
+    as they were. `logits_soft_cap` c: scores become c * tanh(score / c).
     """
     _check_inputs(q, kv_cache, block_table, seq_lens, query_start_loc)
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     if (plan.num_heads, plan.num_kv_heads, plan.head_dim) != (
         num_heads,
@@ -394,12 +449,17 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    cap_log2 = 0.0 if logits_soft_cap is None else logits_soft_cap * LOG2E
     for launch in plan.launches:
-        _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch)
+        _launch(
+            q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2
+        )
     return out
 
 
-def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch):
+def _launch(
+    q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2
+):
     """One kernel launch (and its combine, when split) for one group of tiles."""
     cfg = launch.config
     queries_per_kv = plan.num_heads // plan.num_kv_heads
@@ -438,6 +498,10 @@ def _launch(q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, pla
         SPLIT=splits > 1,
         FP32_DOT=q.dtype == torch.float32,
     )
+    if plan.sliding_window is not None:  # absent otherwise: the kernel's defaults, no window
+        constexprs["WINDOW"] = plan.sliding_window
+    if cap_log2:
+        constexprs["SOFT_CAP_LOG2"] = cap_log2
     _launch_fitting(grid, args, constexprs, cfg, q.dtype)
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](

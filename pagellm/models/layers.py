@@ -305,7 +305,12 @@ class GatedMLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Paged attention through one instance of the model's attention backend."""
+    """Paged attention through one instance of the model's attention backend.
+
+    `scale` multiplies q.k (default head_dim ** -0.5); `sliding_window` W: a query sees only
+    the keys of its last W positions, itself included (HF's `sliding_window`);
+    `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax.
+    """
 
     def __init__(
         self,
@@ -313,9 +318,18 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         attn_backend_cls: type[AttentionBackend],
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
-        self.impl = attn_backend_cls(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+        self.sliding_window = sliding_window  # read by the runner: may window blocks be freed?
+        scale = head_dim**-0.5 if scale is None else scale
+        self.impl = attn_backend_cls(
+            num_heads, num_kv_heads, head_dim, scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        )  # fmt: skip
 
     def forward(
         self,

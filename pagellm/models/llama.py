@@ -2,12 +2,13 @@
 
 Module names follow HF (`model.layers.N.self_attn.o_proj`, ...) so checkpoint names map 1:1,
 except the fused `qkv_proj` and `gate_up_proj` (see `packed_modules`). Variants differ only in
-`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k.
+`AttentionOptions`: Qwen2 adds a q/k/v bias, Qwen3 a per-head RMSNorm on q and k; and in
+`sliding_windows` (per layer): Mistral windows every layer, Qwen2/3 the layers HF marks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,22 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def qwen_sliding_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3 (and their MoE variants) as HF applies them: with `use_sliding_window`,
+    the layers `layer_types` marks "sliding_attention" (without it, those from
+    `max_window_layers` on; every layer for Qwen3-MoE, which has neither) see only the last
+    `sliding_window` tokens; the others attend to everything."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", False) or window is None:
+        return (None,) * n
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i >= getattr(config, "max_window_layers", 0) else "full_attention"
+        for i in range(n)
+    ]
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
 def rope_of(config: PretrainedConfig) -> tuple[float, dict | None]:
     """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -58,6 +75,7 @@ class LlamaAttention(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -71,7 +89,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
-        self.attn = Attention(self.num_heads, self.num_kv_heads, hd, attn_backend_cls)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, hd, attn_backend_cls, sliding_window=sliding_window
+        )
 
     def forward(
         self,
@@ -98,9 +118,10 @@ class LlamaDecoderLayer(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attn_backend_cls, options)
+        self.self_attn = LlamaAttention(config, attn_backend_cls, options, sliding_window)
         mlp_bias = getattr(config, "mlp_bias", False)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,12 +150,13 @@ class LlamaModel(nn.Module):
         config: PretrainedConfig,
         attn_backend_cls: type[AttentionBackend],
         options: AttentionOptions,
+        sliding_windows: Sequence[int | None] = (),  # per layer; (): no window anywhere
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        windows = sliding_windows or (None,) * config.num_hidden_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend_cls, options)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attn_backend_cls, options, window) for window in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         theta, scaling = rope_of(config)
@@ -170,11 +192,17 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: attends to every earlier token)."""
+        return (None,) * config.num_hidden_layers
+
     def __init__(self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = config
         self.attn_backend_cls = attn_backend_cls
-        self.model = LlamaModel(config, attn_backend_cls, self.attention_options(config))
+        options, windows = self.attention_options(config), self.sliding_windows(config)
+        self.model = LlamaModel(config, attn_backend_cls, options, windows)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: PackedWeight | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
@@ -217,4 +245,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's architecture (sliding-window attention is not used)."""
+    """Mistral is Llama's architecture; a config with `sliding_window` (Mistral 7B v0.1)
+    windows every layer, as HF does."""
+
+    @classmethod
+    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
+        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers

@@ -1,20 +1,20 @@
-"""Mixtral: the Llama decoder with a sparse MoE block in every layer. Its router takes a
-softmax over the top-k logits; checkpoints name a layer's block `block_sparse_moe` and each
-expert's projections w1 (gate), w3 (up), w2 (down)."""
+"""Mixtral: Mistral's decoder (its sliding window included) with a sparse MoE block in every
+layer. Its router takes a softmax over the top-k logits; checkpoints name a layer's block
+`block_sparse_moe` and each expert's projections w1 (gate), w3 (up), w2 (down)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.llama import MistralForCausalLM
 from pagellm.models.moe import MoEWeights, SparseMoeBlock, num_experts_of, use_sparse_mlps
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
 
 
-class MixtralForCausalLM(MoEWeights, LlamaForCausalLM):
+class MixtralForCausalLM(MoEWeights, MistralForCausalLM):
     expert_params = {"w13": ("w1", "w3"), "w2": ("w2",)}
     checkpoint_renames = {".block_sparse_moe.": ".mlp.", **MoEWeights.checkpoint_renames}
 

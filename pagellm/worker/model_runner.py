@@ -31,7 +31,7 @@ from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.kernels.compile_ahead import compile_ahead
-from pagellm.models.layers import cpu_prepack_supported
+from pagellm.models.layers import Attention, cpu_prepack_supported
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.sampler import Sampler
@@ -102,6 +102,9 @@ class ModelRunner:
         self.pending = PendingTokens(sc.max_num_seqs)
 
     # ---- KV cache -------------------------------------------------------------------------
+
+    def kv_sliding_window(self) -> int | None:
+        return kv_sliding_window(self.model)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -415,6 +418,13 @@ class ModelRunner:
             return slice(0, len(batch.rows))  # every token samples: no index copy
         idx = batch.query_start_loc[1:][sample_idx] - 1
         return to_device(idx.astype(np.int64), self.device)
+
+
+def kv_sliding_window(model: torch.nn.Module) -> int | None:
+    """The largest sliding window if every attention layer has one, else None: beyond it
+    no layer reads a request's keys, so the scheduler may free those blocks."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    return None if not windows or None in windows else max(windows)
 
 
 def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
