@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -44,6 +46,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     kv_cache_memory_bytes: int | None = None  # KV cache size; CPU default 2 GiB
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # fp8 KV: k/v scales from the first batch
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
@@ -93,6 +97,8 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
@@ -210,8 +216,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    cache_dtype: str = "auto"  # kv_cache_dtype (pagellm.attention.kv_cache_dtype)
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -20,6 +20,11 @@ A sliding-window layer uses the same work built for its window (`metadata.window
 per step and window): a decode gathers only its last W keys, a prefill chunk the keys from
 its first query's window start on, with a banded causal mask. Nothing outside a window is
 read. With a logit soft-cap the scores are computed explicitly (SDPA cannot cap them).
+
+An fp8 cache is written quantized (through a uint8 view: the CPU has no fp8 `index_copy_`)
+and each group's gathered keys are converted to the query's dtype; k_scale goes into SDPA's
+scale and v_scale multiplies the output. A prefill chunk without context attends to this
+step's keys as the cache holds them, so a prefix-cache hit and a recompute see the same keys.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagellm.attention.kv_cache_dtype import is_fp8, quantize
 
 # padded keys (rows x longest length) per decode group; 2048 x 3 KV heads x 64 dims x fp32 is
 # 1.5 MiB of K and of V, which stay in cache between the gather and SDPA
@@ -99,56 +105,64 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TorchAttentionMetadata,
+        kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         n = metadata.num_actual_tokens
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [slots, H_kv, D]
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, k[:n])
-        value_cache.index_copy_(0, metadata.slot_mapping, v[:n])
+        k, v, k_scale, v_scale = write_kv(
+            key_cache, value_cache, k[:n], v[:n], metadata.slot_mapping, kv_scale
+        )
+        scale = self.scale * k_scale  # fp8: q . stored * k_scale is q . k
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         work = metadata.windowed(self.sliding_window)
         for group in work.decodes:
-            out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group))
+            out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group, scale))
         for chunk in work.prefills:
-            out[chunk.start : chunk.end] = self._prefill(q, k, v, key_cache, value_cache, chunk)
+            attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
+            out[chunk.start : chunk.end] = attended
+        if v_scale != 1.0:
+            out[:n] *= v_scale
         return out
 
-    def _decode(self, q, key_cache, value_cache, group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, scale) -> torch.Tensor:
         # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
         n = group.slots.shape[0]
         q_d = q.index_select(0, group.rows).view(n, self.num_kv_heads, -1, self.head_dim)
         shape = (*group.slots.shape, self.num_kv_heads, self.head_dim)
         flat = group.slots.view(-1)
-        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
-        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        keys = _gather(key_cache, flat, q.dtype).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
+        values = _gather(value_cache, flat, q.dtype).view(shape).transpose(1, 2)
         bias = group.bias(q.dtype)
         if self.logits_soft_cap is not None:
-            out = _soft_capped_attention(q_d, keys, values, bias, self.scale, self.logits_soft_cap)
+            out = _soft_capped_attention(q_d, keys, values, bias, scale, self.logits_soft_cap)
         else:
-            out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=self.scale)
+            out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
-    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(
+        self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale
+    ) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)
         if chunk.slots is None:  # no cached context: this step's keys are the whole sequence
             keys, values = k[rows], v[rows]  # [seq_len, H_kv, D]
         else:
-            keys = key_cache.index_select(0, chunk.slots)
-            values = value_cache.index_select(0, chunk.slots)
+            keys = _gather(key_cache, chunk.slots, q.dtype)
+            values = _gather(value_cache, chunk.slots, q.dtype)
         q_4d = q[rows].transpose(0, 1)[None]  # [1, H, query_len, D]
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, L, D]
         if self.logits_soft_cap is not None:
-            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask)
+            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask, scale)
         else:
             # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
             out = F.scaled_dot_product_attention(
                 q_4d, keys, values, chunk.mask, is_causal=chunk.mask is None,
-                scale=self.scale, enable_gqa=True,
+                scale=scale, enable_gqa=True,
             )  # fmt: skip
         return out[0].transpose(0, 1)  # [query_len, H, D]
 
-    def _soft_capped_prefill(self, q, keys, values, mask) -> torch.Tensor:
+    def _soft_capped_prefill(self, q, keys, values, mask, scale) -> torch.Tensor:
         # q: [1, H, ql, D] -> the query heads of one KV head as its rows: [1, H_kv, g * ql, D]
         ql, seq_len = q.shape[2], keys.shape[2]
         if mask is None:  # no context: plain causal
@@ -156,8 +170,35 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         q_g = q.reshape(1, self.num_kv_heads, group * ql, self.head_dim)
         cap = self.logits_soft_cap
-        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), self.scale, cap)
+        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), scale, cap)
         return out.view(1, self.num_heads, ql, self.head_dim)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # [num_slots, H_kv, D]
+    value_cache: torch.Tensor,  # [num_slots, H_kv, D]
+    k: torch.Tensor,  # [n, H_kv, D]
+    v: torch.Tensor,  # [n, H_kv, D]
+    slots: torch.Tensor,  # [n] int64
+    kv_scale: torch.Tensor | None,  # [2] k_scale, v_scale; None: 1.0
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Write this step's K/V at `slots`; return them as attention reads them (fp8: the stored
+    values in k's dtype) with (k_scale, v_scale)."""
+    if not is_fp8(key_cache.dtype):
+        key_cache.index_copy_(0, slots, k)
+        value_cache.index_copy_(0, slots, v)
+        return k, v, 1.0, 1.0
+    k_scale, v_scale = (1.0, 1.0) if kv_scale is None else kv_scale.tolist()
+    k8 = quantize(k, k_scale, key_cache.dtype)
+    v8 = quantize(v, v_scale, value_cache.dtype)
+    key_cache.view(torch.uint8).index_copy_(0, slots, k8.view(torch.uint8))
+    value_cache.view(torch.uint8).index_copy_(0, slots, v8.view(torch.uint8))
+    return k8.to(k.dtype), v8.to(v.dtype), k_scale, v_scale
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `slots` of a `[num_slots, H_kv, D]` cache, in `dtype` (fp8 rows converted)."""
+    return cache.index_select(0, slots).to(dtype)
 
 
 def _soft_capped_attention(

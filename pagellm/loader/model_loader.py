@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.gguf_loader import gguf_weights
@@ -54,6 +55,9 @@ def _on(
     device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
+        if checkpoint_kv_scale(name) is not None:  # fp8 KV scales stay float32
+            yield name, tensor.float()
+            continue
         yield name, tensor.to(device=device, dtype=dtype)
 
 

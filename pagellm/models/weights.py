@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
+
 
 def load_packed_weights(
     model: nn.Module,
@@ -29,6 +31,10 @@ def load_packed_weights(
     loaded = set()
     for hf_name, tensor in weights:
         if skip(hf_name):
+            continue
+        if (kv_scale := checkpoint_kv_scale(hf_name)) is not None:  # fp8 KV cache scales
+            owner, which = kv_scale
+            _module(modules, f"{owner}.attn", hf_name).load_kv_scale(which, tensor)
             continue
         module_name, _, param_name = hf_name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")

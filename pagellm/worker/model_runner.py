@@ -28,6 +28,7 @@ import torch
 
 from pagellm import envs
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
+from pagellm.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.kernels.compile_ahead import compile_ahead
@@ -77,6 +78,10 @@ class ModelRunner:
         self.model_config = config.model_config
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
+        cc = config.cache_config
+        self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.model_config.dtype)
+        # fp8 with calculate_kv_scales: the first real step's forward sets every layer's scales
+        self.kv_scales_pending = cc.calculate_kv_scales and is_fp8(self.kv_cache_dtype)
         torch.manual_seed(config.seed)
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         start = time.perf_counter()
@@ -109,8 +114,12 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * self.kv_element_size
         return per_layer * mc.num_layers
+
+    @property
+    def kv_element_size(self) -> int:
+        return self.kv_cache_dtype.itemsize
 
     def determine_num_kv_blocks(self) -> int:
         cc = self.config.cache_config
@@ -168,7 +177,7 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(
             1, self.block_size, mc.num_kv_heads, mc.head_dim
         )
-        kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        kv = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
             sizes = capture_sizes(sc.max_num_seqs)
             graph_seq_len = min(mc.max_model_len, GRAPH_PLAN_SEQ_LEN)
@@ -205,17 +214,23 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(
             num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_block_bytes / (1 << 30),
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
+
+    def _zeros_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # one layer's cache; fp8 zeros through a byte view (no fp8 fill on every device)
+        if is_fp8(self.kv_cache_dtype):
+            raw = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            return raw.view(self.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -278,6 +293,8 @@ class ModelRunner:
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, self._block_rows(batch))
         self.pending.patch_inputs(batch, self.input_batch.num_tokens, dev["input_ids"])
+        if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
+            self._calculate_kv_scales_once()
         if size is None:
             hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
@@ -285,9 +302,16 @@ class ModelRunner:
         return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:
-        if self.graphs is None or not batch.is_decode_only:
+        if self.graphs is None or not batch.is_decode_only or self.kv_scales_pending:
             return None
         return self.graphs.size_for(len(batch.rows))
+
+    def _calculate_kv_scales_once(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.calculate_kv_scales = True
+        self.kv_scales_pending = False
+        logger.info("fp8 KV cache: k/v scales from the first batch (calculate_kv_scales)")
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         ib = self.input_batch
