@@ -65,7 +65,6 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm.attention.kv_cache_dtype import is_fp8
-
 from pagellm.kernels.attention_plan import (  # noqa: F401  (re-exported)
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
