@@ -141,9 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
-    def _prefill(
-        self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale
-    ) -> torch.Tensor:
+    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)
         if chunk.slots is None:  # no cached context: this step's keys are the whole sequence
             keys, values = k[rows], v[rows]  # [seq_len, H_kv, D]
