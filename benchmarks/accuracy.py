@@ -3,11 +3,13 @@
     python benchmarks/accuracy.py                                  # fp8 KV vs fp32 KV, CPU
     python benchmarks/accuracy.py --dtype bfloat16                 # fp8 KV vs bf16 KV
     python benchmarks/accuracy.py --kv-cache-dtype fp8_e5m2
+    python benchmarks/accuracy.py --calculate-kv-scales             # scales from batch 1
     python benchmarks/accuracy.py --model qwen3-0.6b --load-format dummy   # GPU, random weights
 
 The reference engine runs `--dtype` with `kv_cache_dtype="auto"`, the candidate the same
-with `--kv-cache-dtype`; both in this process, one after the other (embedded SmolLM2-135M
-by default: its real weights). Over PROMPTS (64 prompts, 32 greedy tokens each):
+with `--kv-cache-dtype` (scales 1.0, or with `--calculate-kv-scales` from the first batch:
+the prompts' prefill); both in this process, one after the other (embedded SmolLM2-135M by
+default: its real weights). Over PROMPTS (64 prompts, 32 greedy tokens each):
 
 - top1_agreement: teacher-forced greedy agreement. Along the reference's greedy
   continuation, the share of the 32 positions where the candidate's most likely next token
@@ -177,8 +179,10 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str, ref: dict | None) -> 
     from pagellm import LLM
 
     engine = dict(model=args.model, load_format=args.load_format, dtype=args.dtype)
+    if ref is not None:
+        engine["calculate_kv_scales"] = args.calculate_kv_scales
     with LLM(**engine, max_model_len=1024, kv_cache_dtype=kv_cache_dtype, seed=0) as llm:
-        ids = ref["prompt_ids"] if ref else prompt_ids(llm, PROMPTS[: args.num_prompts])
+        ids = prompt_ids(llm, PROMPTS[: args.num_prompts])  # the first batch
         free = greedy(llm, [{"prompt_token_ids": p} for p in ids], args.max_tokens)
         conts = ref["free"] if ref else free
         return {
@@ -195,6 +199,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="fp8")
+    p.add_argument("--calculate-kv-scales", action="store_true")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
@@ -209,7 +214,8 @@ def main() -> None:
         "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "dtype": args.dtype,
         "reference": "kv_cache_dtype=auto",
-        "candidate": f"kv_cache_dtype={args.kv_cache_dtype}",
+        "candidate": f"kv_cache_dtype={args.kv_cache_dtype}"
+        + (", calculate_kv_scales" if args.calculate_kv_scales else ""),
         "prompts": n,
         "tokens": args.max_tokens,
         "top1_agreement": round(agreement(ref["top1"], cand["top1"]), 4),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.utils import cpu_bf16_units
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,6 +29,7 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+logger = logging.getLogger(__name__)
 _GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
 
@@ -202,7 +205,12 @@ def _resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device)
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32  # fast and exact on CPUs without bf16 matrix units
+        units = cpu_bf16_units()
+        if units is None:
+            logger.info("dtype auto: float32 (this CPU has neither AMX nor AVX512-BF16)")
+            return torch.float32
+        logger.info("dtype auto: bfloat16 on this CPU's %s (dtype='float32' for exact)", units)
+        return torch.bfloat16
     cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(cfg_dtype, str):
         cfg_dtype = _DTYPES.get(cfg_dtype)

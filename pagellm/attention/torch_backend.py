@@ -2,7 +2,9 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), wherever they sit in the flat batch, sorted by length and cut into
+- decodes (query length 1), wherever they sit in the flat batch. On the CPU they go, longest
+  first, to a C++ kernel that reads the paged cache in place (`cpu_decode`: no copy of the
+  keys); elsewhere, or without a compiler, they are sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
   padding repeats the request's last slot (so a gather never reads a slot the request does
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import cpu_decode
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
 from pagellm.attention.kv_cache_dtype import is_fp8, quantize
 
@@ -74,13 +77,47 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBatch:
+    """Every query-length-1 request of the step, longest first: the in-place kernel's work."""
+
+    rows: torch.Tensor  # [n] int64 their rows in the flat batch
+    reqs: torch.Tensor  # [n] int64 their requests
+
+
+@dataclass
 class TorchAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
-    decodes: list[DecodeGroup] = field(default_factory=list)
+    common: CommonAttentionMetadata
+    decode_reqs: np.ndarray  # [n] requests with query length 1
     prefills: list[PrefillChunk] = field(default_factory=list)
-    common: CommonAttentionMetadata | None = None
+    window: int | None = None  # the window this work was built for
     _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict, repr=False)
+    _decodes: list[DecodeGroup] | None = field(default=None, repr=False)
+    _decode_batch: DecodeBatch | None = field(default=None, repr=False)
+
+    @property
+    def decodes(self) -> list[DecodeGroup]:
+        """The gather path's decode groups, built on first use."""
+        if self._decodes is None:
+            reqs = self.decode_reqs
+            self._decodes = (
+                _build_decode_groups(self.common, reqs, self.window) if len(reqs) else []
+            )
+        return self._decodes
+
+    @property
+    def decode_batch(self) -> DecodeBatch:
+        """The in-place kernel's decodes, longest first, built on first use."""
+        if self._decode_batch is None:
+            lens = self.common.seq_lens_cpu[self.decode_reqs]
+            reqs = self.decode_reqs[np.argsort(-lens, kind="stable")].astype(np.int64)
+            rows = self.common.query_start_loc_cpu[reqs].astype(np.int64)
+            device = self.common.block_table.device
+            self._decode_batch = DecodeBatch(
+                torch.from_numpy(rows).to(device), torch.from_numpy(reqs).to(device)
+            )
+        return self._decode_batch
 
     def windowed(self, window: int | None) -> TorchAttentionMetadata:
         """This step's work for layers whose queries see only their last `window` keys."""
@@ -93,6 +130,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    decode_in_place = True  # False: CPU decodes take the gather path too (A/B benchmarks)
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -117,14 +155,29 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         work = metadata.windowed(self.sliding_window)
-        for group in work.decodes:
-            out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group, scale))
+        if len(work.decode_reqs) and self._in_place(q):
+            self._decode_in_place(q, kv_cache, metadata.common, work.decode_batch, scale, out)
+        else:
+            for group in work.decodes:
+                decoded = self._decode(q, key_cache, value_cache, group, scale)
+                out.index_copy_(0, group.rows, decoded)
         for chunk in work.prefills:
             attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
             out[chunk.start : chunk.end] = attended
         if v_scale != 1.0:
             out[:n] *= v_scale
         return out
+
+    def _in_place(self, q: torch.Tensor) -> bool:
+        supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+        return supported and self.decode_in_place and cpu_decode.kernel() is not None
+
+    def _decode_in_place(self, q, kv_cache, common, batch: DecodeBatch, scale, out) -> None:
+        cpu_decode.paged_decode_attention(
+            out, q, kv_cache[0], kv_cache[1], common.block_table, common.seq_lens,
+            batch.rows, batch.reqs, scale, window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
+        )  # fmt: skip
 
     def _decode(self, q, key_cache, value_cache, group: DecodeGroup, scale) -> torch.Tensor:
         # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
@@ -222,14 +275,14 @@ def _build_metadata(common: CommonAttentionMetadata, window: int | None) -> Torc
     context_lens = common.seq_lens_cpu - query_lens
     decode_reqs = np.flatnonzero(query_lens == 1)
     prefill_reqs = np.flatnonzero(query_lens > 1)
-    decodes = _build_decode_groups(common, decode_reqs, window) if len(decode_reqs) else []
     prefills = [_build_prefill(common, int(r), int(context_lens[r]), window) for r in prefill_reqs]
     return TorchAttentionMetadata(
         num_actual_tokens=common.num_actual_tokens,
         slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-        decodes=decodes,
-        prefills=prefills,
         common=common,
+        decode_reqs=decode_reqs,
+        prefills=prefills,
+        window=window,
     )
 
 

@@ -37,7 +37,7 @@ from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
-from pagellm.utils import to_device
+from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
 from pagellm.worker.input_batch import InputBatch
@@ -90,8 +90,9 @@ class ModelRunner:
         if cpu_prepack_supported(self.device, self.model_config.dtype):
             self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
         logger.info(
-            "model %s loaded in %.1f s (%s, %s)", self.model_config.model,
+            "model %s loaded in %.1f s (%s, %s%s)", self.model_config.model,
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
+            _cpu_note(self.device),
         )  # fmt: skip
         self.input_batch = InputBatch(
             sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
@@ -442,6 +443,13 @@ class ModelRunner:
             return slice(0, len(batch.rows))  # every token samples: no index copy
         idx = batch.query_start_loc[1:][sample_idx] - 1
         return to_device(idx.astype(np.int64), self.device)
+
+
+def _cpu_note(device: torch.device) -> str:
+    """What a CPU offers bf16 (dtype="auto" picks bf16 where it has AMX or AVX512-BF16)."""
+    if device.type != "cpu":
+        return ""
+    return f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
 
 
 def kv_sliding_window(model: torch.nn.Module) -> int | None:
