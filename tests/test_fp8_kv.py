@@ -3,8 +3,9 @@
 - writes: the torch backend and Triton's reshape_and_cache store the same bytes, within fp8's
   rounding of the float values divided by the scale, saturating beyond fp8's range;
 - reads: the torch backend equals float attention over the dequantized K/V; the paged Triton
-  kernel (Triton's interpreter on CPU) equals the torch backend on the same fp8 cache, for
-  decodes, prefill chunks after a context, GQA, sliding windows, soft-caps and split-KV;
+  kernel (Triton's interpreter on CPU, compiled at realistic shapes on a GPU: `gpu` marker)
+  equals the torch backend on the same fp8 cache, for decodes, prefill chunks after a
+  context, GQA, sliding windows, soft-caps and split-KV;
 - scales: checkpoint names, bad values, the first batch's scales (calculate_kv_scales);
 - the engine on the embedded model's real weights: greedy agreement with a float32 cache
   >= 90% (teacher-forced: benchmarks/accuracy.py), and prefix-cache hits and preemption
@@ -145,6 +146,24 @@ def test_kernel_window_soft_cap_split_kv_match_torch_backend():
                         window=150, soft_cap=3.0, seed=4)  # fmt: skip
     out, want = kernel_vs_torch(batch, E4M3, torch.tensor([0.04, 0.01]), 150, 3.0, num_splits=3)
     torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1] * 64, [2047] * 64),  # decode batch
+        ([1] * 2, [16383, 9000]),  # long-context decode: split-KV
+        ([512, 1, 1, 300] + [1] * 28, [1536, 4000, 100, 0] + [700] * 28),  # mixed
+    ],
+)
+def test_kernel_matches_torch_backend_gpu(fp8, query_lens, context_lens):
+    """Realistic shapes in bf16 (Qwen3-8B's heads): the compiled kernels on an fp8 cache."""
+    batch = Batch(query_lens, context_lens, 32, 8, 128, 16, torch.bfloat16, seed=7)
+    out, want = kernel_vs_torch(batch, fp8, torch.tensor([0.05, 0.02]))
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 # ---------------------------------------------------------------- scales and arguments
