@@ -147,7 +147,7 @@ def next_token_logprobs(llm, prompts: list[list[int]], conts: list[list[int]]) -
     engines only: the runner's compute_logits is wrapped while one request runs)."""
     from pagellm import SamplingParams
 
-    model = llm.llm_engine.engine_core.engine_core.model_runner.model
+    model = llm.llm_engine.engine_core.engine_core.model_executor.model_runner.model
     captured: list[torch.Tensor] = []
     plain = model.compute_logits
 

@@ -263,7 +263,7 @@ def fp8_scaled_llm(in_process):
 
 
 def test_scales_come_from_the_first_batch(fp8_scaled_llm):
-    runner = fp8_scaled_llm.llm_engine.engine_core.engine_core.model_runner
+    runner = fp8_scaled_llm.llm_engine.engine_core.engine_core.model_executor.model_runner
     for layer in runner.model.model.layers:
         k_scale, v_scale = layer.self_attn.attn.kv_scale.tolist()
         assert k_scale != 1.0 and v_scale != 1.0

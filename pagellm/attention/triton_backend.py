@@ -43,7 +43,7 @@ class TritonAttentionMetadata:
         sliding_window: int | None = None,
         kv_element_size: int | None = None,
     ) -> AttentionPlan:
-        key = (num_heads, num_kv_heads, head_dim, element_size, sliding_window, kv_element_size)
+        key = (num_heads, num_kv_heads, head_dim, element_size, kv_element_size, sliding_window)
         if key not in self._plans:
             c = self.common
             plan = plan_attention(
