@@ -5,6 +5,7 @@
     python benchmarks/kernels.py --sweep all
     python benchmarks/kernels.py --only prompts --sweep prefill   # short prompts, varlen
     python benchmarks/kernels.py --sliding-window 1024 --soft-cap 50   # a windowed layer
+    python benchmarks/kernels.py --kv-cache-dtype fp8                  # an fp8 KV cache
 
 decode:  batch 64, context 4096, 32 query / 8 KV heads, head_dim 128, block 16, bf16;
          reported as TB/s of K/V read (2 * batch * seq_len * kv_heads * head_dim * 2 bytes).
@@ -17,6 +18,8 @@ prompts: the prefill of a step of the standard workload: --prompts prompts of
 --sliding-window W: each query reads only its last W keys (bandwidth and FLOPs count only
 those, so the SDPA columns, which attend to every key, are not comparable then);
 --soft-cap c: Gemma 2's logit soft-cap.
+--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2: the paged cache is float8 (scales 0.5 / 0.25),
+dequantized in the kernel; the decode's TB/s count fp8 bytes (1 per element); SDPA stays bf16.
 SDPA runs on contiguous tensors with the flash and cuDNN backends. Times are medians of
 `triton.testing.do_bench` (warm-up and compilation excluded). The last line is JSON.
 """
@@ -46,7 +49,7 @@ def paged_inputs(batch, q_len, seq_len, heads, kv_heads, head_dim, block_size, d
     num_blocks = batch * blocks_per_seq
     kv_cache = torch.randn(
         2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device="cuda"
-    )  # [2, num_blocks, block_size, kv_heads, head_dim]
+    ).to(LAYER["kv_cache_dtype"] or dtype)  # [2, num_blocks, block_size, kv_heads, head_dim]
     block_table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)
     block_table = block_table.view(batch, blocks_per_seq)  # [batch, blocks_per_seq]
     q = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device="cuda")
@@ -56,7 +59,14 @@ def paged_inputs(batch, q_len, seq_len, heads, kv_heads, head_dim, block_size, d
 
 
 # the layer options of every run (main() sets them from --sliding-window / --soft-cap)
-LAYER = {"sliding_window": None, "logits_soft_cap": None}
+LAYER = {"sliding_window": None, "logits_soft_cap": None, "kv_cache_dtype": None}
+
+
+def kv_scale() -> torch.Tensor | None:
+    """[k_scale, v_scale] of an fp8 cache, None for bf16."""
+    if LAYER["kv_cache_dtype"] is None:
+        return None
+    return torch.tensor([0.5, 0.25], device="cuda")
 
 
 def keys_read(q_len: int, seq_len: int) -> int:
@@ -77,14 +87,16 @@ def triton_fn(inputs, scale, **plan_kwargs):
     q, kv_cache, block_table, qsl_cpu, seq_lens_cpu = inputs
     plan = plan_attention(
         qsl_cpu.numpy(), seq_lens_cpu.numpy(), q.shape[1], kv_cache.shape[3], q.shape[2],
-        q.device, sliding_window=LAYER["sliding_window"], **plan_kwargs,
+        q.device, sliding_window=LAYER["sliding_window"],
+        kv_element_size=kv_cache.element_size(), **plan_kwargs,
     )  # fmt: skip
     qsl, seq_lens = qsl_cpu.cuda(), seq_lens_cpu.cuda()
     out = torch.empty_like(q)
-    cap = LAYER["logits_soft_cap"]
+    cap, scales = LAYER["logits_soft_cap"], kv_scale()
     return plan, lambda: paged_attention(
-        q, kv_cache, block_table, seq_lens, qsl, scale, plan=plan, out=out, logits_soft_cap=cap
-    )
+        q, kv_cache, block_table, seq_lens, qsl, scale, plan=plan, out=out,
+        logits_soft_cap=cap, kv_scale=scales,
+    )  # fmt: skip
 
 
 def fits(cfg, head_dim: int, block_size: int) -> bool:
@@ -143,7 +155,7 @@ def bench_decode(args, sweep: bool) -> dict:
 
     b, s, h, kvh, d = args.batch, args.ctx, args.heads, args.kv_heads, args.head_dim
     inputs = paged_inputs(b, 1, s, h, kvh, d, args.block_size, torch.bfloat16)
-    kv_bytes = 2 * b * keys_read(1, s) * kvh * d * 2
+    kv_bytes = 2 * b * keys_read(1, s) * kvh * d * inputs[1].element_size()
     scale = d**-0.5
     tbps = lambda ms: kv_bytes / (ms * 1e-3) / 1e12  # noqa: E731
 
@@ -249,7 +261,9 @@ def bench_prefill(args, sweep: bool) -> dict:
     kv_cache = inputs[1]
     key = torch.randn(s, kvh, d, dtype=torch.bfloat16, device="cuda")  # [S, kv_heads, d]
     slots = torch.randperm(kv_cache.shape[1] * args.block_size, device="cuda")[:s]
-    write_ms = do_bench(lambda: reshape_and_cache(key, key, kv_cache, slots), return_mode="median")
+    scales = kv_scale()
+    write = lambda: reshape_and_cache(key, key, kv_cache, slots, scales)  # noqa: E731
+    write_ms = do_bench(write, return_mode="median")
     write_gbps = 2 * 2 * key.numel() * 2 / (write_ms * 1e-3) / 1e9  # read + write, K and V
     print(f"reshape_and_cache {s} tokens: {write_ms * 1e3:.1f} us  {write_gbps:.0f} GB/s")
 
@@ -289,6 +303,7 @@ def bench_prompts(args, sweep: bool) -> dict:
     total = sum(lens)
     blocks = [-(-n // bs) for n in lens]
     kv_cache = torch.randn(2, sum(blocks), bs, kvh, d, dtype=torch.bfloat16, device="cuda")
+    kv_cache = kv_cache.to(LAYER["kv_cache_dtype"] or torch.bfloat16)
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     perm, start = torch.randperm(sum(blocks), dtype=torch.int32), 0
     for i, nb in enumerate(blocks):
@@ -365,13 +380,19 @@ def main() -> None:
     p.add_argument("--sweep", choices=("decode", "prefill", "all"), default=None)
     p.add_argument("--sliding-window", type=int, default=0, help="0: none")
     p.add_argument("--soft-cap", type=float, default=0.0, help="logit soft-cap; 0: none")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
     args = p.parse_args()
     LAYER.update(sliding_window=args.sliding_window or None, logits_soft_cap=args.soft_cap or None)
+    if args.kv_cache_dtype != "auto":
+        from pagellm.attention.kv_cache_dtype import kv_cache_torch_dtype
+
+        LAYER["kv_cache_dtype"] = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (Triton kernels); none found.")
     torch.manual_seed(0)
 
     result: dict = {"device": torch.cuda.get_device_name(), **LAYER}
+    result["kv_cache_dtype"] = args.kv_cache_dtype
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args, sweep=args.sweep in ("decode", "all"))
     if args.only in (None, "prefill"):

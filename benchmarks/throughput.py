@@ -121,6 +121,7 @@ def parse_args() -> argparse.Namespace:
         help="GPU workloads only; default: the engine's (on for CUDA)",
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--distributed-executor-backend", default=None, help="mp | ray (None: mp)")
     args = ap.parse_args()
@@ -153,7 +154,9 @@ def main() -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )
-    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, **tp)
+    llm = LLM(
+        dtype="float32", max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype, **tp
+    )
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
         hf = load_hf()
@@ -215,6 +218,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.utils import cpu_bf16_units
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,6 +31,7 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+logger = logging.getLogger(__name__)
 _GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
 
@@ -50,6 +55,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     load_format: str = "auto"  # auto | safetensors | pt | gguf | dummy
     kv_cache_memory_bytes: int | None = None  # KV cache size; CPU default 2 GiB
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # fp8 KV: k/v scales from the first batch
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
@@ -100,6 +107,8 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         parallel_config = ParallelConfig.from_args(self, model_config, device)
         return EngineConfig(
@@ -228,7 +237,12 @@ def _resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device)
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32  # fast and exact on CPUs without bf16 matrix units
+        units = cpu_bf16_units()
+        if units is None:
+            logger.info("dtype auto: float32 (this CPU has neither AMX nor AVX512-BF16)")
+            return torch.float32
+        logger.info("dtype auto: bfloat16 on this CPU's %s (dtype='float32' for exact)", units)
+        return torch.bfloat16
     cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(cfg_dtype, str):
         cfg_dtype = _DTYPES.get(cfg_dtype)
@@ -242,8 +256,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    cache_dtype: str = "auto"  # kv_cache_dtype (pagellm.attention.kv_cache_dtype)
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

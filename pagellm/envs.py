@@ -18,7 +18,8 @@ def enable_multiprocessing() -> bool:
 
 
 def cache_dir() -> str:
-    """PAGELLM_CACHE_DIR: where converted tokenizers are kept (default ~/.cache/pagellm)."""
+    """PAGELLM_CACHE_DIR: where converted tokenizers and the CPU decode kernel are kept
+    (default ~/.cache/pagellm)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     return os.environ.get("PAGELLM_CACHE_DIR", default)
 
@@ -37,3 +38,9 @@ def triton_compile_ahead() -> bool:
 def cpu_prepack() -> bool:
     """PAGELLM_CPU_PREPACK=0 keeps plain Linear weights on x86 CPUs (no oneDNN packing)."""
     return _bool("PAGELLM_CPU_PREPACK", True)
+
+
+def cpu_decode_kernel() -> bool:
+    """PAGELLM_CPU_DECODE_KERNEL=0: CPU decodes gather their K/V and run SDPA instead of the
+    C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""
+    return _bool("PAGELLM_CPU_DECODE_KERNEL", True)

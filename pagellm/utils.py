@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -14,3 +16,27 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+@functools.cache
+def cpu_bf16_units() -> str | None:
+    """The CPU's bfloat16 matrix hardware, "AMX" or "AVX512-BF16"; None without either
+    (bf16 would then run through float32 conversions: slower than float32 itself)."""
+    checks = (("AMX", "_is_amx_tile_supported", "amx_bf16"),
+              ("AVX512-BF16", "_is_avx512_bf16_supported", "avx512_bf16"))  # fmt: skip
+    for name, probe, flag in checks:
+        supported = getattr(torch.cpu, probe, None)
+        if supported is not None and supported():
+            return name
+        if supported is None and flag in cpuinfo_flags():
+            return name
+    return None
+
+
+def cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())

@@ -42,8 +42,31 @@ def _patch_interpreter_for_numpy_2_4() -> None:
     interpreter._patch_lang_tensor = fixed
 
 
+def _patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter rounds to fp8 without carrying into the exponent (7.93 ->
+    4.0 in e4m3, not 8.0); GPUs round correctly. Downcasts to fp8 go through torch here."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    to_fp8 = builder.create_fp_to_fp
+    if getattr(to_fp8, "_pagellm_fixed", False):
+        return
+    torch_fp8 = {"fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
+
+    def fixed(self, src, dst_type, rounding_mode):
+        dst = torch_fp8.get(dst_type.scalar.name)
+        if dst is None or src.dtype.scalar.primitive_bitwidth <= 8:
+            return to_fp8(self, src, dst_type, rounding_mode)
+        x = torch.from_numpy(np.asarray(src.data, dtype=np.float32))
+        return interpreter.TensorHandle(x.to(dst).view(torch.uint8).numpy(), dst_type.scalar)
+
+    fixed._pagellm_fixed = True
+    builder.create_fp_to_fp = fixed
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()
+    _patch_interpreter_fp8_rounding()
 
 from pagellm.attention.base import CommonAttentionMetadata  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402

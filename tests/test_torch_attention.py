@@ -1,5 +1,8 @@
 """The torch attention backend against a naive per-request softmax reference.
 
+CPU decodes take either path (`decode_path`): the C++ kernel that reads the paged cache in
+place (`pagellm.attention.cpu_decode`), or the gather of their K/V into SDPA.
+
 Each case builds a flat batch of requests (decodes and prefill chunks, some after a cached
 context, in a random order) over random non-contiguous blocks of a NaN-poisoned cache: the
 context K/V are written at their slots first, every other slot stays NaN, so reading a slot
@@ -15,8 +18,19 @@ import numpy as np
 import pytest
 import torch
 
+from pagellm.attention import cpu_decode
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+
+
+@pytest.fixture(params=["in_place", "gather"])
+def decode_path(request, monkeypatch) -> str:
+    """CPU decodes through the in-place kernel, or gathered for SDPA."""
+    in_place = request.param == "in_place"
+    if in_place and cpu_decode.kernel() is None:
+        pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
+    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+    return request.param
 
 
 def _reference(q, k, v, context_len: int, scale: float) -> torch.Tensor:
@@ -128,22 +142,22 @@ MIXES = {
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
-def test_matches_reference(block_size, mix, heads, kv_heads):
+def test_matches_reference(block_size, mix, heads, kv_heads, decode_path):
     reqs = list(MIXES[mix])
     random.Random(block_size).shuffle(reqs)  # decodes are not first
     _check(_Case(reqs, heads, kv_heads, 16, block_size, seed=block_size + heads))
 
 
-def test_padded_rows_are_zero():
+def test_padded_rows_are_zero(decode_path):
     _check(_Case([(1, 5), (4, 3), (1, 9)], 4, 2, 8, 4, seed=3, pad=5))
 
 
-def test_decodes_between_prefills():
+def test_decodes_between_prefills(decode_path):
     # decode rows not contiguous: prefill, decode, prefill, decode
     _check(_Case([(5, 0), (1, 6), (3, 4), (1, 2)], 8, 2, 16, 4, seed=5))
 
 
-def test_random_batches():
+def test_random_batches(decode_path):
     rng = random.Random(0)
     for seed in range(10):
         reqs = [(rng.choice([1, 1, 2, rng.randint(2, 20)]), rng.randint(0, 40)) for _ in range(6)]
@@ -175,5 +189,44 @@ def test_decodes_in_groups(monkeypatch):
     """Decodes attended a few requests at a time (a small group budget) give the same output."""
     from pagellm.attention import torch_backend
 
+    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", False)
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_TOKENS", 50)
     _check(_Case([(1, 7), (3, 0), (1, 30), (1, 39), (1, 0), (1, 12)], 4, 2, 8, 4, seed=9))
+
+
+def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
+    """Long contexts over many pages of one token and of 16 (block boundaries everywhere),
+    bf16 and fp8 caches: the kernel against the gather path on the same cache."""
+    if cpu_decode.kernel() is None:
+        pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
+    for block_size, dtype in ((1, torch.bfloat16), (16, torch.float8_e4m3fn)):
+        case = _Case([(1, 300), (1, 17), (1, 16), (1, 15), (1, 0)], 12, 4, 64, block_size, 4)
+        q, k, v, common = case.inputs()
+        outs = []
+        for in_place in (True, False):
+            monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+            cache = case.cache.to(dtype)  # the NaN poison stays NaN
+            backend = TorchAttentionBackend(12, 4, 64, 0.125)
+            metadata = TorchAttentionBackend.build_metadata(common)
+            q_in = q.to(torch.bfloat16) if dtype == torch.bfloat16 else q
+            outs.append(backend.forward(q_in, k.to(q_in.dtype), v.to(q_in.dtype), cache, metadata))
+        assert not outs[0].isnan().any()
+        torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("compiler", ["none", "failing"])
+def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, tmp_path, compiler):
+    """No C++ compiler on PATH, or one that fails: no kernel, and the backend still decodes."""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if compiler == "none":
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", True)
+    cpu_decode.kernel.cache_clear()
+    try:
+        assert cpu_decode.kernel() is None
+        _check(_Case([(1, 5), (4, 3), (1, 9)], 4, 2, 8, 4, seed=3))
+    finally:
+        cpu_decode.kernel.cache_clear()  # the next user builds (or finds) the real kernel

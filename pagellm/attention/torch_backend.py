@@ -2,7 +2,9 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), wherever they sit in the flat batch, sorted by length and cut into
+- decodes (query length 1), wherever they sit in the flat batch. On the CPU they go, longest
+  first, to a C++ kernel that reads the paged cache in place (`cpu_decode`: no copy of the
+  keys); elsewhere, or without a compiler, they are sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
   padding repeats the request's last slot (so a gather never reads a slot the request does
@@ -20,6 +22,11 @@ A sliding-window layer uses the same work built for its window (`metadata.window
 per step and window): a decode gathers only its last W keys, a prefill chunk the keys from
 its first query's window start on, with a banded causal mask. Nothing outside a window is
 read. With a logit soft-cap the scores are computed explicitly (SDPA cannot cap them).
+
+An fp8 cache is written quantized (through a uint8 view: the CPU has no fp8 `index_copy_`)
+and each group's gathered keys are converted to the query's dtype; k_scale goes into SDPA's
+scale and v_scale multiplies the output. A prefill chunk without context attends to this
+step's keys as the cache holds them, so a prefix-cache hit and a recompute see the same keys.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import cpu_decode
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
+from pagellm.attention.kv_cache_dtype import is_fp8, quantize
 
 # padded keys (rows x longest length) per decode group; 2048 x 3 KV heads x 64 dims x fp32 is
 # 1.5 MiB of K and of V, which stay in cache between the gather and SDPA
@@ -68,13 +77,47 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBatch:
+    """Every query-length-1 request of the step, longest first: the in-place kernel's work."""
+
+    rows: torch.Tensor  # [n] int64 their rows in the flat batch
+    reqs: torch.Tensor  # [n] int64 their requests
+
+
+@dataclass
 class TorchAttentionMetadata:
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
-    decodes: list[DecodeGroup] = field(default_factory=list)
+    common: CommonAttentionMetadata
+    decode_reqs: np.ndarray  # [n] requests with query length 1
     prefills: list[PrefillChunk] = field(default_factory=list)
-    common: CommonAttentionMetadata | None = None
+    window: int | None = None  # the window this work was built for
     _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict, repr=False)
+    _decodes: list[DecodeGroup] | None = field(default=None, repr=False)
+    _decode_batch: DecodeBatch | None = field(default=None, repr=False)
+
+    @property
+    def decodes(self) -> list[DecodeGroup]:
+        """The gather path's decode groups, built on first use."""
+        if self._decodes is None:
+            reqs = self.decode_reqs
+            self._decodes = (
+                _build_decode_groups(self.common, reqs, self.window) if len(reqs) else []
+            )
+        return self._decodes
+
+    @property
+    def decode_batch(self) -> DecodeBatch:
+        """The in-place kernel's decodes, longest first, built on first use."""
+        if self._decode_batch is None:
+            lens = self.common.seq_lens_cpu[self.decode_reqs]
+            reqs = self.decode_reqs[np.argsort(-lens, kind="stable")].astype(np.int64)
+            rows = self.common.query_start_loc_cpu[reqs].astype(np.int64)
+            device = self.common.block_table.device
+            self._decode_batch = DecodeBatch(
+                torch.from_numpy(rows).to(device), torch.from_numpy(reqs).to(device)
+            )
+        return self._decode_batch
 
     def windowed(self, window: int | None) -> TorchAttentionMetadata:
         """This step's work for layers whose queries see only their last `window` keys."""
@@ -87,6 +130,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    decode_in_place = True  # False: CPU decodes take the gather path too (A/B benchmarks)
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -99,56 +143,77 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TorchAttentionMetadata,
+        kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         n = metadata.num_actual_tokens
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [slots, H_kv, D]
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, k[:n])
-        value_cache.index_copy_(0, metadata.slot_mapping, v[:n])
+        k, v, k_scale, v_scale = write_kv(
+            key_cache, value_cache, k[:n], v[:n], metadata.slot_mapping, kv_scale
+        )
+        scale = self.scale * k_scale  # fp8: q . stored * k_scale is q . k
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         work = metadata.windowed(self.sliding_window)
-        for group in work.decodes:
-            out.index_copy_(0, group.rows, self._decode(q, key_cache, value_cache, group))
+        if len(work.decode_reqs) and self._in_place(q):
+            self._decode_in_place(q, kv_cache, metadata.common, work.decode_batch, scale, out)
+        else:
+            for group in work.decodes:
+                decoded = self._decode(q, key_cache, value_cache, group, scale)
+                out.index_copy_(0, group.rows, decoded)
         for chunk in work.prefills:
-            out[chunk.start : chunk.end] = self._prefill(q, k, v, key_cache, value_cache, chunk)
+            attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
+            out[chunk.start : chunk.end] = attended
+        if v_scale != 1.0:
+            out[:n] *= v_scale
         return out
 
-    def _decode(self, q, key_cache, value_cache, group: DecodeGroup) -> torch.Tensor:
+    def _in_place(self, q: torch.Tensor) -> bool:
+        supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+        return supported and self.decode_in_place and cpu_decode.kernel() is not None
+
+    def _decode_in_place(self, q, kv_cache, common, batch: DecodeBatch, scale, out) -> None:
+        cpu_decode.paged_decode_attention(
+            out, q, kv_cache[0], kv_cache[1], common.block_table, common.seq_lens,
+            batch.rows, batch.reqs, scale, window=self.sliding_window,
+            soft_cap=self.logits_soft_cap,
+        )  # fmt: skip
+
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, scale) -> torch.Tensor:
         # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
         n = group.slots.shape[0]
         q_d = q.index_select(0, group.rows).view(n, self.num_kv_heads, -1, self.head_dim)
         shape = (*group.slots.shape, self.num_kv_heads, self.head_dim)
         flat = group.slots.view(-1)
-        keys = key_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
-        values = value_cache.index_select(0, flat).view(shape).transpose(1, 2)
+        keys = _gather(key_cache, flat, q.dtype).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
+        values = _gather(value_cache, flat, q.dtype).view(shape).transpose(1, 2)
         bias = group.bias(q.dtype)
         if self.logits_soft_cap is not None:
-            out = _soft_capped_attention(q_d, keys, values, bias, self.scale, self.logits_soft_cap)
+            out = _soft_capped_attention(q_d, keys, values, bias, scale, self.logits_soft_cap)
         else:
-            out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=self.scale)
+            out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
-    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
         rows = slice(chunk.start, chunk.end)
         if chunk.slots is None:  # no cached context: this step's keys are the whole sequence
             keys, values = k[rows], v[rows]  # [seq_len, H_kv, D]
         else:
-            keys = key_cache.index_select(0, chunk.slots)
-            values = value_cache.index_select(0, chunk.slots)
+            keys = _gather(key_cache, chunk.slots, q.dtype)
+            values = _gather(value_cache, chunk.slots, q.dtype)
         q_4d = q[rows].transpose(0, 1)[None]  # [1, H, query_len, D]
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, L, D]
         if self.logits_soft_cap is not None:
-            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask)
+            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask, scale)
         else:
             # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
             out = F.scaled_dot_product_attention(
                 q_4d, keys, values, chunk.mask, is_causal=chunk.mask is None,
-                scale=self.scale, enable_gqa=True,
+                scale=scale, enable_gqa=True,
             )  # fmt: skip
         return out[0].transpose(0, 1)  # [query_len, H, D]
 
-    def _soft_capped_prefill(self, q, keys, values, mask) -> torch.Tensor:
+    def _soft_capped_prefill(self, q, keys, values, mask, scale) -> torch.Tensor:
         # q: [1, H, ql, D] -> the query heads of one KV head as its rows: [1, H_kv, g * ql, D]
         ql, seq_len = q.shape[2], keys.shape[2]
         if mask is None:  # no context: plain causal
@@ -156,8 +221,35 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         q_g = q.reshape(1, self.num_kv_heads, group * ql, self.head_dim)
         cap = self.logits_soft_cap
-        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), self.scale, cap)
+        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), scale, cap)
         return out.view(1, self.num_heads, ql, self.head_dim)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # [num_slots, H_kv, D]
+    value_cache: torch.Tensor,  # [num_slots, H_kv, D]
+    k: torch.Tensor,  # [n, H_kv, D]
+    v: torch.Tensor,  # [n, H_kv, D]
+    slots: torch.Tensor,  # [n] int64
+    kv_scale: torch.Tensor | None,  # [2] k_scale, v_scale; None: 1.0
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Write this step's K/V at `slots`; return them as attention reads them (fp8: the stored
+    values in k's dtype) with (k_scale, v_scale)."""
+    if not is_fp8(key_cache.dtype):
+        key_cache.index_copy_(0, slots, k)
+        value_cache.index_copy_(0, slots, v)
+        return k, v, 1.0, 1.0
+    k_scale, v_scale = (1.0, 1.0) if kv_scale is None else kv_scale.tolist()
+    k8 = quantize(k, k_scale, key_cache.dtype)
+    v8 = quantize(v, v_scale, value_cache.dtype)
+    key_cache.view(torch.uint8).index_copy_(0, slots, k8.view(torch.uint8))
+    value_cache.view(torch.uint8).index_copy_(0, slots, v8.view(torch.uint8))
+    return k8.to(k.dtype), v8.to(v.dtype), k_scale, v_scale
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `slots` of a `[num_slots, H_kv, D]` cache, in `dtype` (fp8 rows converted)."""
+    return cache.index_select(0, slots).to(dtype)
 
 
 def _soft_capped_attention(
@@ -183,14 +275,14 @@ def _build_metadata(common: CommonAttentionMetadata, window: int | None) -> Torc
     context_lens = common.seq_lens_cpu - query_lens
     decode_reqs = np.flatnonzero(query_lens == 1)
     prefill_reqs = np.flatnonzero(query_lens > 1)
-    decodes = _build_decode_groups(common, decode_reqs, window) if len(decode_reqs) else []
     prefills = [_build_prefill(common, int(r), int(context_lens[r]), window) for r in prefill_reqs]
     return TorchAttentionMetadata(
         num_actual_tokens=common.num_actual_tokens,
         slot_mapping=common.slot_mapping[: common.num_actual_tokens],
-        decodes=decodes,
-        prefills=prefills,
         common=common,
+        decode_reqs=decode_reqs,
+        prefills=prefills,
+        window=window,
     )
 
 

@@ -32,7 +32,7 @@ class TritonAttentionMetadata:
     cached here."""
 
     common: CommonAttentionMetadata
-    _plans: dict[tuple[int, int, int, int, int | None], AttentionPlan] = field(default_factory=dict)
+    _plans: dict[tuple, AttentionPlan] = field(default_factory=dict)
 
     def plan(
         self,
@@ -41,8 +41,9 @@ class TritonAttentionMetadata:
         head_dim: int,
         element_size: int = 2,
         sliding_window: int | None = None,
+        kv_element_size: int | None = None,
     ) -> AttentionPlan:
-        key = (num_heads, num_kv_heads, head_dim, element_size, sliding_window)
+        key = (num_heads, num_kv_heads, head_dim, element_size, kv_element_size, sliding_window)
         if key not in self._plans:
             c = self.common
             plan = plan_attention(
@@ -54,6 +55,7 @@ class TritonAttentionMetadata:
                 c.query_start_loc.device,
                 element_size=element_size,
                 sliding_window=sliding_window,
+                kv_element_size=kv_element_size,
             )
             plan.launches = [order_by_length(launch, c.seq_lens) for launch in plan.launches]
             self._plans[key] = plan
@@ -74,15 +76,17 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TritonAttentionMetadata,
+        kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         common = metadata.common
-        reshape_and_cache(k, v, kv_cache, common.slot_mapping)
+        reshape_and_cache(k, v, kv_cache, common.slot_mapping, kv_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] > common.num_actual_tokens:
             out[common.num_actual_tokens :].zero_()  # padded rows: defined, never attended
         plan = metadata.plan(
-            self.num_heads, self.num_kv_heads, self.head_dim, q.element_size(), self.sliding_window
-        )
+            self.num_heads, self.num_kv_heads, self.head_dim, q.element_size(),
+            self.sliding_window, kv_cache.element_size(),
+        )  # fmt: skip
         return paged_attention(
             q,
             kv_cache,
@@ -93,4 +97,5 @@ class TritonAttentionBackend(AttentionBackend):
             plan=plan,
             out=out,
             logits_soft_cap=self.logits_soft_cap,
+            kv_scale=kv_scale,
         )

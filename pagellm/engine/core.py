@@ -49,8 +49,8 @@ class EngineCore:
             self.num_kv_blocks,
             config.log_stats,
             async_scheduling=config.async_scheduling,
-            sliding_window=self.model_executor.kv_sliding_window(),
             policy=config.scheduler_config.policy,
+            sliding_window=self.model_executor.kv_sliding_window(),
         )
         self.structured_output = StructuredOutputManager(
             config.model_config,

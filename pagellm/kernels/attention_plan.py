@@ -43,16 +43,27 @@ class TileConfig:
         return self.block_q * self.heads_per_prog
 
 
-def decode_config(queries_per_kv: int, head_dim: int) -> TileConfig:
-    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), few warps: memory-bound.
+# Decode tiles by the bytes of one cached K/V element: (keys per step, warps, stages). Each
+# entry is a sweep's knob (`benchmarks/decode_step.py --sweep [--kv-cache-dtype fp8]`).
+# 16-bit: steps of 32 with 2 warps, 4.33 TB/s against 4.22 for steps of 64 with 4 warps on a
+# decode step of the standard workload (H200, 28 layers in one CUDA graph; see
+# docs/benchmarks.md); smaller tiles let more programs share an SM. The same for every
+# head_dim (16-bit heads of 256: three stages of 32 keys are 96 KB of shared memory).
+# fp8: the same bytes a step as 16-bit's (64 keys of half the size), twice the warps for the
+# conversion to 16-bit in registers; a first choice, to be swept on an H200.
+DECODE_TILES: dict[int, tuple[int, int, int]] = {
+    4: (32, 2, 3),
+    2: (32, 2, 3),
+    1: (64, 4, 3),
+}
 
-    Key steps of 32 with 2 warps: 4.33 TB/s against 4.22 for steps of 64 with 4 warps on a
-    decode step of the standard workload (H200, 28 layers in one CUDA graph; see
-    docs/benchmarks.md); smaller tiles let more programs share an SM. The same for every
-    head_dim (16-bit heads of 256: three stages of 32 keys are 96 KB of shared memory).
-    """
+
+def decode_config(queries_per_kv: int, head_dim: int, kv_element_size: int = 2) -> TileConfig:
+    """Small tiles (BLOCK_M = 16, the smallest `tl.dot` M), few warps: memory-bound.
+    Keys per step, warps and stages from DECODE_TILES by the cache's element size."""
     heads = min(triton.next_power_of_2(queries_per_kv), 16)
-    return TileConfig(heads, max(1, 16 // heads), 32, num_warps=2, num_stages=3)
+    block_n, warps, stages = DECODE_TILES[kv_element_size]
+    return TileConfig(heads, max(1, 16 // heads), block_n, num_warps=warps, num_stages=stages)
 
 
 def prefill_config(queries_per_kv: int, head_dim: int, element_size: int = 2) -> TileConfig:
@@ -136,6 +147,7 @@ def plan_attention(
     prefill: TileConfig | None = None,
     element_size: int = 2,
     sliding_window: int | None = None,
+    kv_element_size: int | None = None,
 ) -> AttentionPlan:
     """Split the step's requests into a decode launch and a prefill launch (host work only).
 
@@ -144,12 +156,14 @@ def plan_attention(
     request i), which keeps it CUDA-graph friendly. A decode-only launch splits its keys
     (`choose_num_splits`), one beside prefill tiles does not, unless `num_splits` forces a
     count. The rest become prefill tiles, ordered heaviest first. `element_size` is the
-    bytes of one q/K/V element (it bounds the prefill tile). With a `sliding_window` a
-    query reads at most that many keys, which the split count and tile order use.
+    bytes of one q/K/V element (it bounds the prefill tile), `kv_element_size` those of a
+    cached one (fp8: 1; None: element_size; it picks the decode tile). With a
+    `sliding_window` a query reads at most that many keys, which the split count and tile
+    order use.
     """
     device = torch.device(device)
     queries_per_kv = num_heads // num_kv_heads
-    decode = decode or decode_config(queries_per_kv, head_dim)
+    decode = decode or decode_config(queries_per_kv, head_dim, kv_element_size or element_size)
     prefill = prefill or prefill_config(queries_per_kv, head_dim, element_size)
     qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
     seq_lens = np.asarray(seq_lens_cpu, dtype=np.int64)

@@ -50,6 +50,11 @@ unchanged:
   segments divide the keys from there.
 - SOFT_CAP_LOG2 (Gemma 2's logit soft-cap c, times log2(e)): scores become
   c * tanh(scale * q.k / c) in registers, before masking and the softmax.
+- KV_FP8 (a float8 cache): K/V tiles are loaded as fp8 (half the bytes of bf16) and
+  converted to q's dtype in registers before `tl.dot`; k_scale joins the softmax scale and
+  v_scale multiplies the accumulator once at the end (`pagellm.attention.kv_cache_dtype`).
+  The scales are read from the device, so CUDA graphs replay with scales set after capture.
+  Decode tiles take more keys per step (`attention_plan.DECODE_TILES`, by element size).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from pagellm.attention.kv_cache_dtype import is_fp8
 from pagellm.kernels.attention_plan import (  # noqa: F401  (re-exported)
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
@@ -130,6 +136,7 @@ def _attend_block(
         k = tl.load(k_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offs)
+    k = k.to(q.dtype)  # fp8 cache: dequantized in registers (k_scale is in qk_scale)
 
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -159,6 +166,7 @@ def _attend_block(
         v = tl.load(v_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offs)
+    v = v.to(q.dtype)  # fp8 cache: v_scale multiplies the output at the end
     if FP32_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -208,6 +216,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits, HEAD_DIM] fp32 (SPLIT)
     part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
     part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
+    kv_scale_ptr,  # [2] float32 k_scale, v_scale (KV_FP8)
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_splits,  # KV segments per tile (grid axis 2); > 1 only with SPLIT
@@ -231,6 +240,7 @@ def _paged_attention_kernel(
     FP32_DOT: tl.constexpr,
     WINDOW: tl.constexpr = 0,  # sliding window in keys; 0: none
     SOFT_CAP_LOG2: tl.constexpr = 0.0,  # logit soft-cap * log2(e); 0: none
+    KV_FP8: tl.constexpr = False,  # float8 cache with per-tensor scales
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
     pid_head = tl.program_id(0)
@@ -282,6 +292,8 @@ def _paged_attention_kernel(
             lo = split * seg
             hi = tl.minimum(lo + seg, kv_end)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)  # scores of stored keys times k_scale
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -306,6 +318,8 @@ def _paged_attention_kernel(
         BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
     )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)  # a mix of stored values, times v_scale
     if SPLIT:
         # partial results of row (tile, token-in-tile, head, split)
         part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * num_splits
@@ -395,8 +409,12 @@ def _check_inputs(
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q and kv_cache must share a float dtype, got {q.dtype}, {kv_cache.dtype}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or (
+        q.dtype != kv_cache.dtype and not is_fp8(kv_cache.dtype)
+    ):
+        raise TypeError(
+            f"q must be float and kv_cache of q's dtype or fp8, got {q.dtype}, {kv_cache.dtype}"
+        )
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
@@ -428,12 +446,14 @@ def paged_attention(
     plan: AttentionPlan,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     logits_soft_cap: float | None = None,
+    kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 cache)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of every query token over its request's paged K/V.
 
     `plan` comes from `plan_attention` with the same `query_start_loc` / `seq_lens` (on the
-    host) and the layer's sliding window. Rows of `out` past `query_start_loc[-1]` are left
-    as they were. `logits_soft_cap` c: scores become c * tanh(score / c).
+    host), the layer's sliding window and the cache's element size. Rows of `out` past
+    `query_start_loc[-1]` are left as they were. `logits_soft_cap` c: scores become
+    c * tanh(score / c). An fp8 cache is read with `kv_scale` (None: 1.0).
     """
     _check_inputs(q, kv_cache, block_table, seq_lens, query_start_loc)
     if logits_soft_cap is not None and logits_soft_cap <= 0:
@@ -450,16 +470,20 @@ def paged_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
     cap_log2 = 0.0 if logits_soft_cap is None else logits_soft_cap * LOG2E
+    if is_fp8(kv_cache.dtype) and kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=q.device)
     for launch in plan.launches:
         _launch(
-            q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2
-        )
+            q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch,
+            cap_log2, kv_scale,
+        )  # fmt: skip
     return out
 
 
 def _launch(
-    q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2
-):
+    q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2,
+    kv_scale,
+):  # fmt: skip
     """One kernel launch (and its combine, when split) for one group of tiles."""
     cfg = launch.config
     queries_per_kv = plan.num_heads // plan.num_kv_heads
@@ -482,6 +506,7 @@ def _launch(
     args = (
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         tile_req, tile_q, part_acc, part_max, part_sum,
+        seq_lens if kv_scale is None else kv_scale,  # a placeholder pointer when unused
         scale * LOG2E, plan.num_heads, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
@@ -502,7 +527,9 @@ def _launch(
         constexprs["WINDOW"] = plan.sliding_window
     if cap_log2:
         constexprs["SOFT_CAP_LOG2"] = cap_log2
-    _launch_fitting(grid, args, constexprs, cfg, q.dtype)
+    if is_fp8(kv_cache.dtype):
+        constexprs["KV_FP8"] = True
+    _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
             out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
@@ -515,14 +542,15 @@ def _launch(
         )  # fmt: skip
 
 
-# (config, dtype, head_dim, block_size) -> num_stages that fit the GPU's shared memory
+# (config, (q dtype, cache dtype), head_dim, block_size) -> num_stages that fit the GPU's
+# shared memory
 _STAGES_THAT_FIT: dict[tuple, int] = {}
 
 
-def _launch_fitting(grid, args, constexprs, cfg: TileConfig, dtype: torch.dtype) -> None:
+def _launch_fitting(grid, args, constexprs, cfg: TileConfig, dtypes: tuple) -> None:
     """Launch with cfg.num_stages, or fewer where the GPU has less shared memory than an H200
     (fp32, or a smaller GPU); the count that fits is remembered."""
-    key = (cfg, dtype, constexprs["HEAD_DIM"], constexprs["BLOCK_SIZE"])
+    key = (cfg, dtypes, constexprs["HEAD_DIM"], constexprs["BLOCK_SIZE"])
     stages = _STAGES_THAT_FIT.get(key, cfg.num_stages)
     while True:
         try:

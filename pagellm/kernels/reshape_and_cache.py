@@ -2,7 +2,9 @@
 
 The flat batch's K and V, `[num_tokens, num_kv_heads, head_dim]`, go to the slots named by
 `slot_mapping`: slot `s` is token `s % block_size` of physical block `s // block_size`.
-A slot of -1 marks a padded token (CUDA-graph padding) and is skipped.
+A slot of -1 marks a padded token (CUDA-graph padding) and is skipped. An fp8 cache is
+written quantized: `clamp(x / scale, -max, max)` rounded to nearest even, with the layer's
+`kv_scale = [k_scale, v_scale]` read from the device (so CUDA graphs see scales set later).
 
 One program copies one token: all its KV heads, keys and values, `num_kv_heads * head_dim`
 elements each, as one 2-D tile. The cache rows are contiguous per token
@@ -16,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_cache_dtype import is_fp8
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -24,6 +28,7 @@ def _reshape_and_cache_kernel(
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int32/int64, -1 = skip
+    kv_scale_ptr,  # [2] float32 k_scale, v_scale (QUANT only)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -35,6 +40,8 @@ def _reshape_and_cache_kernel(
     HEADS_PAD: tl.constexpr,  # next power of two >= NUM_KV_HEADS
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr = False,  # fp8 cache: divide by the scale, saturate, round
+    FP8_MAX: tl.constexpr = 448.0,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -50,8 +57,13 @@ def _reshape_and_cache_kernel(
     src_k = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, tl.load(src_k, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(src_v, mask=mask), mask=mask)
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    if QUANT:
+        k = tl.clamp(k.to(tl.float32) * (1.0 / tl.load(kv_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * (1.0 / tl.load(kv_scale_ptr + 1)), -FP8_MAX, FP8_MAX)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_inputs(
@@ -67,10 +79,10 @@ def _check_inputs(
             "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] matching key "
             f"{tuple(key.shape)}, got {tuple(kv_cache.shape)}"
         )
-    if not (key.dtype == value.dtype == kv_cache.dtype):
+    if key.dtype != value.dtype or (key.dtype != kv_cache.dtype and not is_fp8(kv_cache.dtype)):
         raise TypeError(
-            f"key, value and kv_cache must share a dtype, got {key.dtype}, {value.dtype}, "
-            f"{kv_cache.dtype}"
+            f"key, value and kv_cache must share a dtype (or the cache be fp8), got "
+            f"{key.dtype}, {value.dtype}, {kv_cache.dtype}"
         )
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise TypeError(
@@ -98,20 +110,26 @@ def reshape_and_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_actual_tokens] int64, -1 = padded token
+    kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale; fp8 caches only
 ) -> None:
-    """Scatter key/value rows into the cache; only the first `len(slot_mapping)` tokens count."""
+    """Scatter key/value rows into the cache (quantized if it is fp8; no scale: 1.0); only
+    the first `len(slot_mapping)` tokens count."""
     _check_inputs(key, value, kv_cache, slot_mapping)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    quant = is_fp8(kv_cache.dtype)
+    if quant and kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=key.device)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scale if quant else slot_mapping,  # a placeholder pointer when unused
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -123,5 +141,7 @@ def reshape_and_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
+        QUANT=quant,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if quant else 448.0,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

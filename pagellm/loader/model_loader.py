@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.gguf_loader import gguf_shapes, gguf_weights
@@ -95,7 +96,9 @@ def _on(
 ) -> Iterator[tuple[str, CheckpointTensor]]:
     """Each tensor read (whole, or the part this rank holds) straight to device and dtype."""
     for name, tensor in weights:
-        yield name, CheckpointTensor(tensor, device, dtype)
+        # fp8 KV scales stay float32
+        kv_scale = checkpoint_kv_scale(name) is not None
+        yield name, CheckpointTensor(tensor, device, torch.float32 if kv_scale else dtype)
 
 
 @contextlib.contextmanager

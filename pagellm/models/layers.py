@@ -16,6 +16,7 @@ On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton ker
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.attention.kv_cache_dtype import first_batch_scales
 from pagellm.models.linear import (  # noqa: F401  (re-exported for the models)
     ColumnParallelLinear,
     FusedLinear,
@@ -221,6 +223,19 @@ class Attention(nn.Module):
             num_heads, num_kv_heads, head_dim, scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
+        # [k_scale, v_scale] of an fp8 KV cache (pagellm.attention.kv_cache_dtype): built on
+        # the CPU (the model is built on `meta`), moved with the model
+        ones = torch.ones(2, dtype=torch.float32, device="cpu")
+        self.register_buffer("kv_scale", ones, persistent=False)
+        self.calculate_kv_scales = False  # the runner sets it for the first batch's forward
+
+    def load_kv_scale(self, which: tuple[int, ...], tensor: torch.Tensor) -> None:
+        """A checkpoint's k_scale / v_scale (`which`: 0 for k, 1 for v)."""
+        value = float(tensor.float().reshape(-1).max())  # per-tensor; a vector takes its max
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"KV cache scales must be positive and finite, got {value}")
+        for i in which:
+            self.kv_scale[i] = value
 
     def forward(
         self,
@@ -230,4 +245,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, H * D]
-        return self.impl.forward(q, k, v, kv_cache, attn_metadata).flatten(1)
+        if self.calculate_kv_scales:
+            self.kv_scale.copy_(first_batch_scales(k, v))
+            self.calculate_kv_scales = False
+        return self.impl.forward(q, k, v, kv_cache, attn_metadata, self.kv_scale).flatten(1)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
+
 
 @dataclass(frozen=True)
 class TensorSlice:
@@ -87,6 +89,11 @@ def load_packed_weights(
     loaded = set()
     for hf_name, tensor in weights:
         if skip(hf_name):
+            continue
+        if (kv_scale := checkpoint_kv_scale(hf_name)) is not None:  # fp8 KV cache scales
+            owner, which = kv_scale
+            attn = _module(modules, f"{owner}.attn", hf_name)
+            attn.load_kv_scale(which, CheckpointTensor(tensor).read())
             continue
         module_name, _, param_name = hf_name.rpartition(".")
         parent, _, leaf = module_name.rpartition(".")

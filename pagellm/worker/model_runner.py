@@ -28,6 +28,7 @@ import torch
 
 from pagellm import envs
 from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
+from pagellm.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
@@ -39,7 +40,7 @@ from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler
 from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
-from pagellm.utils import to_device
+from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
 from pagellm.worker.input_batch import InputBatch
@@ -80,6 +81,10 @@ class ModelRunner:
         self.model_config = config.model_config
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
+        cc = config.cache_config
+        self.kv_cache_dtype = kv_cache_torch_dtype(cc.cache_dtype, self.model_config.dtype)
+        # fp8 with calculate_kv_scales: the first real step's forward sets every layer's scales
+        self.kv_scales_pending = cc.calculate_kv_scales and is_fp8(self.kv_cache_dtype)
         torch.manual_seed(config.seed)
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         start = time.perf_counter()
@@ -89,9 +94,9 @@ class ModelRunner:
         if cpu_prepack_supported(self.device, self.model_config.dtype):
             self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
         logger.info(
-            "model %s loaded in %.1f s (%s, %s): %.2f GiB of weights", self.model_config.model,
+            "model %s loaded in %.1f s (%s, %s%s): %.2f GiB of weights", self.model_config.model,
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
-            self.weight_bytes / (1 << 30),
+            _cpu_note(self.device), self.weight_bytes / (1 << 30),
         )  # fmt: skip
         # this rank's KV heads (all of them with one rank)
         _, self.num_kv_heads = heads_per_rank(
@@ -118,8 +123,12 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.kv_element_size
         return per_layer * mc.num_layers
+
+    @property
+    def kv_element_size(self) -> int:
+        return self.kv_cache_dtype.itemsize
 
     def determine_num_kv_blocks(self) -> int:
         cc = self.config.cache_config
@@ -177,7 +186,7 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(
             1, self.block_size, self.num_kv_heads, mc.head_dim
         )
-        kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
+        kv = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
             sizes = capture_sizes(sc.max_num_seqs)
             graph_seq_len = min(mc.max_model_len, GRAPH_PLAN_SEQ_LEN)
@@ -214,17 +223,23 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_block_bytes / (1 << 30),
+            str(self.kv_cache_dtype).removeprefix("torch."),
         )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
+
+    def _zeros_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # one layer's cache; fp8 zeros through a byte view (no fp8 fill on every device)
+        if is_fp8(self.kv_cache_dtype):
+            raw = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            return raw.view(self.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -287,6 +302,8 @@ class ModelRunner:
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, self._block_rows(batch))
         self.pending.patch_inputs(batch, self.input_batch.num_tokens, dev["input_ids"])
+        if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
+            self._calculate_kv_scales_once()
         if size is None:
             hidden = self._run_model(arrays, dev, self.kv_caches)
         else:
@@ -294,9 +311,16 @@ class ModelRunner:
         return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:
-        if self.graphs is None or not batch.is_decode_only:
+        if self.graphs is None or not batch.is_decode_only or self.kv_scales_pending:
             return None
         return self.graphs.size_for(len(batch.rows))
+
+    def _calculate_kv_scales_once(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.calculate_kv_scales = True
+        self.kv_scales_pending = False
+        logger.info("fp8 KV cache: k/v scales from the first batch (calculate_kv_scales)")
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -427,6 +451,13 @@ class ModelRunner:
             return slice(0, len(batch.rows))  # every token samples: no index copy
         idx = batch.query_start_loc[1:][sample_idx] - 1
         return to_device(idx.astype(np.int64), self.device)
+
+
+def _cpu_note(device: torch.device) -> str:
+    """What a CPU offers bf16 (dtype="auto" picks bf16 where it has AMX or AVX512-BF16)."""
+    if device.type != "cpu":
+        return ""
+    return f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
 
 
 def kv_sliding_window(model: torch.nn.Module) -> int | None:

@@ -1,0 +1,152 @@
+"""CPU decode attention that reads the paged KV cache in place (`pagellm/csrc/paged_decode.cpp`).
+
+The torch backend's other decode path gathers every cached K/V row of a step's decodes into
+a contiguous copy, then runs SDPA: the copy is written and read again, every layer, every
+step. This kernel walks each request's block table and reads each key and value row once,
+for every query head of its KV head (GQA), in float32 from float32, bfloat16 or fp8 caches,
+with the sliding window and soft-cap of the layer.
+
+torch ships no paged CPU attention (its flash kernel wants contiguous K/V; flex attention
+needs Inductor's compiler at run time), so the kernel is ours: one C++ file that includes
+only ATen's thread pool, compiled on first use with the system's C++ compiler (about one
+second of CPU) into PAGELLM_CACHE_DIR, keyed by the source, torch's version and the CPU's
+flags, and called through ctypes. No compiler, a failed build or
+PAGELLM_CPU_DECODE_KERNEL=0: `kernel()` is None and decodes take the gather path.
+(A build at install time is not possible with the README's one pip command: torch is not
+installed yet when the package is built.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagellm import envs
+from pagellm.attention.kv_cache_dtype import is_fp8
+from pagellm.utils import cpuinfo_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_decode.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and 2: fp8, read through a table
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None where it cannot be built here (logged once)."""
+    if not envs.cpu_decode_kernel() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU decode kernel unavailable (%s): decodes gather their K/V", e)
+        return None
+    fn = lib.pagellm_paged_decode
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    fn.restype = None
+    return lib
+
+
+def _build() -> Path:
+    """The shared library for this source, torch and CPU; compiled if not cached yet."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler (c++, g++ or $CXX)")
+    torch_dir = Path(torch.__file__).parent
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    lib_dir = torch_dir / "lib"
+    cmd = [compiler, *FLAGS, abi, f"-I{torch_dir / 'include'}", str(SOURCE)]
+    cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join([*cmd, torch.__version__, *sorted(cpuinfo_flags())]).encode())
+    out = Path(envs.cache_dir()) / "cpu_kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then one atomic rename
+        subprocess.run([*cmd, "-o", f"{tmp}/k.so"], check=True, capture_output=True, timeout=300)
+        os.replace(f"{tmp}/k.so", out)
+    logger.info("built the CPU decode kernel: %s", out)
+    return out
+
+
+@functools.cache
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32: the value of every byte of an fp8 format."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+def paged_decode_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32 / bfloat16, rows written
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], q's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # the same shape, strides and dtype
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    rows: torch.Tensor,  # [n] int64 the decodes' rows of q / out, longest first
+    reqs: torch.Tensor,  # [n] int64 their requests
+    scale: float,  # on q.k (fp8: times k_scale)
+    v_scale: float = 1.0,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> None:
+    """Attention of each decode row of q over its request's paged keys, into `out`."""
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError("the CPU decode kernel is not available")
+    _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs)
+    fp8 = is_fp8(key_cache.dtype)
+    table = _fp8_table(key_cache.dtype) if fp8 else None
+    strides = torch.tensor(
+        [*q.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3], block_table.stride(0)],
+        dtype=torch.int64,
+    )
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    c_kind = 2 if fp8 else _KINDS[key_cache.dtype]
+    dims = torch.tensor(
+        [q.shape[1], num_kv_heads, head_dim, key_cache.shape[1], window or 0, _KINDS[q.dtype],
+         c_kind],
+        dtype=torch.int32,
+    )  # fmt: skip
+    lib.pagellm_paged_decode(
+        out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_table.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(), reqs.data_ptr(),
+        rows.numel(), strides.data_ptr(), dims.data_ptr(),
+        None if table is None else table.data_ptr(), scale, v_scale, soft_cap or 0.0,
+    )  # fmt: skip
+
+
+def _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs) -> None:
+    if q.dtype not in _KINDS or out.dtype != q.dtype or out.shape != q.shape or q.dim() != 3:
+        raise ValueError("q and out must be [num_tokens, num_heads, head_dim], float32 or bf16")
+    if key_cache.dtype not in _KINDS and not is_fp8(key_cache.dtype):
+        raise ValueError(f"unsupported KV cache dtype {key_cache.dtype}")
+    same = key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+    if key_cache.dim() != 4 or not same or key_cache.dtype != value_cache.dtype:
+        raise ValueError("key and value caches must be alike [blocks, block_size, H_kv, D]")
+    if key_cache.shape[3] != q.shape[2] or q.shape[1] % key_cache.shape[2]:
+        raise ValueError("q and the caches disagree on head_dim or the head grouping")
+    if q.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
+        raise ValueError("head_dim must be contiguous in q, out and the caches")
+    ints = (block_table.dtype, seq_lens.dtype, rows.dtype, reqs.dtype)
+    if ints != (torch.int32, torch.int32, torch.int64, torch.int64):
+        raise ValueError("block_table and seq_lens must be int32, rows and reqs int64")
+    if block_table.stride(1) != 1 or not (seq_lens.is_contiguous() and rows.is_contiguous()):
+        raise ValueError("block_table rows, seq_lens and rows must be contiguous")
+    if not reqs.is_contiguous() or rows.shape != reqs.shape:
+        raise ValueError("rows and reqs must be contiguous and of one length")
+    tensors = (out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs)
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the CPU decode kernel takes CPU tensors")
