@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagellm.quantization import resolve_quantization
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -55,6 +57,7 @@ class EngineArgs:
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
+    quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -135,6 +138,7 @@ class ModelConfig:
     served_model_name: str
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str | None = None  # resolved: a pagellm.quantization method name, or None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -144,6 +148,7 @@ class ModelConfig:
         hf_config = loader.load_hf_config(source)
         max_len = _resolve_max_model_len(hf_config, args.max_model_len)
         dtype = _resolve_dtype(args.dtype, hf_config, device)
+        quantization = resolve_quantization(args.quantization, hf_config, source.kind, device)
         return cls(
             model=source.name,
             source=source,
@@ -153,6 +158,7 @@ class ModelConfig:
             served_model_name=args.served_model_name or source.name,
             seed=args.seed,
             max_logprobs=args.max_logprobs,
+            quantization=quantization,
         )
 
     @property

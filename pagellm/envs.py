@@ -37,3 +37,10 @@ def triton_compile_ahead() -> bool:
 def cpu_prepack() -> bool:
     """PAGELLM_CPU_PREPACK=0 keeps plain Linear weights on x86 CPUs (no oneDNN packing)."""
     return _bool("PAGELLM_CPU_PREPACK", True)
+
+
+def cpu_quant_max_rows() -> int:
+    """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the int4 /
+    int8 CPU kernels (`pagellm.quantization.cpu_int`; larger ones use the dequantized copy).
+    Default 4, where they stop beating float32 MKL."""
+    return int(os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS", "4"))

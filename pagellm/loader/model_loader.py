@@ -1,9 +1,12 @@
 """`load_model`: build the registered model class on the `meta` device in the configured
-dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights."""
+dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights; with
+a quantization method, its Linears are given their methods before loading and their
+quantized weights built after it (`pagellm/quantization/base.py`)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -18,9 +21,13 @@ from pagellm.loader.safetensors_loader import safetensors_weights
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
 from pagellm.models.weights import check_loaded
+from pagellm.quantization import get_quant_config
 
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
+    from pagellm.quantization.base import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -29,32 +36,48 @@ def load_model(
     device = torch.device(device)
     dtype = model_config.dtype
     model_cls = get_model_cls(model_config.architecture)
+    quant = get_quant_config(model_config, device)
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(model_config.hf_config, attn_backend_cls)
+        if quant is not None:
+            logger.info("quantization: %s, %d linear layers", quant.describe(), quant.attach(model))
     source = model_config.source
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         init_dummy_weights(model, device, dtype, std, model_config.seed)
     else:
-        weights = _on(device, dtype, iter_weights(source))
+        weights = _on(device, dtype, iter_weights(source, quant), quant)
         check_loaded(model, model.load_weights(weights))
+    if quant is not None:
+        quant.process_weights_after_loading(model)
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, quant: QuantizationConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of a gguf or hf source."""
     if source.kind == "gguf":
-        return gguf_weights(read_gguf(source.path))
+        return gguf_weights(read_gguf(source.path), getattr(quant, "raw_names", ()))
     if source.kind == "hf":
         return safetensors_weights(source.path)
     raise ValueError(f"a {source.kind!r} model source has no weights to read")
 
 
 def _on(
-    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    quant: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor on `device` in `dtype`, or as a quantization method prepares it."""
     for name, tensor in weights:
-        yield name, tensor.to(device=device, dtype=dtype)
+        if quant is None:
+            yield name, tensor.to(device=device, dtype=dtype)
+            continue
+        tensor = quant.prepare_tensor(name, tensor, dtype)
+        if tensor is not None:
+            yield name, tensor.to(device=device)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from torch import nn
 from pagellm import envs
 from pagellm.attention.base import AttentionBackend
 from pagellm.models.weights import materialize
+from pagellm.quantization.base import LinearMethod, QuantizedWeight
 
 
 @functools.cache
@@ -227,9 +228,11 @@ def mkl_packing_is_batch_independent() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`)."""
+    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`) or a quantized one
+    (`quant_method`, `pagellm/quantization/base.py`): either is `packed_weight(x, bias)`."""
 
-    packed_weight: PackedWeight | None = None
+    packed_weight: PackedWeight | QuantizedWeight | None = None
+    quant_method: LinearMethod | None = None  # set before loading; builds packed_weight after
 
     def reset_parameters(self) -> None:
         """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
@@ -238,6 +241,8 @@ class Linear(nn.Linear):
 
     def prepack(self, batch_hint: int) -> None:
         """Keep only a packed copy of the weight (x86 CPUs; see the module doc)."""
+        if self.packed_weight is not None:  # quantized: already in its kernel's layout
+            return
         self.packed_weight = PackedWeight(self.weight, batch_hint)
         self.weight = None
 
@@ -271,6 +276,11 @@ class FusedLinear(Linear):
     def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
         param = materialize(self, param_name, tensor.device)
         start, end = self.shard_rows[shard]
+        if param.dim() and param.shape[0] != self.out_features:  # block scales: rows per block
+            block = -(-self.out_features // param.shape[0])
+            start, end = start // block, -(-end // block)
+        if tensor.dim() == 0 and param.dim():  # a per-tensor scale fills its shard's rows
+            tensor = tensor.expand(param[start:end].shape)
         if tensor.shape != param[start:end].shape:
             raise ValueError(
                 f"{shard}.{param_name}: expected {tuple(param[start:end].shape)}, "
