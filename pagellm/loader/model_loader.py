@@ -40,7 +40,8 @@ def load_model(
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(model_config.hf_config, attn_backend_cls)
         if quant is not None:
-            logger.info("quantization: %s, %d linear layers", quant.describe(), quant.attach(model))
+            count = quant.attach(model)
+            logger.info("quantization: %s, %d linear layers", quant.describe(), count)
     source = model_config.source
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
