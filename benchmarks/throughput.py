@@ -8,12 +8,17 @@ medians are compared (this machine's speed swings between runs).
     python benchmarks/throughput.py                     # pagellm vs HF, 3 rounds
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
+    python benchmarks/throughput.py --num-requests 1 --max-num-seqs 1 --min-prompt 64 \
+        --max-prompt 64 --quantization gguf --peer unquantized   # batch 1: GGUF kept quantized
+                                                                  # vs dequantized float32
 
 GPU workloads (`--workload standard | fixed512 | batch1`, pagellm alone unless `--peer hf`):
 
     python benchmarks/throughput.py --workload standard --model qwen3-0.6b --load-format dummy
     python benchmarks/throughput.py --workload fixed512 --model qwen3-0.6b --load-format dummy
     python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy \
+        --quantization fp8
 
 `standard` is nano-vllm's bench.py, generated in its order: `random.seed(0)`; 256 prompts of
 `randint(100, 1024)` token ids each drawn with `randint(0, 10000)`; then 256
@@ -25,6 +30,9 @@ tokens each. `batch1` is one request of 128 random token ids and 512 output toke
 of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer hf` also runs
 HF transformers' `generate_batch` (continuous batching, paged attention) on the first
 `--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
+`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load); on the CPU
+the default is the engine's too (the embedded GGUF: `gguf` where the CPU has AVX512-BF16),
+and `--peer unquantized` runs the same engine with `quantization="none"` beside it.
 
 The last line is one JSON object with every number.
 """
@@ -106,7 +114,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peer", choices=["hf", "inproc", "none"], default=None)
+    ap.add_argument("--peer", choices=["hf", "inproc", "unquantized", "none"], default=None)
+    ap.add_argument("--quantization", default=None, help="the engine's; default: its default")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
     ap.add_argument("--load-format", default="dummy", help="GPU workloads only")
@@ -142,7 +151,7 @@ def main() -> None:
 
     prompts = make_requests(args.num_requests, args.min_prompt, args.max_prompt, seed=0)
     total_out = args.num_requests * args.max_tokens
-    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs)
+    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
         hf = load_hf()
@@ -151,6 +160,9 @@ def main() -> None:
         os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "0"
         inproc = LLM(dtype="float32", max_num_seqs=args.max_num_seqs)
         runners["pagellm-inproc"] = lambda p: run_pagellm(inproc, p, args.max_tokens)
+    elif args.peer == "unquantized":
+        plain = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization="none")
+        runners["pagellm-unquantized"] = lambda p: run_pagellm(plain, p, args.max_tokens)
 
     for run in runners.values():  # warm-up, not timed
         run(prompts[:2])
@@ -166,6 +178,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
         "workload": workload_of(args),
+        "quantization": llm.llm_engine.config.model_config.quantization,
         "output_tok_s": {n: round(total_out / statistics.median(t), 1) for n, t in times.items()},
         "runs_s": {n: [round(x, 2) for x in t] for n, t in times.items()},
     }
@@ -204,6 +217,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        quantization=args.quantization,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
