@@ -109,6 +109,34 @@ def test_fp8_gemm_matches_dequantized_matmul(block, w8a8, rows):
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+def _on_fp8_grid(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activations whose fp8 quantization is exact (see test_quantize_fp8_activations)."""
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.randint(0, 256, (rows, k), generator=gen, dtype=torch.uint8).view(FP8).float()
+    grid = grid.nan_to_num(0.0)
+    grid[:, ::128] = 448.0
+    return grid * 2.0 ** torch.randint(-8, -2, (rows, 1), generator=gen).float()
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_weight_dispatch(block):
+    """`Fp8Weight` as a layer calls it: decode rows weight-only, larger batches w8a8
+    (`torch._scaled_mm` for per-row scales, which also runs on the CPU)."""
+    from pagellm.quantization.fp8 import MAX_TRITON_ROWS, Fp8Weight
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(160, 256, generator=gen) * 0.05
+    q, scale = _block_quantize(w) if block else quantize_weight_per_row(w)
+    bias = torch.randn(160, generator=gen)
+    weight = Fp8Weight(q.to(DEVICE), scale.to(DEVICE))
+    for rows in (1, MAX_TRITON_ROWS + 4):
+        x = _on_fp8_grid(rows, 256, seed=rows)
+        got = weight(x.to(DEVICE), bias.to(DEVICE)).float().cpu()
+        want = F.linear(x, dequantize_fp8(q, scale), bias)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
 @needs_triton
 def test_fp8_gemm_checks_its_inputs():
     from pagellm.kernels.fp8_gemm import fp8_gemm
