@@ -52,11 +52,10 @@ def hf_smollm(embedded_gguf):
 
 @pytest.fixture(scope="session")
 def llm():
-    """One engine on the embedded model for the whole session (float32 dequantized weights,
-    greedy-exact)."""
+    """One engine on the embedded model for the whole session (float32, greedy-exact)."""
     from pagellm import LLM
 
-    engine = LLM(dtype="float32", quantization="none", max_model_len=1024, seed=0)
+    engine = LLM(dtype="float32", max_model_len=1024, seed=0)
     yield engine
     engine.shutdown()
 

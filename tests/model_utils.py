@@ -72,10 +72,10 @@ def load_our_model(
     load_format: str = "auto",
     device: str = "cpu",
     attn_backend_cls: type | None = None,
-    quantization: str | None = "none",
+    quantization: str | None = None,
 ):
     """Our model for an HF folder, a .gguf file or a shipped config name (default: on the CPU,
-    with the torch attention backend, GGUF weights dequantized)."""
+    with the torch attention backend; `quantization` as for `LLM`)."""
     from pagellm.config import EngineArgs, ModelConfig
     from pagellm.loader import load_model
 

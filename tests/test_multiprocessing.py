@@ -52,7 +52,7 @@ def _core_pid(llm: LLM) -> int:
 def test_same_tokens_in_process_and_multiprocess(llm, monkeypatch):
     mp_out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
-    with LLM(dtype="float32", quantization="none", max_model_len=1024) as inproc:
+    with LLM(dtype="float32", max_model_len=1024) as inproc:
         assert not hasattr(inproc.llm_engine.engine_core, "proc")
         in_out = [o.outputs[0].token_ids for o in inproc.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert mp_out == in_out
@@ -129,9 +129,7 @@ def test_async_iterators_all_raise_when_core_dies():
 def test_many_concurrent_async_requests_and_abort_frees_blocks(llm, async_scheduling):
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 9)][:72]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    args = EngineArgs(
-        dtype="float32", quantization="none", max_model_len=1024, async_scheduling=async_scheduling
-    )
+    args = EngineArgs(dtype="float32", max_model_len=1024, async_scheduling=async_scheduling)
 
     async def main():
         engine = AsyncLLM.from_engine_args(args)

@@ -52,7 +52,7 @@ def test_prompt_logprobs_match_hf(hf_smollm, async_scheduling):
     prompts = [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in (37, 5, 2, 20)]
     params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=K)
     with LLM(
-        dtype="float32", quantization="none", max_model_len=256, max_num_batched_tokens=16,
+        dtype="float32", max_model_len=256, max_num_batched_tokens=16,
         async_scheduling=async_scheduling,
     ) as llm:  # fmt: skip
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

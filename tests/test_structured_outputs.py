@@ -221,8 +221,8 @@ def test_apply_token_bitmask_matches_a_reference():
 def async_llm():
     """Async scheduling on the CPU, 32-token chunks, and a KV cache small enough to preempt."""
     with LLM(
-        dtype="float32", quantization="none", max_model_len=512, async_scheduling=True,
-        max_num_batched_tokens=32, num_gpu_blocks_override=12, block_size=16,
+        dtype="float32", max_model_len=512, async_scheduling=True, max_num_batched_tokens=32,
+        num_gpu_blocks_override=12, block_size=16,
     ) as engine:  # fmt: skip
         yield engine
 

@@ -3,11 +3,14 @@
 (EngineCore side, `get_quant_config`). Method modules are imported lazily.
 
     None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
-                     `quantization_config`); "gguf" for a GGUF file on a CPU that runs the
-                     int kernels fast; otherwise unquantized
+                     `quantization_config`); otherwise unquantized (GGUF files too: "gguf"
+                     agrees with the dequantized path on 45% of 32-token greedy continuations
+                     of the embedded model, below the 90% a default needs; docs/benchmarks.md)
     "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
     "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py)
     "int4", "int8"   weight-only int4 (groups of 32) / int8 (per row) on the CPU (cpu_int.py)
+                     these three need an x86 CPU with AVX512-BF16 (elsewhere torch's kernels
+                     run a scalar path slower than float32, for no memory saved: ValueError)
     "fp8"            float8 e4m3 weights on CUDA: a bf16 checkpoint quantized at load, or an
                      fp8 checkpoint as stored (fp8.py); fp8 checkpoints on the CPU are
                      dequantized at load
@@ -49,11 +52,8 @@ def resolve_quantization(
     stored = checkpoint_method(hf_config)
     if stored is not None:
         return _with_checkpoint(name, stored)
-    if name in CPU_ONLY and device.type != "cpu":
-        raise ValueError(
-            f"quantization={name!r} runs on the CPU only (torch's int4/int8 CPU kernels); "
-            "on CUDA use quantization='fp8'"
-        )
+    if name in CPU_ONLY:
+        _check_cpu_int(name, device)
     if name == "gguf" and source_kind != "gguf":
         raise ValueError(
             "quantization='gguf' needs a GGUF file; to quantize this checkpoint on the CPU "
@@ -61,8 +61,6 @@ def resolve_quantization(
         )
     if name in ("fp8", "compressed-tensors"):
         return _fp8_at_load(name, device)
-    if name is None:
-        return _default(source_kind, device)
     return None if name == NONE else name
 
 
@@ -101,12 +99,19 @@ def _fp8_at_load(name: str, device: torch.device) -> str:
     return name
 
 
-def _default(source_kind: str, device: torch.device) -> str | None:
-    if source_kind == "gguf" and device.type == "cpu":
-        from pagellm.quantization.cpu_int import cpu_int_supported
+def _check_cpu_int(name: str, device: torch.device) -> None:
+    from pagellm.quantization.cpu_int import cpu_int_supported
 
-        return "gguf" if cpu_int_supported() else None
-    return None
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={name!r} runs on the CPU only (torch's int4/int8 CPU kernels); "
+            "on CUDA use quantization='fp8'"
+        )
+    if not cpu_int_supported():
+        raise ValueError(
+            f"quantization={name!r} needs an x86 CPU with AVX512-BF16 (torch's int4/int8 "
+            "kernels are slower than float32 elsewhere); use quantization='none'"
+        )
 
 
 def get_quant_config(model_config: Any, device: torch.device) -> QuantizationConfig | None:
