@@ -223,3 +223,18 @@ def test_engine_args_reject_bad_quantization(tiny_ggufs, monkeypatch):
         EngineArgs(model=tiny_ggufs[0], quantization="awq", device="cpu").create_engine_config()
     with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF file"):
         EngineArgs(model=tiny_ggufs[0], quantization="gguf", device="cpu").create_engine_config()
+
+
+def test_cli_flag_reaches_engine_args():
+    import argparse
+
+    from pagellm.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).quantization is None
+    args = engine_args_from(parser.parse_args(["--quantization", "fp8"]))
+    assert args.quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization='fp8' quantizes weights for CUDA"):
+        args.create_engine_config()  # the embedded GGUF on the CPU
