@@ -30,9 +30,9 @@ tokens each. `batch1` is one request of 128 random token ids and 512 output toke
 of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer hf` also runs
 HF transformers' `generate_batch` (continuous batching, paged attention) on the first
 `--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
-`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load); on the CPU
-the default is the engine's too (the embedded GGUF: `gguf` where the CPU has AVX512-BF16),
-and `--peer unquantized` runs the same engine with `quantization="none"` beside it.
+`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load; on the CPU
+`gguf` keeps the embedded GGUF's blocks quantized, the default dequantizes them), and
+`--peer unquantized` runs the same engine with `quantization="none"` beside it.
 
 The last line is one JSON object with every number.
 """

@@ -1,5 +1,6 @@
 """`quantization="gguf"`: a GGUF file's quantized tensors stay quantized on the CPU, in the
-int4 / int8 layouts of `cpu_int.py` (the default for GGUF files on CPUs with AVX512-BF16).
+int4 / int8 layouts of `cpu_int.py` (opt-in: GGUF files are dequantized by default; see
+`pagellm/quantization/__init__.py` for why).
 
 How each GGUF type maps (per Linear; a fused projection maps when all its parts share one
 type, and is requantized from the dequantized values otherwise):
