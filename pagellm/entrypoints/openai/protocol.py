@@ -197,6 +197,9 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompts only: a chat template adds its own
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # rendered by the template as in a chat request
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
