@@ -34,6 +34,11 @@ HF transformers' `generate_batch` (continuous batching, paged attention) on the 
 `gguf` keeps the embedded GGUF's blocks quantized, the default dequantizes them), and
 `--peer unquantized` runs the same engine with `quantization="none"` beside it.
 
+`--tensor-parallel-size N` (`-tp N`) splits the model over N GPUs (N worker processes;
+`--distributed-executor-backend ray` for Ray actors), on any workload:
+
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-70b -tp 2
+
 The last line is one JSON object with every number.
 """
 
@@ -125,6 +130,8 @@ def parse_args() -> argparse.Namespace:
         help="GPU workloads only; default: the engine's (on for CUDA)",
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default=None, help="mp | ray (None: mp)")
     args = ap.parse_args()
     gpu = args.workload != "cpu"
     args.peer = args.peer or ("none" if gpu else "hf")
@@ -151,7 +158,11 @@ def main() -> None:
 
     prompts = make_requests(args.num_requests, args.min_prompt, args.max_prompt, seed=0)
     total_out = args.num_requests * args.max_tokens
-    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization=args.quantization)
+    tp = dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
+    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization=args.quantization, **tp)
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
         hf = load_hf()
@@ -218,6 +229,8 @@ def main_gpu(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)

@@ -217,6 +217,12 @@ def test_bad_quantization_values(name, kind, device, message, monkeypatch):
         resolve_quantization(name, None, kind, torch.device(device))
 
 
+def test_quantization_runs_on_one_rank():
+    with pytest.raises(ValueError, match="quantization='fp8' runs on one rank"):
+        resolve_quantization("fp8", None, "hf", torch.device("cuda"), tensor_parallel_size=2)
+    assert resolve_quantization(None, None, "hf", CPU, tensor_parallel_size=2) is None
+
+
 def test_engine_args_reject_bad_quantization(tiny_ggufs, monkeypatch):
     monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
     with pytest.raises(ValueError, match="quantization"):

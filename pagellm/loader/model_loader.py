@@ -1,14 +1,18 @@
 """`load_model`: build the registered model class on the `meta` device in the configured
 dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights; with
 a quantization method, its Linears are given their methods before loading and their
-quantized weights built after it (`pagellm/quantization/base.py`)."""
+quantized weights built after it (`pagellm/quantization/base.py`).
+
+With tensor parallelism the model is built for this process's rank (its heads, columns and
+vocabulary rows) and each rank reads only its part of each tensor: from safetensors, only
+those bytes; a GGUF tensor is dequantized whole, one at a time, and then cut."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,7 +24,7 @@ from pagellm.loader.gguf_loader import gguf_weights
 from pagellm.loader.safetensors_loader import safetensors_weights
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
-from pagellm.models.weights import check_loaded
+from pagellm.models.weights import CheckpointTensor, check_loaded
 from pagellm.quantization import get_quant_config
 
 if TYPE_CHECKING:
@@ -56,8 +60,8 @@ def load_model(
 
 def iter_weights(
     source: ModelSource, quant: QuantizationConfig | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of a gguf or hf source."""
+) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor or safetensors slice) pairs of a gguf or hf source."""
     if source.kind == "gguf":
         return gguf_weights(read_gguf(source.path), getattr(quant, "raw_names", ()))
     if source.kind == "hf":
@@ -68,17 +72,18 @@ def iter_weights(
 def _on(
     device: torch.device,
     dtype: torch.dtype,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Any]],
     quant: QuantizationConfig | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor on `device` in `dtype`, or as a quantization method prepares it."""
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Each tensor read (whole, or the part this rank holds) straight to device and dtype, or
+    read whole as a quantization method prepares it (quantization runs on one rank only)."""
     for name, tensor in weights:
         if quant is None:
-            yield name, tensor.to(device=device, dtype=dtype)
+            yield name, CheckpointTensor(tensor, device, dtype)
             continue
-        tensor = quant.prepare_tensor(name, tensor, dtype)
+        tensor = quant.prepare_tensor(name, CheckpointTensor(tensor).read(), dtype)
         if tensor is not None:
-            yield name, tensor.to(device=device)
+            yield name, CheckpointTensor(tensor, device)
 
 
 @contextlib.contextmanager

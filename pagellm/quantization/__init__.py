@@ -42,7 +42,11 @@ CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quant_method values we loa
 
 
 def resolve_quantization(
-    name: str | None, hf_config: Any, source_kind: str, device: torch.device
+    name: str | None,
+    hf_config: Any,
+    source_kind: str,
+    device: torch.device,
+    tensor_parallel_size: int = 1,
 ) -> str | None:
     """The method to use (a `QUANTIZATION_METHODS` key), or None; ValueError naming
     `quantization` for a bad or impossible choice."""
@@ -50,6 +54,11 @@ def resolve_quantization(
         choices = ", ".join([NONE, *QUANTIZATION_METHODS])
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
+    if tensor_parallel_size > 1 and (stored is not None or name not in (None, NONE)):
+        raise ValueError(  # quantized layers load whole tensors (pagellm/models/linear.py)
+            f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
+            f"{tensor_parallel_size} needs an unquantized checkpoint and quantization=None"
+        )
     if stored is not None:
         return _with_checkpoint(name, stored)
     if name in CPU_ONLY:
