@@ -8,12 +8,17 @@ medians are compared (this machine's speed swings between runs).
     python benchmarks/throughput.py                     # pagellm vs HF, 3 rounds
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
+    python benchmarks/throughput.py --num-requests 1 --max-num-seqs 1 --min-prompt 64 \
+        --max-prompt 64 --quantization gguf --peer unquantized   # batch 1: GGUF kept quantized
+                                                                  # vs dequantized float32
 
 GPU workloads (`--workload standard | fixed512 | batch1`, pagellm alone unless `--peer hf`):
 
     python benchmarks/throughput.py --workload standard --model qwen3-0.6b --load-format dummy
     python benchmarks/throughput.py --workload fixed512 --model qwen3-0.6b --load-format dummy
     python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy \
+        --quantization fp8
 
 `standard` is nano-vllm's bench.py, generated in its order: `random.seed(0)`; 256 prompts of
 `randint(100, 1024)` token ids each drawn with `randint(0, 10000)`; then 256
@@ -25,6 +30,9 @@ tokens each. `batch1` is one request of 128 random token ids and 512 output toke
 of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer hf` also runs
 HF transformers' `generate_batch` (continuous batching, paged attention) on the first
 `--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
+`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load; on the CPU
+`gguf` keeps the embedded GGUF's blocks quantized, the default dequantizes them), and
+`--peer unquantized` runs the same engine with `quantization="none"` beside it.
 
 `--tensor-parallel-size N` (`-tp N`) splits the model over N GPUs (N worker processes;
 `--distributed-executor-backend ray` for Ray actors), on any workload:
@@ -111,7 +119,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peer", choices=["hf", "inproc", "none"], default=None)
+    ap.add_argument("--peer", choices=["hf", "inproc", "unquantized", "none"], default=None)
+    ap.add_argument("--quantization", default=None, help="the engine's; default: its default")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
     ap.add_argument("--load-format", default="dummy", help="GPU workloads only")
@@ -155,7 +164,11 @@ def main() -> None:
         distributed_executor_backend=args.distributed_executor_backend,
     )
     llm = LLM(
-        dtype="float32", max_num_seqs=args.max_num_seqs, kv_cache_dtype=args.kv_cache_dtype, **tp
+        dtype="float32",
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        **tp,
     )
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
@@ -165,6 +178,9 @@ def main() -> None:
         os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "0"
         inproc = LLM(dtype="float32", max_num_seqs=args.max_num_seqs)
         runners["pagellm-inproc"] = lambda p: run_pagellm(inproc, p, args.max_tokens)
+    elif args.peer == "unquantized":
+        plain = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization="none")
+        runners["pagellm-unquantized"] = lambda p: run_pagellm(plain, p, args.max_tokens)
 
     for run in runners.values():  # warm-up, not timed
         run(prompts[:2])
@@ -180,6 +196,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
         "workload": workload_of(args),
+        "quantization": llm.llm_engine.config.model_config.quantization,
         "output_tok_s": {n: round(total_out / statistics.median(t), 1) for n, t in times.items()},
         "runs_s": {n: [round(x, 2) for x in t] for n, t in times.items()},
     }
@@ -219,6 +236,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

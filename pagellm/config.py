@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.quantization import resolve_quantization
 from pagellm.utils import cpu_bf16_units
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class EngineArgs:
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
+    quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -158,6 +160,7 @@ class ModelConfig:
     # from generation_config.json (pagellm/loader/generation_config.py)
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    quantization: str | None = None  # resolved: a pagellm.quantization method name, or None
 
     @classmethod
     def from_args(cls, args: EngineArgs, device: torch.device) -> ModelConfig:
@@ -177,6 +180,9 @@ class ModelConfig:
         generation = loader.load_generation_config(source, hf_config, args.generation_config)
         max_len = _resolve_max_model_len(hf_config, args.max_model_len)
         dtype = _resolve_dtype(args.dtype, hf_config, device)
+        quantization = resolve_quantization(
+            args.quantization, hf_config, source.kind, device, args.tensor_parallel_size
+        )
         return cls(
             model=source.name,
             source=source,
@@ -188,6 +194,7 @@ class ModelConfig:
             max_logprobs=args.max_logprobs,
             default_sampling_params=generation.sampling,
             eos_token_ids=generation.eos_token_ids,
+            quantization=quantization,
         )
 
     @property

@@ -44,3 +44,10 @@ def cpu_decode_kernel() -> bool:
     """PAGELLM_CPU_DECODE_KERNEL=0: CPU decodes gather their K/V and run SDPA instead of the
     C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""
     return _bool("PAGELLM_CPU_DECODE_KERNEL", True)
+
+
+def cpu_quant_max_rows() -> int:
+    """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the int4 /
+    int8 CPU kernels (`pagellm.quantization.cpu_int`; larger ones use the dequantized copy).
+    Default 4, where they stop beating float32 MKL."""
+    return int(os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS", "4"))

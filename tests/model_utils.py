@@ -98,13 +98,17 @@ def load_our_model(
     load_format: str = "auto",
     device: str = "cpu",
     attn_backend_cls: type | None = None,
+    quantization: str | None = None,
 ):
     """Our model for an HF folder, a .gguf file or a shipped config name (default: on the CPU,
-    with the torch attention backend)."""
+    with the torch attention backend; `quantization` as for `LLM`)."""
     from pagellm.config import EngineArgs, ModelConfig
     from pagellm.loader import load_model
 
-    args = EngineArgs(model=path, load_format=load_format, dtype=str(dtype).split(".")[1])
+    dtype_name = str(dtype).split(".")[1]
+    args = EngineArgs(
+        model=path, load_format=load_format, dtype=dtype_name, quantization=quantization
+    )
     model_config = ModelConfig.from_args(args, torch.device(device))
     backend = attn_backend_cls or TorchAttentionBackend
     return load_model(model_config, torch.device(device), backend)

@@ -35,6 +35,25 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
     return decode(raw.reshape(-1, _BLOCK_BYTES[tensor.qtype])).reshape(tensor.shape)
 
 
+def q4_parts(blocks: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks [n, 18 | 20] uint8 as (q uint8 [n, 32] in 0..15, d, m float32
+    [n, 1]) with w = q * d + m (Q4_0: m = -8 d)."""
+    if qtype == Q.Q4_0:
+        d = _half(blocks[:, :2])
+        return _nibbles(blocks[:, 2:]), d, d * -8.0
+    return _nibbles(blocks[:, 4:]), _half(blocks[:, :2]), _half(blocks[:, 2:4])
+
+
+def decode_blocks(blocks: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Blocks [n, bytes] of a torch-decoded format -> float32 [n, weights per block]."""
+    return _TORCH_DECODERS[qtype](blocks)
+
+
+def block_bytes(qtype: Q) -> int | None:
+    """Bytes of one 32-weight block of a torch-decoded format (None for the others)."""
+    return _BLOCK_BYTES.get(qtype)
+
+
 def _half(raw: torch.Tensor) -> torch.Tensor:
     # raw: [n, 2] uint8 -> [n, 1] float32
     return raw.contiguous().view(torch.float16).to(torch.float32)

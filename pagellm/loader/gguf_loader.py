@@ -7,7 +7,7 @@ interleaved one (pairs); `_unpermute` restores HF's order. Qwen2/Qwen3 files are
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,20 +115,25 @@ def _llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, path: st
     raise NotImplementedError(f"{path}: rope_freqs do not match a llama3 rope scaling")
 
 
-def gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight of the file, Q/K rows in HF order."""
+def gguf_weights(
+    gguf: GGUFFile, raw_names: Container[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every weight of the file, Q/K rows in HF order; the HF
+    names in `raw_names` come as their GGUF blocks instead (uint8 [rows, bytes per row]:
+    rows are whole blocks, so the Q/K row order is restored the same way)."""
     arch = gguf.get("general.architecture")
     heads = gguf.get(f"{arch}.attention.head_count")
     kv_heads = gguf.get(f"{arch}.attention.head_count_kv", heads)
     for name, tensor in gguf.tensors.items():
         if name in _NOT_WEIGHTS:
             continue
-        weight = dequantize(tensor)
+        name_hf = hf_name(name)
+        weight = torch.from_numpy(tensor.data) if name_hf in raw_names else dequantize(tensor)
         if arch == "llama" and ".attn_q." in name:
             weight = _unpermute(weight, heads)
         elif arch == "llama" and ".attn_k." in name:
             weight = _unpermute(weight, kv_heads)
-        yield hf_name(name), weight
+        yield name_hf, weight
 
 
 def gguf_shapes(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,11 +4,15 @@ rows), check the checkpoint's tensor names and shapes against it (headers only, 
 mismatch is a ValueError naming the file and the tensor before any weight reaches the device),
 then materialize its parameters from safetensors / .bin, GGUF or random (dummy) weights. Each
 rank reads only its part of each tensor: from safetensors, only those bytes; a `.bin` or GGUF
-tensor is read (dequantized) whole, one at a time, and then cut."""
+tensor is read (dequantized) whole, one at a time, and then cut. With a quantization method,
+its Linears are given their methods before loading and their quantized weights built after it
+(`pagellm/quantization/base.py`); the meta check is skipped then (quantized tensors have their
+method's shapes), and quantization runs on one rank only."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,9 +33,13 @@ from pagellm.loader.safetensors_loader import (
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
 from pagellm.models.weights import CheckpointTensor, check_loaded
+from pagellm.quantization import get_quant_config
 
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
+    from pagellm.quantization.base import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -40,16 +48,23 @@ def load_model(
     device = torch.device(device)
     dtype = model_config.dtype
     model_cls = get_model_cls(model_config.architecture)
+    quant = get_quant_config(model_config, device)
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(model_config.hf_config, attn_backend_cls)
+        if quant is not None:
+            count = quant.attach(model)
+            logger.info("quantization: %s, %d linear layers", quant.describe(), count)
     source = model_config.source
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         init_dummy_weights(model, device, dtype, std, model_config.seed)
     else:
-        check_checkpoint(model, source)
-        weights = _on(device, dtype, iter_weights(source))
+        if quant is None:
+            check_checkpoint(model, source)
+        weights = _on(device, dtype, iter_weights(source, quant), quant)
         check_loaded(model, model.load_weights(weights), source.path)
+    if quant is not None:
+        quant.process_weights_after_loading(model)
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)
 
 
@@ -82,23 +97,33 @@ def _shapes(source: ModelSource) -> Iterator[tuple[str, str, torch.Tensor]]:
         yield from checkpoint_shapes(checkpoint_files(source.path, source.load_format))
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+def iter_weights(
+    source: ModelSource, quant: QuantizationConfig | None = None
+) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor or safetensors slice) pairs of a gguf or hf source."""
     if source.kind == "gguf":
-        return gguf_weights(read_gguf(source.path))
+        return gguf_weights(read_gguf(source.path), getattr(quant, "raw_names", ()))
     if source.kind == "hf":
         return hf_folder_weights(checkpoint_files(source.path, source.load_format))
     raise ValueError(f"a {source.kind!r} model source has no weights to read")
 
 
 def _on(
-    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, Any]]
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: Iterable[tuple[str, Any]],
+    quant: QuantizationConfig | None = None,
 ) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Each tensor read (whole, or the part this rank holds) straight to device and dtype."""
+    """Each tensor read (whole, or the part this rank holds) straight to device and dtype, or
+    read whole as a quantization method prepares it (quantization runs on one rank only)."""
     for name, tensor in weights:
-        # fp8 KV scales stay float32
         kv_scale = checkpoint_kv_scale(name) is not None
-        yield name, CheckpointTensor(tensor, device, torch.float32 if kv_scale else dtype)
+        if quant is None or kv_scale:  # fp8 KV scales stay float32
+            yield name, CheckpointTensor(tensor, device, torch.float32 if kv_scale else dtype)
+            continue
+        tensor = quant.prepare_tensor(name, CheckpointTensor(tensor).read(), dtype)
+        if tensor is not None:
+            yield name, CheckpointTensor(tensor, device)
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from torch import nn
 from pagellm import envs
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
 from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
+from pagellm.quantization.base import LinearMethod, QuantizedWeight
 
 
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -97,9 +98,12 @@ def mkl_packing_is_batch_independent() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`)."""
+    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`) or a quantized one
+    (`quant_method`, `pagellm/quantization/base.py`): either is `packed_weight(x, bias)`.
+    A quantized layer runs on one rank and is loaded from whole checkpoint tensors."""
 
-    packed_weight: PackedWeight | None = None
+    packed_weight: PackedWeight | QuantizedWeight | None = None
+    quant_method: LinearMethod | None = None  # set before loading; builds packed_weight after
 
     def reset_parameters(self) -> None:
         """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
@@ -108,6 +112,8 @@ class Linear(nn.Linear):
 
     def prepack(self, batch_hint: int) -> None:
         """Keep only a packed copy of the weight (x86 CPUs; see the module doc)."""
+        if self.packed_weight is not None:  # quantized: already in its kernel's layout
+            return
         self.packed_weight = PackedWeight(self.weight, batch_hint)
         self.weight = None
 
@@ -132,8 +138,8 @@ class ColumnParallelLinear(Linear):
         self.part = part
         self.full_out_features = out_features
 
-    def checkpoint_slice(self, param_name: str) -> TensorSlice:
-        return self.part
+    def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
+        return None if self.quant_method else self.part
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         return (self.full_out_features, self.in_features)[: getattr(self, param_name).dim()]
@@ -183,12 +189,18 @@ class FusedLinear(Linear):
     ) -> None:
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor(tensor)
-        full = (self.full_rows[shard], self.in_features)[: getattr(self, param_name).dim()]
-        if tensor.shape != full:  # checked whole: a rank's slice of a wrong shape may fit
-            raise ValueError(f"{shard}.{param_name}: expected {full}, got {tensor.shape}")
-        rows = tensor.read(self.parts[shard])
+        if self.quant_method is None:  # a quantization method's tensors have their own shapes
+            full = (self.full_rows[shard], self.in_features)[: getattr(self, param_name).dim()]
+            if tensor.shape != full:  # checked whole: a rank's slice of a wrong shape may fit
+                raise ValueError(f"{shard}.{param_name}: expected {full}, got {tensor.shape}")
+        rows = tensor.read(None if self.quant_method else self.parts[shard])
         param = materialize(self, param_name, rows.device)
         start, end = self.shard_rows[shard]
+        if param.dim() and param.shape[0] != self.out_features:  # block scales: rows per block
+            block = -(-self.out_features // param.shape[0])
+            start, end = start // block, -(-end // block)
+        if rows.dim() == 0 and param.dim():  # a per-tensor scale fills its shard's rows
+            rows = rows.expand(param[start:end].shape)
         if rows.shape != param[start:end].shape:
             raise ValueError(
                 f"{shard}.{param_name}: expected {tuple(param[start:end].shape)}, "
@@ -247,7 +259,7 @@ class RowParallelLinear(Linear):
         self.adds_bias = tp.rank == 0
 
     def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
-        return None if param_name == "bias" else self.part
+        return None if param_name == "bias" or self.quant_method else self.part
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         if param_name == "bias":

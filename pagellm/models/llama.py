@@ -258,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_hint)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.packed_tied_head is None:  # None: not quantized
             self.packed_tied_head = PackedWeight(self.model.embed_tokens.weight, batch_hint)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

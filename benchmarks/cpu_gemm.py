@@ -1,0 +1,91 @@
+"""CPU GEMMs of the embedded SmolLM2-135M's projections per weight format, interleaved A/B
+(every format once per round, rounds repeated, medians): how `quantization="gguf" | "int4" |
+"int8"` was chosen and where its row limit (PAGELLM_CPU_QUANT_MAX_ROWS) comes from.
+
+    python benchmarks/cpu_gemm.py                       # M = 1, 2, 4, 8, 16; 1 thread
+    python benchmarks/cpu_gemm.py --rows 1 --threads 2
+
+Formats: float32 through MKL's packed sgemm (today's unquantized path), bfloat16 through
+oneDNN's packed layout, int4 (groups of 32) and int8 (per row) through torch's weight-only CPU
+kernels with bfloat16 activations, and int4 with float32 activations (the kernel's scalar
+path: why the activations are cast). One thread by default: on a shared machine a second
+thread mostly measures the neighbours. Ends with one JSON line (microseconds per GEMM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from pagellm.models.layers import PackedWeight
+from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}  # fmt: skip
+
+
+def formats(n: int, k: int) -> dict:
+    """name -> (fn(x), activation dtype) for one [n, k] weight."""
+    w = torch.randn(n, k) * 0.02
+    fp32, bf16 = PackedWeight(w, 256), PackedWeight(w.bfloat16(), 256)
+    q4, scale, low = quantize_int4(w, 32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
+    sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    sz_bf16 = sz.bfloat16()
+    q8, s8 = quantize_int8(w)
+    s8 = s8.bfloat16()
+    int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    return {
+        "fp32_mkl": (fp32, torch.float32),
+        "bf16_onednn": (bf16, torch.bfloat16),
+        "int4_bf16act": (lambda x: int4mm(x, packed, 32, sz_bf16), torch.bfloat16),
+        "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, q8, s8), torch.bfloat16),
+        "int4_fp32act": (lambda x: int4mm(x, packed, 32, sz), torch.float32),
+    }
+
+
+def measure(fn, x: torch.Tensor, seconds: float) -> float:
+    fn(x)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn(x)
+        reps += 1
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=0.05, help="per format per round")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    table = {}
+    for name, (n, k) in SHAPES.items():
+        cands = formats(n, k)
+        for m in args.rows:
+            xs = {f: torch.randn(m, k).to(dt) for f, (_, dt) in cands.items()}
+            times = {f: [] for f in cands}
+            for _ in range(args.rounds):  # A B C ... A B C ...
+                for f, (fn, _) in cands.items():
+                    if f == "int4_fp32act" and m > 1:
+                        continue  # scalar path: one row tells the story
+                    times[f].append(measure(fn, xs[f], args.seconds))
+            cell = {f: round(statistics.median(t), 1) for f, t in times.items() if t}
+            table[f"{name} M={m}"] = cell
+            print(f"{name:8s} M={m:<3d}" + "  ".join(f"{f} {v:8.1f}us" for f, v in cell.items()),
+                  flush=True)  # fmt: skip
+    print(json.dumps({
+        "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+        "threads": args.threads, "torch": torch.__version__, "us": table,
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Quantized weights: the `quantization=` names, resolved against the checkpoint and device
+(caller side, `resolve_quantization`), and built into a `QuantizationConfig` for the loader
+(EngineCore side, `get_quant_config`). Method modules are imported lazily.
+
+    None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
+                     `quantization_config`); otherwise unquantized (GGUF files too: "gguf"
+                     agrees with the dequantized path on 45% of 32-token greedy continuations
+                     of the embedded model, below the 90% a default needs; docs/benchmarks.md)
+    "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
+    "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py)
+    "int4", "int8"   weight-only int4 (groups of 32) / int8 (per row) on the CPU (cpu_int.py)
+                     these three need an x86 CPU with AVX512-BF16 (elsewhere torch's kernels
+                     run a scalar path slower than float32, for no memory saved: ValueError)
+    "fp8"            float8 e4m3 weights on CUDA: a bf16 checkpoint quantized at load, or an
+                     fp8 checkpoint as stored (fp8.py); fp8 checkpoints on the CPU are
+                     dequantized at load
+    "compressed-tensors"  an fp8 `float-quantized` compressed-tensors checkpoint (fp8.py)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pagellm.quantization.base import quant_config_dict
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagellm.quantization.base import QuantizationConfig
+
+QUANTIZATION_METHODS = {
+    "fp8": "pagellm.quantization.fp8:Fp8Config",
+    "compressed-tensors": "pagellm.quantization.fp8:Fp8Config",
+    "gguf": "pagellm.quantization.gguf_cpu:GGUFConfig",
+    "int4": "pagellm.quantization.cpu_int:CpuIntConfig",
+    "int8": "pagellm.quantization.cpu_int:CpuIntConfig",
+}
+NONE = "none"
+CPU_ONLY = ("gguf", "int4", "int8")
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quant_method values we load
+
+
+def resolve_quantization(
+    name: str | None,
+    hf_config: Any,
+    source_kind: str,
+    device: torch.device,
+    tensor_parallel_size: int = 1,
+) -> str | None:
+    """The method to use (a `QUANTIZATION_METHODS` key), or None; ValueError naming
+    `quantization` for a bad or impossible choice."""
+    if name is not None and name != NONE and name not in QUANTIZATION_METHODS:
+        choices = ", ".join([NONE, *QUANTIZATION_METHODS])
+        raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
+    stored = checkpoint_method(hf_config)
+    if tensor_parallel_size > 1 and (stored is not None or name not in (None, NONE)):
+        raise ValueError(  # quantized layers load whole tensors (pagellm/models/linear.py)
+            f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
+            f"{tensor_parallel_size} needs an unquantized checkpoint and quantization=None"
+        )
+    if stored is not None:
+        return _with_checkpoint(name, stored)
+    if name in CPU_ONLY:
+        _check_cpu_int(name, device)
+    if name == "gguf" and source_kind != "gguf":
+        raise ValueError(
+            "quantization='gguf' needs a GGUF file; to quantize this checkpoint on the CPU "
+            "use 'int4' or 'int8'"
+        )
+    if name in ("fp8", "compressed-tensors"):
+        return _fp8_at_load(name, device)
+    return None if name == NONE else name
+
+
+def checkpoint_method(hf_config: Any) -> str | None:
+    """The checkpoint's `quantization_config.quant_method` (ValueError if we cannot load it)."""
+    cfg = quant_config_dict(hf_config)
+    if not cfg:
+        return None
+    method = cfg.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"checkpoints quantized with quant_method={method!r} are not supported "
+            f"(supported: {', '.join(CHECKPOINT_METHODS)})"
+        )
+    return method
+
+
+def _with_checkpoint(name: str | None, stored: str) -> str | None:
+    if name in (None, stored, "fp8"):
+        return stored
+    if name == NONE:
+        return None  # the loader still reads the fp8 tensors, and dequantizes them
+    raise ValueError(
+        f"quantization={name!r} does not match the checkpoint's quant_method {stored!r}"
+    )
+
+
+def _fp8_at_load(name: str, device: torch.device) -> str:
+    if name == "compressed-tensors":
+        raise ValueError("quantization='compressed-tensors' needs a compressed-tensors checkpoint")
+    if device.type != "cuda":
+        raise ValueError(
+            "quantization='fp8' quantizes weights for CUDA GPUs with fp8 tensor cores; on the "
+            "CPU use 'int8' or 'int4' (fp8 checkpoints load on the CPU, dequantized)"
+        )
+    return name
+
+
+def _check_cpu_int(name: str, device: torch.device) -> None:
+    from pagellm.quantization.cpu_int import cpu_int_supported
+
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization={name!r} runs on the CPU only (torch's int4/int8 CPU kernels); "
+            "on CUDA use quantization='fp8'"
+        )
+    if not cpu_int_supported():
+        raise ValueError(
+            f"quantization={name!r} needs an x86 CPU with AVX512-BF16 (torch's int4/int8 "
+            "kernels are slower than float32 elsewhere); use quantization='none'"
+        )
+
+
+def get_quant_config(model_config: Any, device: torch.device) -> QuantizationConfig | None:
+    """The loader's `QuantizationConfig` for a resolved `model_config.quantization` (an fp8
+    checkpoint gets one even with None: its tensors are dequantized at load)."""
+    name = model_config.quantization
+    if name is None and checkpoint_method(model_config.hf_config) is not None:
+        name = "fp8"
+    if name is None:
+        return None
+    module, _, cls = QUANTIZATION_METHODS[name].partition(":")
+    return getattr(importlib.import_module(module), cls).from_model(model_config, device)

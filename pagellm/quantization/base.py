@@ -1,0 +1,124 @@
+"""The interface between a quantization method and the model: `QuantizationConfig` (one per
+model: which layers it quantizes and how) and `LinearMethod` (one per quantized `Linear`).
+
+A quantized layer runs through the attribute every `Linear` already checks on each call:
+`layer.packed_weight(x, bias)` (see `pagellm/models/layers.py`). The unquantized path is
+therefore unchanged, and every `Linear` subclass (fused, column- or row-parallel) is quantized
+by construction: the method sees the layer after this rank's part of each tensor is loaded.
+
+The life of a quantized layer:
+
+    built on `meta`            QuantizationConfig.attach(model) gives each Linear its method;
+                               `create_weights(layer)` replaces `layer.weight` by what the
+                               checkpoint holds (fp8 values + a scale tensor, GGUF blocks, ...)
+    checkpoint tensors loaded  by name, as for any parameter (`pagellm/models/weights.py`):
+                               fused projections write their row ranges, scales included
+    process_weights_after_loading(layer)
+                               turns them into the kernel's layout and sets
+                               `layer.packed_weight` (a `QuantizedWeight`); `layer.weight` is
+                               dropped
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from pagellm.models.layers import Linear
+
+
+class QuantizedWeight(ABC):
+    """A weight in a kernel's layout: `w(x, bias)` is `F.linear(x, dequantized weight, bias)`
+    up to the method's rounding. x: [T, in] -> [T, out] in x's dtype."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class LinearMethod(ABC):
+    """How one `Linear` is quantized. Stateless between layers; per-layer state lives on the
+    layer (its parameters) and in the `QuantizedWeight` it builds."""
+
+    def create_weights(self, layer: Linear) -> None:
+        """Replace or add `meta` parameters for the tensors a checkpoint will hand over
+        (called before loading). Default: keep the float weight (quantized after loading)."""
+        return None
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Build the layer's `QuantizedWeight` as `layer.packed_weight` from its loaded
+        parameters, and drop the parameters it no longer needs."""
+
+
+class QuantizationConfig(ABC):
+    """A quantization method for a whole model (one per `quantization=` name)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def linear_method(self, prefix: str, layer: Linear) -> LinearMethod | None:
+        """The method for the Linear named `prefix` (e.g. "model.layers.0.mlp.down_proj"), or
+        None to leave it unquantized."""
+
+    def tied_head_weight(self, embedding: torch.Tensor) -> QuantizedWeight | None:
+        """A quantized LM head made from the embedding it is tied to; None keeps it as is."""
+        return None
+
+    def prepare_tensor(
+        self, name: str, tensor: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """Checkpoint tensor `name` as its parameter takes it: float tensors in the model's
+        `dtype`, quantized values and their scales as the method wants them; None drops it."""
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def describe(self) -> str:
+        return self.name
+
+    def attach(self, model: nn.Module) -> int:
+        """Give each Linear of `model` (on `meta`) its method; return how many got one."""
+        from pagellm.models.layers import Linear
+
+        count = 0
+        for prefix, module in model.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            method = self.linear_method(prefix, module)
+            if method is not None:
+                module.quant_method = method
+                method.create_weights(module)
+                count += 1
+        return count
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if getattr(model, "tie_word_embeddings", False) and embed is not None:
+            model.packed_tied_head = self.tied_head_weight(embed.weight)
+
+
+def replace_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A fresh `meta` parameter `name` on `layer` (a checkpoint tensor will be loaded into it)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    setattr(layer, name, param)
+
+
+def drop_params(layer: nn.Module, *names: str) -> None:
+    """Free parameters the quantized weight replaced (`Linear.forward` never reads them)."""
+    for name in names:
+        if name in layer._parameters:
+            layer._parameters[name] = None
+
+
+def quant_config_dict(hf_config: Any) -> dict | None:
+    """The checkpoint's `quantization_config` as a dict (None when it has none)."""
+    cfg = getattr(hf_config, "quantization_config", None)
+    if cfg is None or isinstance(cfg, dict):
+        return cfg
+    return cfg.to_dict()

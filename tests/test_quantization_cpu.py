@@ -1,0 +1,246 @@
+"""Quantized weights on the CPU: torch's int4 / int8 kernels against dequantized reference
+matmuls (their zero-point convention, bfloat16 scales and activations), GGUF Q4_0 / Q4_1
+blocks mapped exactly, the dispatch by row count, a quantized model's logits against the
+same model dequantized, and which `quantization` values are accepted where."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from model_utils import load_our_model, make_tiny_hf_model, write_tiny_gguf
+
+from pagellm import EngineArgs
+from pagellm.loader.dequant import decode_blocks, dequantize, q4_parts
+from pagellm.loader.gguf_file import GGUFTensor
+from pagellm.quantization import cpu_int, resolve_quantization
+from pagellm.quantization.cpu_int import (
+    CpuQuantizedWeight,
+    dequantize_int4,
+    int4_scales_zeros,
+    int4_weight,
+    int8_weight,
+    quantize_int4,
+    quantize_int8,
+)
+
+Q = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+needs_int_kernels = pytest.mark.skipif(
+    not cpu_int.cpu_int_supported(), reason="quantization='int4' / 'gguf' need AVX512-BF16"
+)
+
+
+def _bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with x rounded to bfloat16 (what the int kernels see), in float32."""
+    return x.bfloat16().float() @ w.t()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    err = (got.float() - want).abs().max().item()
+    assert err <= rel * want.abs().max().item(), (err, want.abs().max().item())
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def test_int4_kernel_zero_point_convention():
+    """w = q * d + m (Q4_1's form) is scale d, zero m + 8 d: the kernel computes
+    (q - 8) * scale + zero, with scale and zero rounded to bfloat16."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 96, 128
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 0.001
+    m = -torch.rand(n, k // 32, generator=gen) * 0.1
+    exact = dequantize_int4(q, d, m)
+    weight = int4_weight(q, d, m, exact)
+    x = torch.randn(3, k, generator=gen)
+    sz = int4_scales_zeros(d, m).float().transpose(0, 1)  # [N, K / 32, 2] as the kernel has it
+    as_rounded = ((q.view(n, -1, 32).float() - 8) * sz[..., :1] + sz[..., 1:]).view(n, k)
+    _close(weight(x), _bf16_matmul(x, as_rounded), 1e-2)  # bf16 output rounding
+    _close(weight(x), x @ exact.t(), 3e-2)  # plus the bf16 scales / activations
+
+
+def test_int4_quantize_round_trip():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=gen)
+    q, scale, low = quantize_int4(w, 32)
+    assert q.min() >= 0 and q.max() <= 15
+    err = (dequantize_int4(q, scale, low) - w).abs().view(64, 3, 32)
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+    x = torch.randn(2, 96, generator=gen)
+    deq = dequantize_int4(q, scale, low)
+    _close(int4_weight(q, scale, low, deq)(x), x @ deq.t(), 3e-2)
+
+
+def test_int8_round_trip_and_kernel():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(80, 64, generator=gen)
+    q, scale = quantize_int8(w)
+    deq = q.float() * scale[:, None]
+    assert ((deq - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+    x = torch.randn(4, 64, generator=gen)
+    _close(int8_weight(q, scale, torch.float32)(x), x @ deq.t(), 1e-2)
+
+
+def test_rows_are_independent_and_large_batches_use_the_dense_copy():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 64, generator=gen)
+    q, scale, low = quantize_int4(w, 32)
+    deq = dequantize_int4(q, scale, low)
+    weight = int4_weight(q, scale, low, deq)
+    assert isinstance(weight, CpuQuantizedWeight) and weight.max_rows == 4
+    x = torch.randn(5, 64, generator=gen)
+    four = weight(x[:4])
+    assert torch.equal(four[2:3], weight(x[2:3]))  # a row's result does not depend on M
+    assert not torch.allclose(four, x[:4] @ deq.t(), rtol=0, atol=1e-6)  # bf16 activations
+    bias = torch.randn(64, generator=gen)
+    torch.testing.assert_close(weight(x, bias), F.linear(x, deq, bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
+def test_gguf_blocks_map_exactly(qtype):
+    """q4_parts' (q, d, m) give back the dequantized weights bit for bit."""
+    x = np.random.default_rng(4).standard_normal((16, 64)).astype(np.float32)
+    data = gguf.quants.quantize(x, qtype)
+    blocks = torch.from_numpy(data).reshape(-1, data.shape[1] // 2)
+    q, d, m = q4_parts(blocks, qtype)
+    ref = dequantize(GGUFTensor("w", qtype, x.shape, data)).view(-1, 32)
+    assert torch.equal(q.float() * d + m, ref) or qtype == Q.Q4_0  # Q4_0: (q - 8) * d
+    torch.testing.assert_close(q.float() * d + m, ref, rtol=0, atol=1e-6)
+    assert torch.equal(decode_blocks(blocks, qtype), ref)
+
+
+# ---------------------------------------------------------------- models
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    """A tiny llama as Q4_1 and as Q8_0 GGUF files, and its HF folder."""
+    tmp = tmp_path_factory.mktemp("quant")
+    folder = make_tiny_hf_model("llama", tmp, std=0.3)
+    paths = {qt: write_tiny_gguf(folder, str(tmp / f"{qt}.gguf"), qt) for qt in ("Q4_1", "Q8_0")}
+    return folder, paths
+
+
+def _decode_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of each position, one token per step (batch-1 decode: the int kernels)."""
+    from model_utils import PagedRunner
+
+    runner = PagedRunner(model)
+    runner.add(0, ids)
+    return torch.cat([runner.step([(0, 1)])[0] for _ in ids])
+
+
+@needs_int_kernels
+@pytest.mark.parametrize(("qtype", "quantization", "kind"), [
+    ("Q4_1", "gguf", "GGUFBlocksMethod"),
+    ("Q8_0", "gguf", "FloatToIntMethod"),
+    ("Q4_1", "int8", "FloatToIntMethod"),
+])  # fmt: skip
+def test_quantized_model_logits_close_to_dequantized(tiny_ggufs, qtype, quantization, kind):
+    path = tiny_ggufs[1][qtype]
+    ref = load_our_model(path, quantization="none")
+    model = load_our_model(path, quantization=quantization)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert type(qkv.quant_method).__name__ == kind
+    assert isinstance(qkv.packed_weight, CpuQuantizedWeight) and qkv.weight is None
+    assert isinstance(model.lm_head.packed_weight, CpuQuantizedWeight)
+    ids = [5, 77, 301, 12, 9, 400]
+    want, got = _decode_logits(ref, ids), _decode_logits(model, ids)
+    tol = 0.05 if quantization == "gguf" and qtype == "Q4_1" else 0.1  # int8 is requantized
+    _close(got, want, tol)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+@needs_int_kernels
+def test_tied_head_is_quantized(tmp_path):
+    """`int4` on an HF checkpoint: the tied LM head is the embedding quantized to int4."""
+    folder = make_tiny_hf_model("llama", tmp_path, std=0.3, tie_word_embeddings=True)
+    model = load_our_model(folder, quantization="int4")
+    head = model.packed_tied_head
+    assert isinstance(head, CpuQuantizedWeight)
+    model.prepack_cpu_weights(batch_hint=8)  # keeps it
+    assert model.packed_tied_head is head
+    deq = dequantize_int4(*quantize_int4(model.model.embed_tokens.weight, 32))
+    x = torch.randn(2, deq.shape[1])
+    _close(model.compute_logits(x), x @ deq.t(), 2e-2)
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_default_keeps_gguf_dequantized(monkeypatch):
+    """No quantized default: "gguf" agrees with the dequantized path on 45% of the embedded
+    model's 32-token greedy continuations (docs/benchmarks.md), below the 90% a default needs."""
+    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
+    assert resolve_quantization(None, None, "gguf", CPU) is None
+    assert resolve_quantization(None, None, "hf", CPU) is None
+    assert resolve_quantization("none", None, "gguf", CPU) is None
+    assert EngineArgs(device="cpu").create_engine_config().model_config.quantization is None
+
+
+def test_int_methods_only_where_the_cpu_runs_the_int_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
+    assert resolve_quantization("gguf", None, "gguf", CPU) == "gguf"
+    assert resolve_quantization("int4", None, "hf", CPU) == "int4"
+    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: False)
+    for name in ("gguf", "int4", "int8"):
+        with pytest.raises(ValueError, match=f"quantization='{name}' needs an x86 CPU"):
+            resolve_quantization(name, None, "gguf", CPU)
+    assert resolve_quantization("none", None, "gguf", CPU) is None
+
+
+def test_cpu_int_supported_probes_the_cpu(monkeypatch):
+    monkeypatch.setattr(cpu_int.platform, "machine", lambda: "aarch64")
+    assert not cpu_int.cpu_int_supported()
+    monkeypatch.setattr(cpu_int.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert not cpu_int.cpu_int_supported()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert cpu_int.cpu_int_supported()
+
+
+@pytest.mark.parametrize(("name", "kind", "device", "message"), [
+    ("int3", "hf", "cpu", "quantization must be None or one of"),
+    ("GGUF", "gguf", "cpu", "quantization must be None or one of"),
+    ("gguf", "hf", "cpu", "needs a GGUF file"),
+    ("int4", "hf", "cuda", "runs on the CPU only"),
+    ("fp8", "hf", "cpu", "on the CPU use 'int8' or 'int4'"),
+    ("compressed-tensors", "hf", "cuda", "needs a compressed-tensors checkpoint"),
+])  # fmt: skip
+def test_bad_quantization_values(name, kind, device, message, monkeypatch):
+    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)  # the other checks
+    with pytest.raises(ValueError, match=message):
+        resolve_quantization(name, None, kind, torch.device(device))
+
+
+def test_quantization_runs_on_one_rank():
+    with pytest.raises(ValueError, match="quantization='fp8' runs on one rank"):
+        resolve_quantization("fp8", None, "hf", torch.device("cuda"), tensor_parallel_size=2)
+    assert resolve_quantization(None, None, "hf", CPU, tensor_parallel_size=2) is None
+
+
+def test_engine_args_reject_bad_quantization(tiny_ggufs, monkeypatch):
+    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(model=tiny_ggufs[0], quantization="awq", device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF file"):
+        EngineArgs(model=tiny_ggufs[0], quantization="gguf", device="cpu").create_engine_config()
+
+
+def test_cli_flag_reaches_engine_args():
+    import argparse
+
+    from pagellm.cli import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).quantization is None
+    args = engine_args_from(parser.parse_args(["--quantization", "fp8"]))
+    assert args.quantization == "fp8"
+    with pytest.raises(ValueError, match="quantization='fp8' quantizes weights for CUDA"):
+        args.create_engine_config()  # the embedded GGUF on the CPU
