@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
 import time
 import typing
-
-from pagellm import envs
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -191,13 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=envs.log_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
+    from pagellm.logger import setup_logging
+
     setup_logging()
     ns = build_parser().parse_args(argv)
     try:

@@ -52,6 +52,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     served_model_name: str | None = None
     disable_log_stats: bool = False
+    log_stats_interval: float = 10.0  # seconds between two stats lines in the log
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
@@ -107,6 +108,7 @@ class EngineArgs:
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
             log_stats=not self.disable_log_stats,
+            log_stats_interval=self.log_stats_interval,
             reasoning_parser=self.reasoning_parser,
         )
 
@@ -248,6 +250,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
+    log_stats_interval: float = 10.0  # seconds between two stats lines (caller side)
     reasoning_parser: str | None = None  # structured outputs start after the thinking
 
     def to_wire(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from pagellm.engine.core_client import EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
 from pagellm.engine.protocol import SchedulerStats
+from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class AsyncLLM:
         self.output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.last_stats: SchedulerStats | None = None
+        self.stat_logger = StatLogger(config.log_stats_interval, config.device)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -103,6 +105,7 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
+                    self.stat_logger.record(outputs.scheduler_stats)
                 _, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
                 if reqs_to_abort:
                     await self.engine_core.abort_requests_async(reqs_to_abort)

@@ -162,7 +162,7 @@ def _send_failure(sock: zmq.Socket, message: list[str]) -> None:
 
 
 def main() -> None:
-    from pagellm.cli import setup_logging
+    from pagellm.logger import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, even while waiting
     setup_logging()

@@ -15,6 +15,7 @@ from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
 from pagellm.engine.protocol import SchedulerStats
+from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class LLMEngine:
         self.engine_core = engine_core
         self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
         self.last_stats: SchedulerStats | None = None
+        self.stat_logger = StatLogger(config.log_stats_interval, config.device)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -70,6 +72,7 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+            self.stat_logger.record(outputs.scheduler_stats)
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(reqs_to_abort)
         for out in request_outputs:

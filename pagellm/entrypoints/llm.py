@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from pagellm.config import EngineArgs
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.logger import ensure_library_logging
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -28,6 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        ensure_library_logging()  # the stats line and start-up lines reach a plain script
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
 
