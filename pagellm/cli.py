@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import typing
@@ -30,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine arguments (the same as LLM(...) keyword arguments)")
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
+        if f.name in ("model", "trace"):  # trace: --trace FILE (generate), --trace-dir (serve)
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
@@ -48,7 +49,8 @@ def _scalar_type(hint: typing.Any) -> type:
 def engine_args_from(ns: argparse.Namespace):
     from pagellm.config import EngineArgs
 
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    fields = dataclasses.fields(EngineArgs)
+    return EngineArgs(**{f.name: getattr(ns, f.name, f.default) for f in fields})
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +68,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--trace", default=None, metavar="FILE", help=_TRACE_HELP)
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
@@ -125,10 +128,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    p.add_argument("--trace-dir", default=None, metavar="DIR", help=_TRACE_DIR_HELP)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
 
+_TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
+_TRACE_DIR_HELP = "write a request-journey trace (journey-PID.json) in DIR at shutdown"
 _MODEL_HELP = "HF folder, .gguf file or shipped config name; none: the embedded SmolLM2"
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -140,6 +146,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         print(f"pagellm serve needs the server extra (pip install 'pagellm[server]'): {e}")
         return 2
     ns.model = ns.model_tag or ns.model
+    if ns.trace_dir is not None:
+        os.makedirs(ns.trace_dir, exist_ok=True)
+        ns.trace = os.path.join(ns.trace_dir, f"journey-{os.getpid()}.json")
     chat_options = {
         "tool_call_parser": ns.tool_call_parser,
         "enable_auto_tool_choice": ns.enable_auto_tool_choice,
@@ -178,6 +187,22 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     serve_parser.set_defaults(func=serve.main)
 
 
+def _trace_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="read a request-journey trace")
+    trace_sub = p.add_subparsers(dest="trace_command", required=True)
+    summarize = trace_sub.add_parser("summarize", help="walk one request through its boundaries")
+    summarize.add_argument("file", help="a trace written by --trace / LLM(trace=...)")
+    summarize.add_argument("--request-id", default=None, help="default: the first request")
+    summarize.set_defaults(func=run_trace_summarize)
+
+
+def run_trace_summarize(ns: argparse.Namespace) -> int:
+    from pagellm.tracing import summarize
+
+    print(summarize(ns.file, ns.request_id))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
+    _trace_parser(sub)
     return parser
 
 

@@ -53,6 +53,8 @@ class EngineArgs:
     served_model_name: str | None = None
     disable_log_stats: bool = False
     log_stats_interval: float = 10.0  # seconds between two stats lines in the log
+    trace: str | None = None  # write a request-journey trace here (pagellm/tracing.py)
+    trace_kv: str | None = None  # with trace: dump this request's block table, slot mapping
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
@@ -109,6 +111,8 @@ class EngineArgs:
             ),
             log_stats=not self.disable_log_stats,
             log_stats_interval=self.log_stats_interval,
+            trace=self.trace,
+            trace_kv=self.trace_kv,
             reasoning_parser=self.reasoning_parser,
         )
 
@@ -251,6 +255,8 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
     log_stats_interval: float = 10.0  # seconds between two stats lines (caller side)
+    trace: str | None = None  # the journey trace's file (caller side); None: no tracing
+    trace_kv: str | None = None  # a request id whose paging the trace dumps
     reasoning_parser: str | None = None  # structured outputs start after the thinking
 
     def to_wire(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pagellm.engine.protocol import SchedulerStats
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.tracing import trace_caller
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = StatLogger(config.log_stats_interval, config.device)
+        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -126,6 +128,8 @@ class AsyncLLM:
         if self.output_handler is not None:
             self.output_handler.cancel()
         self.engine_core.shutdown()
+        if self.tracer is not None:
+            self.tracer.write(self.config.trace)
 
 
 def _with_children(ids: list[str], states: dict) -> list[str]:

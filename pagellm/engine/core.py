@@ -28,6 +28,7 @@ from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.tracing import trace_core
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 from pagellm.worker.model_runner import ModelRunner
 
@@ -58,6 +59,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self.tracer = trace_core(self, config.trace_kv) if config.trace else None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -36,6 +36,7 @@ from pagellm.engine.protocol import (
     EngineCoreRequestType,
     UtilityOutput,
 )
+from pagellm.tracing import trace_input_queue
 
 logger = logging.getLogger("pagellm.engine.core_proc")
 
@@ -46,6 +47,8 @@ class EngineCoreProc(EngineCore):
     def __init__(self, config: EngineConfig, ctx: zmq.Context, input_path: str) -> None:
         super().__init__(config)
         self.input_queue: queue.Queue = queue.Queue()
+        if self.tracer is not None:
+            trace_input_queue(self.tracer, self.input_queue)
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
         self.input_path = input_path

@@ -18,6 +18,7 @@ from pagellm.engine.protocol import SchedulerStats
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+from pagellm.tracing import trace_caller
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class LLMEngine:
         self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = StatLogger(config.log_stats_interval, config.device)
+        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -91,3 +93,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.tracer is not None:
+            self.tracer.write(self.config.trace)

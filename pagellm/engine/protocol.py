@@ -71,6 +71,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = 0.0
     # the reply to a utility call (call_id, result) travels on the output channel too
     utility_output: UtilityOutput | None = None
+    trace_events: list[dict[str, Any]] | None = None  # the core's journey trace (tracing.py)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
