@@ -86,16 +86,16 @@ class Tracer:
 
 
 def _wrap(obj: Any, name: str, around) -> None:
-    """obj.name = a wrapper calling around(original, *args) (a coroutine for a coroutine)."""
+    """obj.name = a wrapper calling around(original, ...) (a coroutine for a coroutine)."""
     original = getattr(obj, name)
     if inspect.iscoroutinefunction(original):
 
-        async def wrapper(*args):
-            return await around(original, *args)
+        async def wrapper(*args, **kwargs):
+            return await around(original, *args, **kwargs)
     else:
 
-        def wrapper(*args):
-            return around(original, *args)
+        def wrapper(*args, **kwargs):
+            return around(original, *args, **kwargs)
 
     setattr(obj, name, functools.wraps(original)(wrapper))
 
@@ -112,9 +112,9 @@ def trace_caller(engine: Any) -> Tracer:
 
 
 def _trace_inputs(tracer: Tracer, engine: Any) -> None:
-    def process_inputs(original, request_id, *args):
+    def process_inputs(original, request_id, *args, **kwargs):
         start = now_us()
-        prompt, request = original(request_id, *args)
+        prompt, request = original(request_id, *args, **kwargs)
         tracer.span(
             "input_processing", start, request_id, num_prompt_tokens=len(request.prompt_token_ids)
         )
