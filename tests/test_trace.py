@@ -190,3 +190,31 @@ def test_tracing_off_wraps_nothing(llm):
                       (engine.input_processor, "process_inputs"),
                       (engine.output_processor, "_detokenize")]:  # fmt: skip
         assert name not in vars(obj)  # the class's own method: no wrapper on the hot path
+
+
+def test_async_engine_traces_the_same_boundaries(tmp_path):
+    """The server's engine (AsyncLLM): its coroutine boundaries are traced the same way."""
+    import asyncio
+
+    from pagellm.config import EngineArgs
+    from pagellm.engine.async_llm import AsyncLLM
+
+    path = str(tmp_path / "server.json")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=128,
+                                                      trace=path))  # fmt: skip
+        try:
+            for i, prompt in enumerate(PROMPTS[:2]):
+                async for _ in engine.generate(prompt, params, f"r{i}", priority=0):
+                    pass
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    events = load_events(path)
+    for request_id in ("r0", "r1"):
+        names = _names(request_events(events, request_id))
+        assert names[:4] == ARRIVAL and names[-1] == "request_output"
+        assert [names.count(n) for n in STEP] == [2] * len(STEP)  # two tokens, two steps
