@@ -116,6 +116,7 @@ def parse_args() -> argparse.Namespace:
         help="GPU workloads only; default: the engine's (on for CUDA)",
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
+    ap.add_argument("--trace", default=None, help="record a journey trace there (its overhead)")
     args = ap.parse_args()
     gpu = args.workload != "cpu"
     args.peer = args.peer or ("none" if gpu else "hf")
@@ -142,7 +143,7 @@ def main() -> None:
 
     prompts = make_requests(args.num_requests, args.min_prompt, args.max_prompt, seed=0)
     total_out = args.num_requests * args.max_tokens
-    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs)
+    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, trace=args.trace)
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
         hf = load_hf()
@@ -174,6 +175,7 @@ def main() -> None:
         a, b = (result["output_tok_s"][n] for n in names)
         result["ratio"] = round(a / b, 2)
         print(f"{names[0]} / {names[1]}: {result['ratio']}x (medians)")
+    llm.shutdown()  # writes the trace, if one was asked for
     print(json.dumps(result))
 
 
@@ -204,6 +206,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        trace=args.trace,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
