@@ -77,17 +77,3 @@ class AttentionBackend(ABC):
         metadata: Any,  # what build_metadata returned
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache, then attend."""
-
-
-def get_attn_backend_cls(device: torch.device | str) -> type[AttentionBackend]:
-    """The torch backend on CPU; the Triton backend on CUDA (imported lazily)."""
-    if torch.device(device).type == "cuda":
-        try:
-            from pagellm.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend
-        except ImportError:
-            pass
-    from pagellm.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from pagellm import envs
-from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
+from pagellm.attention.base import CommonAttentionMetadata
+from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.kernels.compile_ahead import compile_ahead
