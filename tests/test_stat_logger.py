@@ -8,8 +8,8 @@ import pytest
 from conftest import PROMPTS
 
 from pagellm import SamplingParams
-from pagellm.engine.protocol import SchedulerStats
 from pagellm.engine.stat_logger import StatLogger
+from pagellm.protocol import SchedulerStats
 
 
 def test_line_reports_the_interval_throughputs():

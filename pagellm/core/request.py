@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from pagellm.engine.protocol import EngineCoreRequest, FinishReason
+from pagellm.protocol import EngineCoreRequest, FinishReason
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

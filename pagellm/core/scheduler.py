@@ -45,7 +45,7 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.engine.protocol import (
+from pagellm.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     SchedulerStats,

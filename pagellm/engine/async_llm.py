@@ -16,9 +16,9 @@ from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.core_client import EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
-from pagellm.engine.protocol import SchedulerStats
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
+from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
 from pagellm.tracing import trace_caller
 

@@ -26,7 +26,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagellm.protocol import EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tracing import trace_core
 from pagellm.worker.async_output import AsyncModelRunnerOutput

@@ -28,7 +28,7 @@ import zmq
 
 from pagellm.config import EngineConfig
 from pagellm.engine.core import EngineCore
-from pagellm.engine.protocol import (
+from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from pagellm.config import ModelConfig
-from pagellm.engine.protocol import EngineCoreRequest
+from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}

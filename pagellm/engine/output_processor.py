@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.outputs import (
     CompletionOutput,
     Logprob,
@@ -22,6 +21,7 @@ from pagellm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pagellm.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.sampling_params import RequestOutputKind
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pagellm.engine.protocol import SchedulerStats
+from pagellm.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
