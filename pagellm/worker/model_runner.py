@@ -39,9 +39,10 @@ from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
-from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
+from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.step_inputs import StepInputs, pad_decode
 
 logger = logging.getLogger(__name__)
 
