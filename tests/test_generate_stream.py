@@ -67,3 +67,16 @@ def test_leaving_the_stream_early_aborts_the_rest_and_frees_their_blocks(llm):
     # the engine carries on: a later generate() is unaffected
     again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert len(again[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_leaving_early_aborts_every_child_of_an_n_request(llm):
+    params = _with_kind(RequestOutputKind.DELTA, max_tokens=400, n=3, temperature=0.8, seed=1)
+    for _out in llm.generate_stream(SOME[:1], params):
+        break
+    del _out
+    assert _kv_usage(llm) == 0
+    assert llm.llm_engine.output_processor.parents == {}
+    assert not llm.llm_engine.has_unfinished_requests()
+    done = list(llm.generate_stream(SOME[:1], _with_kind(RequestOutputKind.FINAL_ONLY, n=2)))
+    assert len(done) == 1 and len(done[0].outputs) == 2
+    assert llm.llm_engine.output_processor.parents == {}  # a finished parent is forgotten

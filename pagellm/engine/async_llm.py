@@ -88,7 +88,6 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        ids = _with_children(ids, self.output_processor.request_states)
         to_abort = self.output_processor.abort_requests(ids)
         if to_abort and self.dead_error is None:
             await self.engine_core.abort_requests_async(to_abort)
@@ -123,6 +122,7 @@ class AsyncLLM:
             if state.queue is not None:
                 state.queue.put_nowait(error)
         self.output_processor.request_states.clear()
+        self.output_processor.parents.clear()
 
     def shutdown(self) -> None:
         if self.output_handler is not None:
@@ -130,13 +130,3 @@ class AsyncLLM:
         self.engine_core.shutdown()
         if self.tracer is not None:
             self.tracer.write(self.config.trace)
-
-
-def _with_children(ids: list[str], states: dict) -> list[str]:
-    out = []
-    for rid in ids:
-        if rid in states:
-            out.append(rid)
-        else:  # n > 1: the user's id names the parent of "{i}_{id}" children
-            out.extend(s for s, st in states.items() if st.parent and st.parent.request_id == rid)
-    return out

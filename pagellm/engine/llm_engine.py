@@ -32,7 +32,6 @@ class LLMEngine:
         self.input_processor = InputProcessor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
-        self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = StatLogger(config.log_stats_interval, config.device)
         self.tracer = trace_caller(self) if config.trace else None
@@ -58,16 +57,12 @@ class LLMEngine:
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
-        children = fan_out(request)
-        if len(children) > 1:
-            self.children[request_id] = [child.request_id for child, _, _ in children]
-        for child, parent, index in children:
+        for child, parent, index in fan_out(request):
             self.output_processor.add_request(prompt_text, child, parent, index)
             self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [child for rid in ids for child in self.children.pop(rid, [rid])]
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
 
     def step(self) -> list[RequestOutput]:
@@ -77,9 +72,6 @@ class LLMEngine:
             self.stat_logger.record(outputs.scheduler_stats)
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(reqs_to_abort)
-        for out in request_outputs:
-            if out.finished:
-                self.children.pop(out.request_id, None)
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:
