@@ -53,20 +53,58 @@ def engine_args_from(ns: argparse.Namespace):
     return EngineArgs(**{f.name: getattr(ns, f.name, f.default) for f in fields})
 
 
+# SamplingParams fields that are flags: name -> (dest, argparse keywords); --seed is the engine's
+def _sampling_flags() -> dict[str, tuple[str, dict]]:
+    from pagellm.sampling_params import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    flags = {}
+    for name in SamplingParams.__struct_fields__:
+        kwargs = _flag_kwargs(hints[name])
+        if kwargs is not None:
+            flags[name] = ("sampling_seed" if name == "seed" else name, kwargs)
+    return flags
+
+
+def _flag_kwargs(hint: typing.Any) -> dict | None:
+    """argparse keywords for a field's type: a scalar, a bool, or a list (a repeatable flag);
+    None for what a flag cannot spell (dicts, enums, nested structs)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if args == [bool]:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(args) == 1 and args[0] in (int, float, str):
+        return {"type": args[0]}
+    lists = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is list]
+    if lists and lists[0] in (int, str):
+        return {"action": "append", "type": lists[0], "help": "repeatable"}
+    return None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict[str, typing.Any]) -> None:
+    """One flag per SamplingParams field a flag can spell (`defaults` overrides its default)."""
+    from pagellm.sampling_params import SamplingParams
+
+    group = parser.add_argument_group("sampling arguments (the SamplingParams fields)")
+    base = SamplingParams()
+    for name, (dest, kwargs) in _sampling_flags().items():
+        default = None if kwargs.get("action") == "append" else getattr(base, name)
+        default = defaults.get(name, default)
+        flag = "--" + dest.replace("_", "-")
+        group.add_argument(flag, dest=dest, default=default, **kwargs)
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagellm.sampling_params import SamplingParams
+
+    flags = _sampling_flags()
+    return SamplingParams(**{name: getattr(ns, dest) for name, (dest, _) in flags.items()})
+
+
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (default: built-in ones)")
     p.add_argument("prompts", nargs="*", help="prompts; none: a few built-in prompts")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or shipped config name")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    add_sampling_args(p, {"max_tokens": 64, "temperature": 0.0})
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--trace", default=None, metavar="FILE", help=_TRACE_HELP)
     add_engine_args(p)
@@ -74,23 +112,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    from pagellm import SamplingParams
     from pagellm.entrypoints.llm import LLM
 
-    args = dataclasses.asdict(engine_args_from(ns))
-    llm = LLM(**args)
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        repetition_penalty=ns.repetition_penalty,
-        frequency_penalty=ns.frequency_penalty,
-        presence_penalty=ns.presence_penalty,
-        seed=ns.sampling_seed,
-        ignore_eos=ns.ignore_eos,
-        stop=ns.stop,
-    )
+    params = sampling_params_from(ns)  # bad values fail here, before the engine starts
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     prompts = ns.prompts or DEFAULT_PROMPTS
     start = time.perf_counter()
     if ns.chat or not ns.prompts:  # the built-in prompts are questions for the chat model
