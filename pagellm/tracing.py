@@ -23,6 +23,7 @@ import functools
 import inspect
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -35,9 +36,11 @@ def now_us() -> float:
 
 
 class Tracer:
-    """One process's trace events, as Chrome-trace dicts."""
+    """One process's trace events, as Chrome-trace dicts. Thread-safe: the core's input
+    socket thread stamps arrivals while the loop drains events into a step's outputs."""
 
     def __init__(self, process_name: str) -> None:
+        self.lock = threading.Lock()
         self.pid = os.getpid()
         self.events: list[dict[str, Any]] = []
         self.tids: dict[str, int] = {}
@@ -68,15 +71,18 @@ class Tracer:
     def _add(self, name, ph, ts, request_id, args, **extra) -> dict[str, Any]:
         if request_id is not None:
             args["request_id"] = request_id
-        event = {"name": name, "ph": ph, "ts": ts, "pid": self.pid, "tid": self.tid(request_id)}
-        if ph == "i":
-            event["s"] = "t"  # an instant on its own track
-        event = {**event, **extra, "args": args}
-        self.events.append(event)
+        with self.lock:
+            tid = self.tid(request_id)
+            event = {"name": name, "ph": ph, "ts": ts, "pid": self.pid, "tid": tid}
+            if ph == "i":
+                event["s"] = "t"  # an instant on its own track
+            event = {**event, **extra, "args": args}
+            self.events.append(event)
         return event
 
     def drain(self) -> list[dict[str, Any]]:
-        events, self.events = self.events, []
+        with self.lock:
+            events, self.events = self.events, []
         return events
 
     def write(self, path: str) -> None:
