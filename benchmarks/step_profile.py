@@ -174,7 +174,7 @@ def kernel_table(llm, prompts: list[list[int]], temperature: float) -> None:
     from pagellm import SamplingParams
 
     engine = llm.llm_engine
-    runner = engine.engine_core.engine_core.model_runner
+    runner = engine.engine_core.engine_core.model_executor.model_runner
     runner.graphs = None  # eager: every kernel shows in the table
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)

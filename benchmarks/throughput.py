@@ -26,6 +26,11 @@ of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer h
 HF transformers' `generate_batch` (continuous batching, paged attention) on the first
 `--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
 
+`--tensor-parallel-size N` (`-tp N`) splits the model over N GPUs (N worker processes;
+`--distributed-executor-backend ray` for Ray actors), on any workload:
+
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-70b -tp 2
+
 The last line is one JSON object with every number.
 """
 
@@ -117,6 +122,8 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
     ap.add_argument("--trace", default=None, help="record a journey trace there (its overhead)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default=None, help="mp | ray (None: mp)")
     args = ap.parse_args()
     gpu = args.workload != "cpu"
     args.peer = args.peer or ("none" if gpu else "hf")
@@ -143,7 +150,11 @@ def main() -> None:
 
     prompts = make_requests(args.num_requests, args.min_prompt, args.max_prompt, seed=0)
     total_out = args.num_requests * args.max_tokens
-    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, trace=args.trace)
+    tp = dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+    )
+    llm = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, trace=args.trace, **tp)
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
     if args.peer == "hf":
         hf = load_hf()
@@ -207,6 +218,8 @@ def main_gpu(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         trace=args.trace,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)

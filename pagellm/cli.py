@@ -25,6 +25,9 @@ DEFAULT_PROMPTS = [
 ]
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from pagellm.config import EngineArgs
 
@@ -33,12 +36,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.name in ("model", "trace"):  # trace: --trace FILE (generate), --trace-dir (serve)
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            group.add_argument(flag, type=_scalar_type(hint), default=f.default)
+            group.add_argument(*flags, type=_scalar_type(hint), default=f.default)
 
 
 def _scalar_type(hint: typing.Any) -> type:

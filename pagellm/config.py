@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -49,7 +51,8 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
     device: str = "auto"  # auto | cpu | cuda
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks the model is split over (GPUs, or CPU processes)
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: see ParallelConfig
     served_model_name: str | None = None
     disable_log_stats: bool = False
     log_stats_interval: float = 10.0  # seconds between two stats lines in the log
@@ -97,12 +100,12 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        parallel_config = ParallelConfig.from_args(self, model_config, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
             enforce_eager=self.enforce_eager,
@@ -129,6 +132,10 @@ class HFConfigView(SimpleNamespace):
     """An HF config's attributes (its `to_dict()`) without transformers: the EngineCore
     process builds its model from this, so it never imports transformers (whose config
     classes pull in torchvision, torch._dynamo and sklearn on some machines: seconds)."""
+
+    def to_json_string(self, use_diff: bool = False) -> str:
+        """As the HF config's (the EngineCore process sends its config on to its workers)."""
+        return json.dumps(vars(self))
 
 
 @dataclass(frozen=True)
@@ -244,11 +251,88 @@ class SchedulerConfig:
             )
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split and where its ranks run (`pagellm/executor/`).
+
+    `distributed_executor_backend`: "uni" runs the one rank inside the EngineCore, "mp" one
+    worker process per rank on this machine, "ray" one Ray actor per rank, on a Ray cluster
+    (`ray_address`: the one the caller is connected to; None: RAY_ADDRESS, or a local one).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        tp, backend = self.tensor_parallel_size, self.distributed_executor_backend
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)} "
+                f"or None, got {backend!r}"
+            )
+        if backend == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size={tp} "
+                "needs 'mp' or 'ray'"
+            )
+
+    @classmethod
+    def from_args(
+        cls, args: EngineArgs, model_config: ModelConfig, device: torch.device
+    ) -> ParallelConfig:
+        """None picks "uni" for one rank, else "ray" when the caller is connected to a Ray
+        cluster or RAY_ADDRESS is set, else "mp"."""
+        tp = args.tensor_parallel_size
+        address = _ray_address()
+        backend = args.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if tp == 1 else ("ray" if address else "mp")
+        config = cls(tp, backend, address if backend == "ray" else None)
+        _check_heads(model_config.hf_config, tp)
+        if backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, "
+                f"{torch.cuda.device_count()} are visible (across machines: "
+                "distributed_executor_backend='ray')"
+            )
+        return config
+
+
+def _ray_address() -> str | None:
+    """The Ray cluster this process is connected to (never imports ray), or RAY_ADDRESS."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def _check_heads(hf_config: Any, tp: int) -> None:
+    """A clear error before any process starts when the heads cannot be split over `tp`."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's num_attention_heads ({heads})"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
+            "divide one another (KV heads are split, or replicated when fewer than ranks)"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool = False
@@ -273,6 +357,7 @@ class EngineConfig:
             model_config=model,
             cache_config=dataclasses.asdict(self.cache_config),
             scheduler_config=dataclasses.asdict(self.scheduler_config),
+            parallel_config=dataclasses.asdict(self.parallel_config),
         )
         return wire
 
@@ -292,5 +377,6 @@ class EngineConfig:
                 "model_config": ModelConfig(**model),
                 "cache_config": CacheConfig(**wire["cache_config"]),
                 "scheduler_config": SchedulerConfig(**wire["scheduler_config"]),
+                "parallel_config": ParallelConfig(**wire["parallel_config"]),
             }
         )

@@ -193,7 +193,7 @@ def trace_core(core: Any, trace_kv: str | None = None) -> Tracer:
     table row and slot mapping the runner dumps at each of its steps."""
     tracer = Tracer("EngineCore (Scheduler, ModelRunner)")
     _trace_scheduler(tracer, core.scheduler)
-    _trace_runner(tracer, core.model_runner, trace_kv)
+    _trace_executor(tracer, core.model_executor, trace_kv)
 
     def add_request(original, request):
         start = now_us()
@@ -267,8 +267,11 @@ def _scheduled_requests(tracer: Tracer, scheduler: Any, sched: Any, start: float
                     prefix_cache_hit_tokens=num_computed if request_id in new else 0)  # fmt: skip
 
 
-def _trace_runner(tracer: Tracer, runner: Any, trace_kv: str | None) -> None:
-    cuda = runner.device.type == "cuda"
+def _trace_executor(tracer: Tracer, executor: Any, trace_kv: str | None) -> None:
+    """The executor's step calls; the runner's paging and CUDA times where the runner is in
+    this process (UniProcExecutor; with worker processes the mode reads "workers")."""
+    runner = getattr(executor, "model_runner", None)
+    cuda = runner is not None and runner.device.type == "cuda"
     pending: list[tuple[Any, Any, dict]] = []  # CUDA events not yet complete, with their args
 
     def execute(original, sched, *args):
@@ -277,7 +280,7 @@ def _trace_runner(tracer: Tracer, runner: Any, trace_kv: str | None) -> None:
         result = original(sched, *args)
         if events is not None:
             events[1].record()
-        mode = "eager" if runner.graphs is None or not _decode_only(sched) else "cuda_graph"
+        mode = _mode(runner, sched)
         step_args = dict(batch_size=len(sched.num_scheduled_tokens), mode=mode,
                          num_tokens=sched.total_num_scheduled_tokens)  # fmt: skip
         step = tracer.span("execute_model", start, None, **step_args)
@@ -288,15 +291,20 @@ def _trace_runner(tracer: Tracer, runner: Any, trace_kv: str | None) -> None:
         _resolve_gpu_times(pending)
         return result
 
-    name = "execute_model_async" if runner.config.async_scheduling else "execute_model"
-    _wrap(runner, name, execute)
-    if trace_kv is not None:
+    name = "execute_model_async" if executor.config.async_scheduling else "execute_model"
+    _wrap(executor, name, execute)
+    if trace_kv is not None and runner is not None:
         _wrap(runner, "_host_arrays", lambda original, batch: _dump_kv(
             tracer, runner, batch, original(batch), trace_kv))  # fmt: skip
 
 
-def _decode_only(sched: Any) -> bool:
-    return sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)
+def _mode(runner: Any, sched: Any) -> str:
+    if runner is None:
+        return "workers"
+    decode_only = sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)
+    graphs, num_reqs = runner.graphs, len(sched.num_scheduled_tokens)
+    replayed = graphs is not None and decode_only and graphs.size_for(num_reqs) is not None
+    return "cuda_graph" if replayed else "eager"
 
 
 def _cuda_events() -> tuple[Any, Any]:

@@ -70,6 +70,7 @@ SHIPPED = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, tied
     "qwen3-0.6b": (1024, 28, 16, 8, 3072, 151936, True, 596),
     "qwen3-8b": (4096, 36, 32, 8, 12288, 151936, False, 8191),
     "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, False, 8030),
+    "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, False, 70554),
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True, 135),
 }
 

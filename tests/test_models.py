@@ -20,7 +20,7 @@ from model_utils import (
 from transformers import AutoModelForCausalLM
 
 from pagellm.models import get_model_cls
-from pagellm.models.layers import PackedWeight, cpu_prepack_supported
+from pagellm.models.linear import PackedWeight, cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
 ATOL, RTOL = 1e-4, 1e-5

@@ -1,8 +1,10 @@
 """EngineCore: the scheduler and the model runner, one step at a time.
 
-`step()` is the whole engine loop body: Scheduler.schedule() -> ModelRunner.execute_model()
--> Scheduler.update_from_output(). EngineCoreProc (the child-process wrapper that runs
-`step()` in a busy loop behind ZMQ sockets) lives beside it.
+`step()` is the whole engine loop body: Scheduler.schedule() -> Executor.execute_model()
+-> Scheduler.update_from_output(). The executor (`pagellm/executor/`) runs the step on the
+model's ranks: the ModelRunner in this process, or tensor-parallel workers. EngineCoreProc
+(the child-process wrapper that runs `step()` in a busy loop behind ZMQ sockets) lives
+beside it.
 
 With async scheduling (the default on CUDA) one step stays in flight: `step()` schedules and
 queues step N+1 on the device while step N still runs there, then waits for step N's tokens
@@ -26,11 +28,10 @@ from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
+from pagellm.executor import Executor
 from pagellm.protocol import EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tracing import trace_core
-from pagellm.worker.async_output import AsyncModelRunnerOutput
-from pagellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.model_runner = ModelRunner(config)
-        self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
-        self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.model_executor = Executor.get_class(config)(config)
+        self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
+        self.model_executor.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -58,7 +59,7 @@ class EngineCore:
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
-        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         self.tracer = trace_core(self, config.trace_kv) if config.trace else None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
@@ -81,7 +82,7 @@ class EngineCore:
         scheduler_output = self._schedule(idle=True)
         waiting = self.structured_output.sampling_requests(scheduler_output)
         grammar = self.structured_output.grammar_bitmask(waiting) if waiting else None
-        runner_output = self.model_runner.execute_model(scheduler_output, grammar)
+        runner_output = self.model_executor.execute_model(scheduler_output, grammar)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _schedule(self, idle: bool) -> SchedulerOutput:
@@ -99,15 +100,15 @@ class EngineCore:
         outputs = None
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule(idle=previous is None)
-            runner = self.model_runner
+            executor = self.model_executor
             waiting = self.structured_output.sampling_requests(scheduler_output)
             if not waiting:
-                queued = runner.execute_model_async(scheduler_output)
+                queued = executor.execute_model_async(scheduler_output)
             else:  # their masks need the previous step's tokens: the sampling waits for them
-                forwarded = runner.forward_async(scheduler_output)
+                forwarded = executor.forward_async(scheduler_output)
                 if previous is not None:
                     outputs, previous = self._report(previous), None
-                queued = runner.sample_async(
+                queued = executor.sample_async(
                     forwarded, self.structured_output.grammar_bitmask(waiting)
                 )
             self._in_flight = (scheduler_output, queued)
@@ -115,7 +116,7 @@ class EngineCore:
             outputs = self._report(previous)
         return outputs or EngineCoreOutputs(timestamp=time.monotonic())
 
-    def _report(self, step: tuple[SchedulerOutput, AsyncModelRunnerOutput]) -> EngineCoreOutputs:
+    def _report(self, step: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
         """Wait for a queued step's tokens and turn them into outputs."""
         scheduler_output, queued = step
         return self.scheduler.update_from_output(scheduler_output, queued.get_output())
@@ -136,13 +137,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def collective_rpc(self, method: str, args: list) -> list[Any]:
+        return self.model_executor.collective_rpc(method, tuple(args))
+
     def get_stats(self) -> dict[str, Any]:
         stats = self.scheduler.make_stats()
         return {f: getattr(stats, f) for f in stats.__struct_fields__}
 
     def shutdown(self) -> None:
         self.structured_output.shutdown()
-        self.model_runner.kv_caches = []
+        self.model_executor.shutdown()
 
 
 _UTILITIES = {
@@ -151,4 +155,5 @@ _UTILITIES = {
     "reset_prefix_cache",
     "get_stats",
     "abort_requests",
+    "collective_rpc",
 }

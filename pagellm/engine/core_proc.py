@@ -52,7 +52,13 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
         self.input_path = input_path
+        self.model_executor.register_failure_callback(self._executor_failed)
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
+
+    def _executor_failed(self, message: str) -> None:
+        """A rank died while nothing waited on it: report now, then stop the loop."""
+        self.output_queue.put((EngineCoreOutputType.FAILED, ["RuntimeError", message]))
+        self.input_queue.put((EngineCoreRequestType.SHUTDOWN, None))
 
     # ---- socket threads ---------------------------------------------------------------
 
@@ -145,6 +151,7 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc
         core.output_queue.put((EngineCoreOutputType.FAILED, [type(e).__name__, str(e)]))
         raise
     finally:
+        core.shutdown()  # stops tensor-parallel workers now, not when they miss their parent
         core.output_queue.put((None, None))
         writer.join(timeout=5)
         out.close(linger=2000)

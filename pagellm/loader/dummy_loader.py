@@ -1,5 +1,9 @@
 """Random weights for benchmarks at real shapes: normal(0, std) matrices, RMSNorm weights 1,
-biases 0, drawn from one generator seeded by the model config's seed."""
+biases 0, drawn from one generator seeded by the model config's seed.
+
+Every parameter is drawn at its full (one-rank) shape and this rank keeps its part, so a
+model split over any number of tensor-parallel ranks is the same model.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import torch
 from torch import nn
 
 from pagellm.models.layers import RMSNorm
-from pagellm.models.weights import set_param
+from pagellm.models.weights import load_param
 
 
 def init_dummy_weights(
@@ -16,11 +20,15 @@ def init_dummy_weights(
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            shape = module.full_shape(name) if hasattr(module, "full_shape") else param.shape
+            tensor = torch.empty(shape, dtype=dtype, device=device)
             if isinstance(module, RMSNorm):
                 tensor.fill_(1.0)
             elif name == "bias":
                 tensor.zero_()
             else:
                 tensor.normal_(0.0, std, generator=generator)
-            set_param(module, name, tensor)
+            if hasattr(module, "load_full"):  # FusedLinear, FusedMoE: several parts
+                module.load_full(name, tensor)
+            else:
+                load_param(module, name, tensor)

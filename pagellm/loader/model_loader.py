@@ -1,11 +1,15 @@
 """`load_model`: build the registered model class on the `meta` device in the configured
-dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights."""
+dtype, then materialize its parameters from safetensors, GGUF or random (dummy) weights.
+
+With tensor parallelism the model is built for this process's rank (its heads, columns and
+vocabulary rows) and each rank reads only its part of each tensor: from safetensors, only
+those bytes; a GGUF tensor is dequantized whole, one at a time, and then cut."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,7 +21,7 @@ from pagellm.loader.gguf_loader import gguf_weights
 from pagellm.loader.safetensors_loader import safetensors_weights
 from pagellm.loader.source import ModelSource
 from pagellm.models.registry import get_model_cls
-from pagellm.models.weights import check_loaded
+from pagellm.models.weights import CheckpointTensor, check_loaded
 
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
@@ -41,8 +45,8 @@ def load_model(
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of a gguf or hf source."""
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor or safetensors slice) pairs of a gguf or hf source."""
     if source.kind == "gguf":
         return gguf_weights(read_gguf(source.path))
     if source.kind == "hf":
@@ -51,10 +55,11 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _on(
-    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
+    device: torch.device, dtype: torch.dtype, weights: Iterable[tuple[str, Any]]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Each tensor read (whole, or the part this rank holds) straight to device and dtype."""
     for name, tensor in weights:
-        yield name, tensor.to(device=device, dtype=dtype)
+        yield name, CheckpointTensor(tensor, device, dtype)
 
 
 @contextlib.contextmanager

@@ -5,13 +5,14 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterator
+from typing import Any
 
-import torch
 from safetensors import safe_open
 
 
-def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs in file order; tensors are read lazily, one at a time."""
+def safetensors_weights(folder: str) -> Iterator[tuple[str, Any]]:
+    """(HF name, safetensors slice) pairs in file order: nothing is read until the consumer
+    indexes a slice (a whole tensor, or one rank's rows or columns), before the next pair."""
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise ValueError(
@@ -21,4 +22,4 @@ def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)

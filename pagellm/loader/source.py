@@ -19,6 +19,7 @@ SHIPPED_MODELS = (
     "qwen3-0.6b",
     "qwen3-8b",
     "llama-3.1-8b",
+    "llama-3.1-70b",
     "smollm2-135m",
     "qwen3-30b-a3b",
     "mixtral-8x7b",

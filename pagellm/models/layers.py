@@ -1,32 +1,44 @@
-"""Building blocks shared by the decoder models: norms, rotary embedding, fused projections,
-the gated MLP and the `Attention` layer that owns one attention-backend instance.
+"""Building blocks shared by the decoder models: norms, rotary embedding, the gated MLP and
+the `Attention` layer that owns one attention-backend instance; the linear layers
+(`pagellm/models/linear.py`) and the vocabulary layers (`vocab_embedding.py`) are re-exported.
+
+A model built from these shards over tensor-parallel ranks by construction: projections into
+heads or MLP columns are column-parallel, projections out of them row-parallel, and the
+`Attention` layer gets this rank's heads (`heads_per_rank`).
 
 Models are built on the `meta` device; weights arrive through `load_weights` (see
 `pagellm/models/weights.py`), which assigns real tensors in place of the meta parameters.
 
 On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton kernel each
 (`pagellm/kernels/fused.py`); on the CPU they stay plain torch, the reference path.
-
-On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`,
-`PackedWeight`: MKL's packed sgemm for float32, else oneDNN's blocked layout): a plain weight
-is re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes (see
-docs/benchmarks.md). The plain weight is then freed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import platform
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm import envs
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.weights import materialize
+from pagellm.models.linear import (  # noqa: F401  (re-exported for the models)
+    ColumnParallelLinear,
+    FusedLinear,
+    Linear,
+    PackedWeight,
+    QKVParallelLinear,
+    RowParallelLinear,
+    cpu_prepack_supported,
+    heads_per_rank,
+)
+from pagellm.models.vocab_embedding import (  # noqa: F401  (re-exported for the models)
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    gather_logits,
+)
 
 
 @functools.cache
@@ -161,124 +173,6 @@ def llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, out)
 
 
-def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear.prepack` is used: x86 CPU, float32 or bfloat16, oneDNN present."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and platform.machine().lower() in ("x86_64", "amd64")
-        and torch.backends.mkldnn.is_available()
-        and envs.cpu_prepack()
-    )
-
-
-class PackedWeight:
-    """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
-    `F.linear(x, weight, bias)`.
-
-    float32 goes to MKL's packed sgemm (`cblas_sgemm_pack` / `_compute`, reached through
-    `torch.ops.mkl`), 8-14% faster than oneDNN at decode batch sizes and no slower on
-    prefill chunks; other dtypes, or a build without MKL, use oneDNN's blocked layout.
-    `batch_hint` is the typical number of rows the weight will multiply.
-    """
-
-    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
-        weight = weight.detach()
-        self.mkl: torch.Tensor | None = None
-        self.onednn: torch.Tensor | None = None
-        if weight.dtype == torch.float32 and mkl_packing_is_batch_independent():
-            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint)
-            # the op reads only sizes and dtype from this: a zero-stride stand-in, no memory
-            self.sizes = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
-        else:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        if self.mkl is not None:
-            # told that the batch is the packed one, the op always takes the packed path
-            return torch.ops.mkl._mkl_linear(
-                x, self.mkl, self.sizes, bias, x.numel() // x.shape[-1]
-            )
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-
-
-@functools.cache
-def mkl_packing_is_batch_independent() -> bool:
-    """Whether MKL's packed weights serve any batch size here (checked once per process).
-
-    MKL packs a weight for a given row count, but its packed layout does not depend on it:
-    one packed copy serves every batch. That is observed, not documented, so it is checked
-    against F.linear on a few shapes and batch sizes; if it ever fails, oneDNN is used.
-    """
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((96, 64), (200, 72)):
-        weight = torch.randn(out_features, in_features, generator=gen)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 16)
-        sizes = torch.zeros(()).expand(weight.shape)
-        for rows in (1, 3, 16, 77):
-            x = torch.randn(rows, in_features, generator=gen)
-            got = torch.ops.mkl._mkl_linear(x, packed, sizes, None, rows)
-            if not torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-4):
-                return False
-    return True
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`)."""
-
-    packed_weight: PackedWeight | None = None
-
-    def reset_parameters(self) -> None:
-        """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
-        nn.Linear's init goes through torch's reference ops, whose first use imports
-        torch._dynamo: 1-7 s of start-up.)"""
-
-    def prepack(self, batch_hint: int) -> None:
-        """Keep only a packed copy of the weight (x86 CPUs; see the module doc)."""
-        self.packed_weight = PackedWeight(self.weight, batch_hint)
-        self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return self.packed_weight(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Embedding):
-    """nn.Embedding without random init (see `Linear.reset_parameters`)."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class FusedLinear(Linear):
-    """A linear layer whose output rows stack several checkpoint projections.
-
-    `shards` maps each checkpoint projection (e.g. "q_proj") to its number of output rows,
-    in stacking order; `load_shard` writes one of them into its row range.
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        starts = [0]
-        for size in shards.values():
-            starts.append(starts[-1] + size)
-        self.shard_rows = {name: (starts[i], starts[i + 1]) for i, name in enumerate(shards)}
-
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        param = materialize(self, param_name, tensor.device)
-        start, end = self.shard_rows[shard]
-        if tensor.shape != param[start:end].shape:
-            raise ValueError(
-                f"{shard}.{param_name}: expected {tuple(param[start:end].shape)}, "
-                f"got {tuple(tensor.shape)}"
-            )
-        param.data[start:end].copy_(tensor)
-
-
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2 * I] (gate | up) -> [T, I]
@@ -290,14 +184,15 @@ class SiluAndMul(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; each rank holds
+    1/tp of the intermediate columns (gate_up column-parallel, down row-parallel)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = FusedLinear(hidden_size, shards, bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

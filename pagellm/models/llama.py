@@ -18,14 +18,17 @@ from torch import nn
 from pagellm.attention.base import AttentionBackend
 from pagellm.models.layers import (
     Attention,
-    Embedding,
-    FusedLinear,
     GatedMLP,
     Linear,
     PackedWeight,
+    ParallelLMHead,
+    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
     apply_rotary,
+    gather_logits,
     qk_norm_rotary,
 )
 from pagellm.models.weights import load_packed_weights
@@ -60,13 +63,15 @@ class LlamaAttention(nn.Module):
         options: AttentionOptions,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = hd = head_dim_of(config)
-        shards = {"q_proj": self.num_heads * hd, "k_proj": self.num_kv_heads * hd}
-        shards["v_proj"] = self.num_kv_heads * hd
-        self.qkv_proj = FusedLinear(config.hidden_size, shards, bias=options.qkv_bias)
-        self.o_proj = Linear(self.num_heads * hd, config.hidden_size, bias=options.o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, num_heads, num_kv_heads, hd, bias=options.qkv_bias
+        )
+        # this rank's heads (all of them with one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * hd, config.hidden_size, bias=options.o_bias)
         if options.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -131,7 +136,7 @@ class LlamaModel(nn.Module):
         options: AttentionOptions,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend_cls, options)
             for _ in range(config.num_hidden_layers)
@@ -178,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.packed_tied_head: PackedWeight | None = None  # see prepack_cpu_weights
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(
         self,
@@ -191,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] in the model's dtype (the sampler works in float32)
+        return gather_logits(self._rank_logits(hidden), self.config.vocab_size)
+
+    def _rank_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab / tp]: this rank's vocabulary rows
         if not self.tie_word_embeddings:
             return self.lm_head(hidden)
         if self.packed_tied_head is not None:

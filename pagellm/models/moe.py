@@ -7,9 +7,10 @@ The experts of a layer are two parameters, the expert dimension first:
     w13: [E, 2I, H]  gate_proj rows, then up_proj rows (Mixtral: w1, then w3)
     w2:  [E, H, I]   down_proj (Mixtral: w2)
 
-Tensor parallelism would split I over ranks: each expert's gate and up halves of w13 and
-its w2 columns narrowed to the rank's slice in `FusedMoE.load_expert`, and the block's
-output summed over ranks, as for a dense MLP.
+Tensor parallelism splits I over the ranks: rank r holds rows [r * I / tp, (r + 1) * I / tp)
+of each expert's gate and up projections (w13) and those columns of its down projection
+(w2), read as slices (`FusedMoE.load_expert`); one all-reduce sums the ranks' outputs, as
+for a dense MLP. The router is replicated.
 
 On CUDA the top-k and the experts run as Triton kernels (`pagellm/kernels/fused_moe.py`: no
 host sync, safe in CUDA graphs). On the CPU they are torch (`experts_torch`): the (token, k)
@@ -29,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
 from pagellm.models.layers import GatedMLP, Linear
-from pagellm.models.weights import materialize
+from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -107,11 +109,15 @@ class FusedMoE(nn.Module):
         renormalize: bool,
     ) -> None:
         super().__init__()
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e, h, i = num_experts, hidden_size, divide(intermediate_size, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.full_intermediate = intermediate_size
+        self.reduce = get_tp_group().size > 1
+        # this rank's part of each expert's I: rows of gate / up, columns of down
+        self.part = TensorSlice(0, get_tp_group().rank * i, i)
 
     def forward(
         self,
@@ -121,14 +127,32 @@ class FusedMoE(nn.Module):
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         kernels = _kernels(x)
         if kernels is not None:
-            return kernels.fused_moe(x, self.w13, self.w2, weights, ids)
-        return experts_torch(x, self.w13, self.w2, weights, ids)
+            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+        else:
+            out = experts_torch(x, self.w13, self.w2, weights, ids)
+        return all_reduce(out) if self.reduce else out
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        """The shape with one rank (random weights are drawn at it, then cut)."""
+        e, h, i = self.w13.shape[0], self.w13.shape[2], self.full_intermediate
+        return (e, 2 * i, h) if param_name == "w13" else (e, h, i)
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Load every expert from a tensor of `full_shape`: this rank's part of each."""
+        shards = tensor.chunk(2, dim=1) if param_name == "w13" else (tensor,)
+        for expert in range(tensor.shape[0]):
+            for shard, rows in enumerate(shards):
+                self.load_expert(param_name, expert, shard, len(shards), rows[expert])
 
     def load_expert(
         self, param_name: str, expert: int, shard: int, num_shards: int, tensor: torch.Tensor
     ) -> None:
-        """Write one expert's checkpoint projection into row block `shard` of `num_shards`
-        of its stacked parameter (w13: gate 0, up 1 of 2; w2: down, 0 of 1)."""
+        """Write this rank's part of one expert's checkpoint projection into row block `shard`
+        of `num_shards` of its stacked parameter (w13: gate 0, up 1 of 2; w2: down, 0 of 1)."""
+        if not isinstance(tensor, CheckpointTensor):
+            tensor = CheckpointTensor(tensor)
+        part = self.part if param_name == "w13" else TensorSlice(1, self.part.start, self.part.size)
+        tensor = tensor.read(part if self.reduce else None)
         param = materialize(self, param_name, tensor.device)
         if not 0 <= expert < param.shape[0]:
             raise ValueError(f"expert {expert} of {param_name}: the layer has {param.shape[0]}")

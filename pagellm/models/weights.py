@@ -5,24 +5,82 @@ name `...self_attn.k_proj.weight` goes to row range "k_proj" of `...self_attn.qk
 (a `FusedLinear`). Every other name maps to the parameter of the same name, which is replaced
 by the loaded tensor (no copy when dtype and device already match) if it is still on `meta`,
 or copied into otherwise.
+
+With tensor parallelism a module holds one rank's part of each checkpoint tensor; it says
+which by `checkpoint_slice(param_name)` (a `TensorSlice`: rows or columns of the tensor), and
+only that part is read (`CheckpointTensor`: from safetensors, only its bytes).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a checkpoint tensor one rank holds: `size` entries along `dim` from `start`.
+    Entries past the tensor's end are zeros (a vocabulary padded to a multiple of the ranks)."""
+
+    dim: int
+    start: int
+    size: int
+
+
+class CheckpointTensor:
+    """One checkpoint tensor, read when asked, whole or one `TensorSlice`, and cast to the
+    model's device and dtype as it is read.
+
+    `source` is a torch tensor, or a safetensors slice (`safe_open(...).get_slice(name)`),
+    from which a `TensorSlice` reads only its own bytes. A slice of a torch tensor is copied,
+    so the parameter does not keep the whole tensor alive.
+    """
+
+    def __init__(
+        self, source: Any, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        self.source = source.source if isinstance(source, CheckpointTensor) else source
+        self.device = device
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if isinstance(self.source, torch.Tensor):
+            return tuple(self.source.shape)
+        return tuple(self.source.get_shape())
+
+    def read(self, part: TensorSlice | None = None) -> torch.Tensor:
+        if part is None:
+            whole = self.source if isinstance(self.source, torch.Tensor) else self.source[()]
+            return self._cast(whole, copy=False)
+        extent = self.shape[part.dim]
+        start, stop = min(part.start, extent), min(part.start + part.size, extent)
+        index = (slice(None),) * part.dim + (slice(start, stop),)
+        tensor = self._cast(self.source[index], copy=isinstance(self.source, torch.Tensor))
+        if stop - start == part.size:
+            return tensor
+        pad = list(tensor.shape)
+        pad[part.dim] = part.size - (stop - start)
+        return torch.cat([tensor, tensor.new_zeros(pad)], dim=part.dim)
+
+    def _cast(self, tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+        device = self.device or tensor.device
+        return tensor.to(device=device, dtype=self.dtype or tensor.dtype, copy=copy)
+
+
 def load_packed_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, Any]],
     packed_modules: dict[str, tuple[str, ...]],
     skip: Callable[[str], bool] = lambda name: False,
 ) -> set[str]:
-    """Load (hf_name, tensor) pairs; return the parameter names that are fully loaded."""
+    """Load (hf_name, tensor) pairs (torch tensors or `CheckpointTensor`s); return the
+    parameter names that are fully loaded."""
     modules = dict(model.named_modules())
     fused_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
     shards_seen: dict[str, set[str]] = defaultdict(set)
@@ -34,16 +92,31 @@ def load_packed_weights(
         parent, _, leaf = module_name.rpartition(".")
         if leaf in fused_of:
             fused = f"{parent}.{fused_of[leaf]}" if parent else fused_of[leaf]
-            _module(modules, fused, hf_name).load_shard(param_name, leaf, tensor)
+            load_param(_module(modules, fused, hf_name), param_name, tensor, shard=leaf)
             shards_seen[f"{fused}.{param_name}"].add(leaf)
         else:
-            set_param(_module(modules, module_name, hf_name), param_name, tensor)
+            load_param(_module(modules, module_name, hf_name), param_name, tensor)
             loaded.add(hf_name)
     for name, seen in shards_seen.items():
         fused = name.rpartition(".")[0].rpartition(".")[2]
         if len(seen) == len(packed_modules[fused]):
             loaded.add(name)
     return loaded
+
+
+def load_param(module: nn.Module, name: str, tensor: Any, shard: str | None = None) -> None:
+    """Load this rank's part of a checkpoint tensor into parameter `name` of `module` (into
+    row range `shard` of a fused one)."""
+    if not isinstance(tensor, CheckpointTensor):
+        tensor = CheckpointTensor(tensor)
+    if shard is not None:
+        module.load_shard(name, shard, tensor)
+        return
+    if hasattr(module, "load_full"):  # several parts in one tensor (a layer's stacked experts)
+        module.load_full(name, tensor.read())
+        return
+    slicer = getattr(module, "checkpoint_slice", None)
+    set_param(module, name, tensor.read(slicer(name) if slicer else None))
 
 
 def set_param(module: nn.Module, name: str, tensor: torch.Tensor) -> None:

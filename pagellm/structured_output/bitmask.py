@@ -18,10 +18,22 @@ from pagellm.utils import to_device
 _NEG_INF = float("-inf")
 
 
+# how a bitmask crosses to tensor-parallel ranks: (req_ids, the int32 words' bytes, words a row)
+GrammarBitmaskWire = tuple[list[str], bytes, int]
+
+
 @dataclass
 class GrammarBitmask:
     req_ids: list[str]  # the constrained requests that sample this step
     bitmask: np.ndarray  # [len(req_ids), ceil(vocab / 32)] int32; bit j of word i: token 32i+j
+
+    def to_wire(self) -> GrammarBitmaskWire:
+        return self.req_ids, np.ascontiguousarray(self.bitmask).tobytes(), self.bitmask.shape[1]
+
+    @classmethod
+    def from_wire(cls, wire: GrammarBitmaskWire) -> GrammarBitmask:
+        req_ids, data, words = wire
+        return cls(list(req_ids), np.frombuffer(data, np.int32).reshape(len(req_ids), words))
 
 
 def apply_grammar_bitmask(

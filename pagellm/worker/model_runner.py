@@ -31,10 +31,12 @@ from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
-from pagellm.models.layers import cpu_prepack_supported
+from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
+from pagellm.sample.rank0_sampler import Rank0Sampler
 from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagellm.utils import to_device
@@ -83,13 +85,19 @@ class ModelRunner:
         self.attn_backend_cls = get_attn_backend_cls(self.device)
         start = time.perf_counter()
         self.model = loader.load_model(self.model_config, self.device, self.attn_backend_cls)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         sc = config.scheduler_config
         if cpu_prepack_supported(self.device, self.model_config.dtype):
             self.model.prepack_cpu_weights(batch_hint=sc.max_num_seqs)
         logger.info(
-            "model %s loaded in %.1f s (%s, %s)", self.model_config.model,
+            "model %s loaded in %.1f s (%s, %s): %.2f GiB of weights", self.model_config.model,
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
+            self.weight_bytes / (1 << 30),
         )  # fmt: skip
+        # this rank's KV heads (all of them with one rank)
+        _, self.num_kv_heads = heads_per_rank(
+            self.model_config.hf_config.num_attention_heads, self.model_config.num_kv_heads
+        )
         self.input_batch = InputBatch(
             sc.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
             vocab_size=self.model_config.vocab_size,
@@ -97,7 +105,7 @@ class ModelRunner:
         max_blocks = self.input_batch.block_table.shape[1]
         max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
@@ -108,7 +116,7 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * mc.dtype.itemsize
+        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * mc.dtype.itemsize
         return per_layer * mc.num_layers
 
     def determine_num_kv_blocks(self) -> int:
@@ -165,7 +173,7 @@ class ModelRunner:
         seq_lens = query_lens.copy()
         seq_lens[-1] = min(self.block_size + 1, mc.max_model_len)  # the decode: a short context
         shape = self.attn_backend_cls.kv_cache_shape(
-            1, self.block_size, mc.num_kv_heads, mc.head_dim
+            1, self.block_size, self.num_kv_heads, mc.head_dim
         )
         kv = [torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
@@ -202,7 +210,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
-            num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim
+            num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
         )
         self.kv_caches = [
             torch.zeros(shape, dtype=mc.dtype, device=self.device) for _ in range(mc.num_layers)

@@ -1,0 +1,1 @@
+"""Tensor parallelism: this process's rank in its group and the collectives the model uses."""

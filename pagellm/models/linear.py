@@ -1,0 +1,261 @@
+"""Linear layers: replicated, and split over the tensor-parallel ranks (vLLM's layout).
+
+    ColumnParallelLinear  y_r = x @ W[rows of rank r]^T       output features split, no comm
+    FusedLinear           several projections stacked (q|k|v, gate|up), each split by rows
+    QKVParallelLinear     q heads split; k/v heads split, or replicated when fewer than ranks
+    RowParallelLinear     y = sum_r x_r @ W[:, cols of rank r]^T   input split, one all-reduce
+
+A column-parallel projection feeds a row-parallel one (qkv -> attention -> o_proj, gate_up ->
+SiLU-and-mul -> down_proj), so each pair costs one all-reduce. Each module names the part of
+a checkpoint tensor it holds (`checkpoint_slice`) and the full shape it was cut from
+(`full_shape`, for random weights that are the same whatever the number of ranks). With one
+rank every class is a plain `Linear`.
+
+On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`,
+`PackedWeight`: MKL's packed sgemm for float32, else oneDNN's blocked layout): a plain weight
+is re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes (see
+docs/benchmarks.md). The plain weight is then freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm import envs
+from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
+from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
+
+
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear.prepack` is used: x86 CPU, float32 or bfloat16, oneDNN present."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and envs.cpu_prepack()
+    )
+
+
+class PackedWeight:
+    """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
+    `F.linear(x, weight, bias)`.
+
+    float32 goes to MKL's packed sgemm (`cblas_sgemm_pack` / `_compute`, reached through
+    `torch.ops.mkl`), 8-14% faster than oneDNN at decode batch sizes and no slower on
+    prefill chunks; other dtypes, or a build without MKL, use oneDNN's blocked layout.
+    `batch_hint` is the typical number of rows the weight will multiply.
+    """
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
+        weight = weight.detach()
+        self.mkl: torch.Tensor | None = None
+        self.onednn: torch.Tensor | None = None
+        if weight.dtype == torch.float32 and mkl_packing_is_batch_independent():
+            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint)
+            # the op reads only sizes and dtype from this: a zero-stride stand-in, no memory
+            self.sizes = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+        else:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self.mkl is not None:
+            # told that the batch is the packed one, the op always takes the packed path
+            return torch.ops.mkl._mkl_linear(
+                x, self.mkl, self.sizes, bias, x.numel() // x.shape[-1]
+            )
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+
+
+@functools.cache
+def mkl_packing_is_batch_independent() -> bool:
+    """Whether MKL's packed weights serve any batch size here (checked once per process).
+
+    MKL packs a weight for a given row count, but its packed layout does not depend on it:
+    one packed copy serves every batch. That is observed, not documented, so it is checked
+    against F.linear on a few shapes and batch sizes; if it ever fails, oneDNN is used.
+    """
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((96, 64), (200, 72)):
+        weight = torch.randn(out_features, in_features, generator=gen)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 16)
+        sizes = torch.zeros(()).expand(weight.shape)
+        for rows in (1, 3, 16, 77):
+            x = torch.randn(rows, in_features, generator=gen)
+            got = torch.ops.mkl._mkl_linear(x, packed, sizes, None, rows)
+            if not torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-4):
+                return False
+    return True
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can run from a pre-packed CPU weight (see `prepack`)."""
+
+    packed_weight: PackedWeight | None = None
+
+    def reset_parameters(self) -> None:
+        """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
+        nn.Linear's init goes through torch's reference ops, whose first use imports
+        torch._dynamo: 1-7 s of start-up.)"""
+
+    def prepack(self, batch_hint: int) -> None:
+        """Keep only a packed copy of the weight (x86 CPUs; see the module doc)."""
+        self.packed_weight = PackedWeight(self.weight, batch_hint)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return self.packed_weight(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the ranks: rank r holds rows [r * n, (r + 1) * n) of the
+    checkpoint's weight and bias (n = out_features / tp; or the rows `part` names) and
+    computes those features."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, part: TensorSlice | None = None
+    ) -> None:
+        if part is None:
+            n = divide(out_features, "out_features")
+            part = TensorSlice(0, get_tp_group().rank * n, n)
+        super().__init__(in_features, part.size, bias=bias)
+        self.part = part
+        self.full_out_features = out_features
+
+    def checkpoint_slice(self, param_name: str) -> TensorSlice:
+        return self.part
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        return (self.full_out_features, self.in_features)[: getattr(self, param_name).dim()]
+
+
+class FusedLinear(Linear):
+    """A column-parallel layer whose output rows stack several checkpoint projections (vLLM's
+    MergedColumnParallelLinear).
+
+    `shards` maps each checkpoint projection (e.g. "q_proj") to its full number of output
+    rows, in stacking order; each rank holds 1/tp of every projection (`parts`: what it takes
+    from each; QKVParallelLinear overrides them). `load_shard` writes one projection's part
+    into its row range.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        rank = get_tp_group().rank
+        parts = {}
+        for name, rows in shards.items():
+            n = divide(rows, f"the rows of {name}")
+            parts[name] = TensorSlice(0, rank * n, n)
+        self._init_parts(in_features, shards, parts, bias)
+
+    def _init_parts(
+        self, in_features: int, shards: dict[str, int], parts: dict[str, TensorSlice], bias: bool
+    ) -> None:
+        super().__init__(in_features, sum(p.size for p in parts.values()), bias=bias)
+        self.full_rows = dict(shards)  # projection -> rows in the checkpoint
+        self.parts = parts  # projection -> the rows of it this rank holds
+        starts = [0]
+        for part in parts.values():
+            starts.append(starts[-1] + part.size)
+        self.shard_rows = {name: (starts[i], starts[i + 1]) for i, name in enumerate(parts)}
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        """The shape with one rank: every projection's rows stacked."""
+        rows = sum(self.full_rows.values())
+        return (rows, self.in_features)[: getattr(self, param_name).dim()]
+
+    def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Load from a tensor of `full_shape` (random weights): each projection's part."""
+        for shard, rows in zip(self.full_rows, tensor.split(list(self.full_rows.values()))):
+            self.load_shard(param_name, shard, rows)
+
+    def load_shard(
+        self, param_name: str, shard: str, tensor: torch.Tensor | CheckpointTensor
+    ) -> None:
+        if not isinstance(tensor, CheckpointTensor):
+            tensor = CheckpointTensor(tensor)
+        rows = tensor.read(self.parts[shard])
+        param = materialize(self, param_name, rows.device)
+        start, end = self.shard_rows[shard]
+        if rows.shape != param[start:end].shape:
+            raise ValueError(
+                f"{shard}.{param_name}: expected {tuple(param[start:end].shape)}, "
+                f"got {tuple(rows.shape)} (of {tensor.shape})"
+            )
+        param.data[start:end].copy_(rows)
+
+
+class QKVParallelLinear(FusedLinear):
+    """q, k and v stacked; each rank holds num_heads / tp query heads and num_kv_heads / tp
+    key/value heads, or, with fewer KV heads than ranks, one KV head that tp / num_kv_heads
+    ranks share (a copy each)."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool
+    ) -> None:
+        q_heads, kv_heads = heads_per_rank(num_heads, num_kv_heads)
+        tp = get_tp_group()
+        # the first KV head of this rank; shared by tp / num_kv_heads ranks when replicated
+        kv_head = tp.rank * num_kv_heads // tp.size
+        kv = TensorSlice(0, kv_head * head_dim, kv_heads * head_dim)
+        parts = {"q_proj": TensorSlice(0, tp.rank * q_heads * head_dim, q_heads * head_dim)}
+        parts.update(k_proj=kv, v_proj=kv)
+        shards = {"q_proj": num_heads * head_dim}
+        shards.update(k_proj=num_kv_heads * head_dim, v_proj=num_kv_heads * head_dim)
+        self._init_parts(hidden_size, shards, parts, bias)
+        self.num_heads, self.num_kv_heads = q_heads, kv_heads  # this rank's
+
+
+def heads_per_rank(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank; KV heads are replicated when fewer than ranks."""
+    tp = get_tp_group().size
+    q_heads = divide(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp:
+        return q_heads, divide(num_kv_heads, "num_key_value_heads")
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) must divide tensor_parallel_size={tp} "
+            "when it is smaller"
+        )
+    return q_heads, 1
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks: rank r holds columns [r * n, (r + 1) * n) of the
+    checkpoint's weight (n = in_features / tp) and multiplies its slice of the input; one
+    all-reduce sums the partial outputs. The bias is added once, by rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        n = divide(in_features, "in_features")
+        super().__init__(n, out_features, bias=bias)
+        tp = get_tp_group()
+        self.part = TensorSlice(1, tp.rank * n, n)
+        self.full_in_features = in_features
+        self.reduce = tp.size > 1
+        self.adds_bias = tp.rank == 0
+
+    def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
+        return None if param_name == "bias" else self.part
+
+    def full_shape(self, param_name: str) -> tuple[int, ...]:
+        if param_name == "bias":
+            return (self.out_features,)
+        return (self.out_features, self.full_in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in / tp] -> [T, out]; with one rank, exactly Linear.forward
+        bias = self.bias if self.adds_bias else None
+        if self.packed_weight is not None:
+            out = self.packed_weight(x, bias)
+        else:
+            out = F.linear(x, self.weight, bias)
+        return all_reduce(out) if self.reduce else out
