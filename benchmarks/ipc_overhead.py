@@ -47,7 +47,7 @@ def round_trip_us(n: int = 2000) -> float:
     import msgspec
     import zmq
 
-    from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs
+    from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs
 
     outs = EngineCoreOutputs(
         outputs=[EngineCoreOutput(f"req-{i}", [1234]) for i in range(NUM_REQS)], timestamp=1.0

@@ -82,7 +82,8 @@ def attended_pairs(q_len: int, seq_len: int) -> int:
 
 
 def triton_fn(inputs, scale, **plan_kwargs):
-    from pagellm.kernels.paged_attention import paged_attention, plan_attention
+    from pagellm.kernels.attention_plan import plan_attention
+    from pagellm.kernels.paged_attention import paged_attention
 
     q, kv_cache, block_table, qsl_cpu, seq_lens_cpu = inputs
     plan = plan_attention(
@@ -151,7 +152,7 @@ def sdpa_times(q, k, v, causal: bool) -> dict[str, float | None]:
 def bench_decode(args, sweep: bool) -> dict:
     from triton.testing import do_bench
 
-    from pagellm.kernels.paged_attention import decode_config
+    from pagellm.kernels.attention_plan import decode_config
 
     b, s, h, kvh, d = args.batch, args.ctx, args.heads, args.kv_heads, args.head_dim
     inputs = paged_inputs(b, 1, s, h, kvh, d, args.block_size, torch.bfloat16)
@@ -241,7 +242,7 @@ def sweep_prefill(inputs, scale, base, block_ms, tflops, args) -> dict:
 def bench_prefill(args, sweep: bool) -> dict:
     from triton.testing import do_bench
 
-    from pagellm.kernels.paged_attention import prefill_config
+    from pagellm.kernels.attention_plan import prefill_config
 
     s, h, d = args.prefill_len, args.prefill_heads, args.head_dim
     kvh = args.prefill_kv_heads or h
@@ -295,7 +296,7 @@ def bench_prompts(args, sweep: bool) -> dict:
 
     from triton.testing import do_bench
 
-    from pagellm.kernels.paged_attention import prefill_config
+    from pagellm.kernels.attention_plan import prefill_config
 
     rng = random.Random(0)
     lens = [rng.randint(100, 1024) for _ in range(args.prompts)]

@@ -131,6 +131,7 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
+    ap.add_argument("--trace", default=None, help="record a journey trace there (its overhead)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--distributed-executor-backend", default=None, help="mp | ray (None: mp)")
     args = ap.parse_args()
@@ -168,6 +169,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        trace=args.trace,
         **tp,
     )
     runners = {"pagellm": lambda p: run_pagellm(llm, p, args.max_tokens)}
@@ -205,6 +207,7 @@ def main() -> None:
         a, b = (result["output_tok_s"][n] for n in names)
         result["ratio"] = round(a / b, 2)
         print(f"{names[0]} / {names[1]}: {result['ratio']}x (medians)")
+    llm.shutdown()  # writes the trace, if one was asked for
     print(json.dumps(result))
 
 
@@ -237,6 +240,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        trace=args.trace,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
     )

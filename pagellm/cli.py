@@ -14,8 +14,6 @@ import sys
 import time
 import typing
 
-from pagellm import envs
-
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -37,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine arguments (the same as LLM(...) keyword arguments)")
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
+        if f.name in ("model", "trace"):  # trace: --trace FILE (generate), --trace-dir (serve)
             continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
@@ -55,46 +53,73 @@ def _scalar_type(hint: typing.Any) -> type:
 def engine_args_from(ns: argparse.Namespace):
     from pagellm.config import EngineArgs
 
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    fields = dataclasses.fields(EngineArgs)
+    return EngineArgs(**{f.name: getattr(ns, f.name, f.default) for f in fields})
+
+
+# SamplingParams fields that are flags: name -> (dest, argparse keywords); --seed is the engine's
+def _sampling_flags() -> dict[str, tuple[str, dict]]:
+    from pagellm.sampling_params import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    flags = {}
+    for name in SamplingParams.__struct_fields__:
+        kwargs = _flag_kwargs(hints[name])
+        if kwargs is not None:
+            flags[name] = ("sampling_seed" if name == "seed" else name, kwargs)
+    return flags
+
+
+def _flag_kwargs(hint: typing.Any) -> dict | None:
+    """argparse keywords for a field's type: a scalar, a bool, or a list (a repeatable flag);
+    None for what a flag cannot spell (dicts, enums, nested structs)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if args == [bool]:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(args) == 1 and args[0] in (int, float, str):
+        return {"type": args[0]}
+    lists = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is list]
+    if lists and lists[0] in (int, str):
+        return {"action": "append", "type": lists[0], "help": "repeatable"}
+    return None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict[str, typing.Any]) -> None:
+    """One flag per SamplingParams field a flag can spell (`defaults` overrides its default)."""
+    from pagellm.sampling_params import SamplingParams
+
+    group = parser.add_argument_group("sampling arguments (the SamplingParams fields)")
+    base = SamplingParams()
+    for name, (dest, kwargs) in _sampling_flags().items():
+        default = None if kwargs.get("action") == "append" else getattr(base, name)
+        default = defaults.get(name, default)
+        flag = "--" + dest.replace("_", "-")
+        group.add_argument(flag, dest=dest, default=default, **kwargs)
+
+
+def sampling_params_from(ns: argparse.Namespace):
+    from pagellm.sampling_params import SamplingParams
+
+    flags = _sampling_flags()
+    return SamplingParams(**{name: getattr(ns, dest) for name, (dest, _) in flags.items()})
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts (default: built-in ones)")
     p.add_argument("prompts", nargs="*", help="prompts; none: a few built-in prompts")
     p.add_argument("--model", default=None, help="HF folder, .gguf file or shipped config name")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    add_sampling_args(p, {"max_tokens": 64, "temperature": 0.0})
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--trace", default=None, metavar="FILE", help=_TRACE_HELP)
     add_engine_args(p)
     p.set_defaults(func=run_generate)
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    from pagellm import SamplingParams
     from pagellm.entrypoints.llm import LLM
 
-    args = dataclasses.asdict(engine_args_from(ns))
-    llm = LLM(**args)
-    params = SamplingParams(
-        max_tokens=ns.max_tokens,
-        temperature=ns.temperature,
-        top_p=ns.top_p,
-        top_k=ns.top_k,
-        repetition_penalty=ns.repetition_penalty,
-        frequency_penalty=ns.frequency_penalty,
-        presence_penalty=ns.presence_penalty,
-        seed=ns.sampling_seed,
-        ignore_eos=ns.ignore_eos,
-        stop=ns.stop,
-    )
+    params = sampling_params_from(ns)  # bad values fail here, before the engine starts
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     prompts = ns.prompts or DEFAULT_PROMPTS
     start = time.perf_counter()
     if ns.chat or not ns.prompts:  # the built-in prompts are questions for the chat model
@@ -137,6 +162,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     _server_options(p)
+    p.add_argument("--trace-dir", default=None, metavar="DIR", help=_TRACE_DIR_HELP)
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -171,6 +197,8 @@ def _server_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+_TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
+_TRACE_DIR_HELP = "write a request-journey trace (journey-PID.json) in DIR at shutdown"
 _MODEL_HELP = "HF folder, .gguf file or shipped config name; none: the embedded SmolLM2"
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -191,6 +219,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         restart_engine=ns.restart_engine,
         max_engine_restarts=ns.max_engine_restarts,
     )
+    if ns.trace_dir is not None:
+        os.makedirs(ns.trace_dir, exist_ok=True)
+        ns.trace = os.path.join(ns.trace_dir, f"journey-{os.getpid()}.json")
     chat_options = {
         "tool_call_parser": ns.tool_call_parser,
         "enable_auto_tool_choice": ns.enable_auto_tool_choice,
@@ -235,6 +266,22 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     serve_parser.set_defaults(func=serve.main)
 
 
+def _trace_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="read a request-journey trace")
+    trace_sub = p.add_subparsers(dest="trace_command", required=True)
+    summarize = trace_sub.add_parser("summarize", help="walk one request through its boundaries")
+    summarize.add_argument("file", help="a trace written by --trace / LLM(trace=...)")
+    summarize.add_argument("--request-id", default=None, help="default: the first request")
+    summarize.set_defaults(func=run_trace_summarize)
+
+
+def run_trace_summarize(ns: argparse.Namespace) -> int:
+    from pagellm.tracing import summarize
+
+    print(summarize(ns.file, ns.request_id))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,16 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
+    _trace_parser(sub)
     return parser
 
 
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=envs.log_level(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
+    from pagellm.logger import setup_logging
+
     setup_logging()
     ns = build_parser().parse_args(argv)
     try:

@@ -67,6 +67,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: see ParallelConfig
     served_model_name: str | None = None
     disable_log_stats: bool = False
+    log_stats_interval: float = 10.0  # seconds between two stats lines in the log
+    trace: str | None = None  # write a request-journey trace here (pagellm/tracing.py)
+    trace_kv: str | None = None  # with trace: dump this request's block table, slot mapping
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
@@ -125,6 +128,9 @@ class EngineArgs:
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
             log_stats=not self.disable_log_stats,
+            log_stats_interval=self.log_stats_interval,
+            trace=self.trace,
+            trace_kv=self.trace_kv,
             reasoning_parser=self.reasoning_parser,
         )
 
@@ -381,6 +387,9 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = False  # schedule step N+1 while step N runs (pagellm.engine.core)
     log_stats: bool = True
+    log_stats_interval: float = 10.0  # seconds between two stats lines (caller side)
+    trace: str | None = None  # the journey trace's file (caller side); None: no tracing
+    trace_kv: str | None = None  # a request id whose paging the trace dumps
     reasoning_parser: str | None = None  # structured outputs start after the thinking
 
     def to_wire(self) -> dict[str, Any]:

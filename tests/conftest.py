@@ -111,6 +111,7 @@ def api_server(request, tmp_path_factory):
     args = ["--max-model-len", "1024", "--dtype", "float32", "--api-key", API_KEY]
     args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     args += ["--restart-engine", "--max-request-body-bytes", str(SERVER_MAX_BODY)]
+    args += ["--log-stats-interval", "0.5"]
     srv = start_server(args, str(tmp_path_factory.mktemp("server") / "server.log"))
     try:
         request.getfixturevalue("llm")  # the in-process reference loads while the server boots

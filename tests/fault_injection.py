@@ -17,7 +17,7 @@ from pagellm.core.request import Request
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine import core_proc
 from pagellm.engine.core import EngineCore
-from pagellm.engine.protocol import EngineCoreRequestType
+from pagellm.protocol import EngineCoreRequestType
 
 
 class InjectedFault(RuntimeError):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from pagellm import CompletionOutput, RequestOutput, SamplingParams
-from pagellm.cli import build_parser, engine_args_from
+from pagellm.cli import build_parser, engine_args_from, main, sampling_params_from
 from pagellm.entrypoints import chat_cli
 
 SMALL = ["--max-model-len", "256", "--dtype", "float32"]
@@ -113,3 +113,24 @@ def test_chat_keeps_the_conversation(monkeypatch, capsys):
         [system, {"role": "user", "content": "new"}],
     ]
     assert capsys.readouterr().out == "reply 1\nreply 2\nreply 3\n"
+
+
+def test_generate_sampling_flags_are_the_sampling_params_fields():
+    args = ["generate", "x", "--stop", "a", "--stop", "b", "--top-k", "5", "--min-p", "0.1",
+            "--sampling-seed", "3", "--ignore-eos", "--no-skip-special-tokens",
+            "--stop-token-ids", "7", "--bad-words", "foo", "--logprobs", "2"]  # fmt: skip
+    params = sampling_params_from(build_parser().parse_args(args))
+    assert params.stop == ["a", "b"] and params.stop_token_ids == [7] and params.top_k == 5
+    assert (params.min_p, params.seed, params.logprobs) == (0.1, 3, 2)
+    assert params.ignore_eos and not params.skip_special_tokens and params.bad_words == ["foo"]
+    assert (params.max_tokens, params.temperature) == (64, 0.0)  # generate's own defaults
+    ns = build_parser().parse_args(["generate"])
+    assert ns.seed == 0 and ns.sampling_seed is None  # --seed stays the engine's
+    flagged = {n for n in SamplingParams.__struct_fields__ if hasattr(ns, n)} | {"seed"}
+    not_flags = {"logit_bias", "output_kind", "structured_outputs", "bad_words_token_ids"}
+    assert flagged == set(SamplingParams.__struct_fields__) - not_flags
+
+
+def test_generate_bad_sampling_flag_is_a_clear_error(capsys):
+    assert main(["generate", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
+from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from pagellm.worker.step_inputs import StepInputs, pad_decode
 
 
 def test_capture_sizes_ladder():

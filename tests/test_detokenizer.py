@@ -168,7 +168,7 @@ def _feed(tokenizer, params: SamplingParams, outputs: list) -> tuple[list, list[
     """Runs EngineCoreOutputs for one request "r" through an OutputProcessor: its RequestOutputs
     and the ids it asks the core to abort."""
     from pagellm.engine.output_processor import OutputProcessor
-    from pagellm.engine.protocol import EngineCoreRequest
+    from pagellm.protocol import EngineCoreRequest
 
     processor = OutputProcessor(tokenizer)
     processor.add_request("p", EngineCoreRequest("r", [1, 2, 3], params, 2, 0.0))
@@ -182,7 +182,7 @@ def _feed(tokenizer, params: SamplingParams, outputs: list) -> tuple[list, list[
 
 
 def _token_outputs(tokenizer, text: str, **last) -> list:
-    from pagellm.engine.protocol import EngineCoreOutput
+    from pagellm.protocol import EngineCoreOutput
 
     ids = tokenizer.encode(text)
     outs = [EngineCoreOutput("r", [t]) for t in ids]
@@ -206,7 +206,7 @@ def test_delta_outputs_never_carry_a_part_of_a_stop_string(tokenizer):
 
 
 def test_a_stop_string_in_the_last_tokens_overrides_length(tokenizer):
-    from pagellm.engine.protocol import FinishReason
+    from pagellm.protocol import FinishReason
 
     params = SamplingParams(stop=["STOP"], max_tokens=4)
     outs = _token_outputs(tokenizer, "xx STOP", finish_reason=FinishReason.LENGTH)
@@ -217,7 +217,7 @@ def test_a_stop_string_in_the_last_tokens_overrides_length(tokenizer):
 
 
 def test_stop_token_text_is_left_out_unless_asked(tokenizer):
-    from pagellm.engine.protocol import FinishReason
+    from pagellm.protocol import FinishReason
 
     the = tokenizer.encode(" the")[0]
     for include, expected in ((False, "once upon"), (True, "once upon the")):

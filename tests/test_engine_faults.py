@@ -263,7 +263,7 @@ _LONG_GREEDY = dict(temperature=0.0, max_tokens=40, ignore_eos=True)
 def test_msgspec_round_trip_of_every_validated_request():
     """What SamplingParams accepts, the core's decoder accepts (a wrong type used to kill the
     core's input thread)."""
-    from pagellm.engine.protocol import EngineCoreRequest
+    from pagellm.protocol import EngineCoreRequest
 
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
     params = SamplingParams(n=3, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"5": 100})

@@ -187,7 +187,7 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def test_prefill_logits_match_hf(trained):
-    from pagellm.attention.base import get_attn_backend_cls
+    from pagellm.attention.selector import get_attn_backend_cls
 
     arch, folder, hf = trained
     backend = get_attn_backend_cls(DEVICE)

@@ -70,12 +70,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from pagellm.attention.base import CommonAttentionMetadata  # noqa: E402
 from pagellm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from pagellm.kernels.paged_attention import (  # noqa: E402
+from pagellm.kernels.attention_plan import (  # noqa: E402
     choose_num_splits,
     decode_config,
-    paged_attention,
     plan_attention,
 )
+from pagellm.kernels.paged_attention import paged_attention  # noqa: E402
 from pagellm.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

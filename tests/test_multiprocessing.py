@@ -16,7 +16,7 @@ import pytest
 from conftest import PROMPTS
 
 from pagellm import LLM, EngineArgs, SamplingParams
-from pagellm.attention.base import get_attn_backend_cls
+from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.core_client import EngineDeadError, SyncMPClient
 from pagellm.loader import load_model
@@ -224,7 +224,7 @@ _CORE_SIDE = r"""
 import sys
 import msgspec
 import pagellm.engine.core_proc  # everything the EngineCore process imports
-from pagellm.attention.base import get_attn_backend_cls
+from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.config import EngineConfig
 from pagellm.loader import load_model
 config = EngineConfig.from_wire(msgspec.msgpack.decode(sys.stdin.buffer.read()))

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from pagellm import EngineArgs, SamplingParams
 from pagellm.engine.output_processor import fan_out
-from pagellm.engine.protocol import EngineCoreRequest
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import RequestOutputKind
 
 _SCALE = int(os.environ.get("PAGELLM_FUZZ_EXAMPLES", "1"))

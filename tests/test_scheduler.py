@@ -17,7 +17,7 @@ from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.scheduler import Scheduler
-from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from pagellm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

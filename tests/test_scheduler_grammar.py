@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_scheduler import EOS, FakeRunner, make_request, make_scheduler, step
 
 from pagellm.core.request import RequestStatus
-from pagellm.engine.protocol import FinishReason
+from pagellm.protocol import FinishReason
 
 
 class FakeGrammar:

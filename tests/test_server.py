@@ -301,11 +301,27 @@ def test_unknown_model_is_404(server, client):
 def test_metrics_names(server):
     metrics = _metrics(server)
     gauges = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
-    counters = ["prompt_tokens_total", "generation_tokens_total"]
+    counters = ["prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"]
+    counters += ["prefix_cache_queries_total", "prefix_cache_hits_total"]
     histograms = ["time_to_first_token", "inter_token_latency", "e2e_request_latency"]
     names = gauges + counters + [f"{h}_seconds_count" for h in histograms]
     assert [n for n in names if f"pagellm:{n}" not in metrics] == []
     assert metrics["pagellm:generation_tokens_total"] > 0
+
+
+def test_prefix_cache_counters_and_the_stats_line(server, client):
+    prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens: " + "abc " * 40
+    before = _metrics(server)
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = _metrics(server)
+    queries = (
+        after["pagellm:prefix_cache_queries_total"] - before["pagellm:prefix_cache_queries_total"]
+    )
+    hits = after["pagellm:prefix_cache_hits_total"] - before["pagellm:prefix_cache_hits_total"]
+    assert hits >= 48 and queries >= hits + 48  # the second request found the first's blocks
+    stats_lines = [line for line in server.log().splitlines() if "Avg prompt throughput" in line]
+    assert stats_lines and "KV cache usage" in stats_lines[-1]
 
 
 # ---- the load generator ---------------------------------------------------------------------

@@ -102,17 +102,3 @@ class AttentionBackend(ABC):
         kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache (quantized when it is fp8), then attend."""
-
-
-def get_attn_backend_cls(device: torch.device | str) -> type[AttentionBackend]:
-    """The torch backend on CPU; the Triton backend on CUDA (imported lazily)."""
-    if torch.device(device).type == "cuda":
-        try:
-            from pagellm.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend
-        except ImportError:
-            pass
-    from pagellm.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
-from pagellm.kernels.attention_plan import order_by_length
-from pagellm.kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
+from pagellm.kernels.attention_plan import AttentionPlan, order_by_length, plan_attention
+from pagellm.kernels.paged_attention import paged_attention
 from pagellm.kernels.reshape_and_cache import reshape_and_cache
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pagellm.engine.protocol import EngineCoreRequest, FinishReason
+from pagellm.protocol import EngineCoreRequest, FinishReason
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.engine.protocol import (
+from pagellm.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
@@ -107,6 +107,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.finished_on_arrival: list[Request] = []  # prompts too long: reported next update
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # computed, since start (stats)
+        self.num_generation_tokens = 0  # sampled, since start (stats)
 
     def _max_request_len(self, num_kv_blocks: int, block_size: int) -> int:
         capacity = (num_kv_blocks - 1) * block_size  # the null block holds nothing
@@ -310,6 +312,8 @@ class Scheduler:
     def _advance(self, request: Request, num_new: int, step: _Step) -> None:
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
+        prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        self.num_prompt_tokens += min(max(prompt_left, 0), num_new)
         request.num_computed_tokens += num_new
         if not self.async_scheduling:
             return
@@ -334,6 +338,7 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
+            self.num_generation_tokens += len(token_ids)
             try:
                 outputs.append(self._process_sampled(request, token_ids, mro, i))
             except Exception as e:  # this request's own fault: it alone fails
@@ -444,4 +449,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
         )

@@ -20,9 +20,11 @@ from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.core_client import EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
-from pagellm.engine.protocol import SchedulerStats
+from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
+from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
+from pagellm.tracing import trace_caller
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class AsyncLLM:
         self.dead_error: BaseException | None = None
         self.dead = asyncio.Event()  # set with dead_error
         self.last_stats: SchedulerStats | None = None
+        self.stat_logger = StatLogger(config.log_stats_interval, config.device)
+        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -108,7 +112,6 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        ids = _with_children(ids, self.output_processor.request_states)
         to_abort = self.output_processor.abort_requests(ids)
         if to_abort and self.dead_error is None:
             await self.engine_core.abort_requests_async(to_abort)
@@ -156,6 +159,7 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
+                    self.stat_logger.record(outputs.scheduler_stats)
                 _, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
                 if reqs_to_abort:
                     await self.engine_core.abort_requests_async(reqs_to_abort)
@@ -172,24 +176,17 @@ class AsyncLLM:
             if state.queue is not None:
                 state.queue.put_nowait(error)
         self.output_processor.request_states.clear()
+        self.output_processor.parents.clear()
 
     def shutdown(self) -> None:
         if self.output_handler is not None:
             self.output_handler.cancel()
         self.engine_core.shutdown()
+        if self.tracer is not None:
+            self.tracer.write(self.config.trace)
 
 
 def _needs_tokenizing(prompt: PromptType) -> bool:
     if isinstance(prompt, dict):
         return "prompt_token_ids" not in prompt
     return isinstance(prompt, str)
-
-
-def _with_children(ids: list[str], states: dict) -> list[str]:
-    out = []
-    for rid in ids:
-        if rid in states:
-            out.append(rid)
-        else:  # n > 1: the user's id names the parent of "{i}_{id}" children
-            out.extend(s for s, st in states.items() if st.parent and st.parent.request_id == rid)
-    return out

@@ -28,9 +28,10 @@ from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, error_output
-from pagellm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.executor import Executor
+from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
+from pagellm.tracing import trace_core
 from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class EngineCore:
         self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
         # one row (on the CPU: the ranges are the device's too) to try each request's settings in
         self._row_check = InputBatch(1, 1, 1, "cpu")
+        self.tracer = trace_core(self, config.trace_kv) if config.trace else None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from pagellm import envs
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.protocol import (
+from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,

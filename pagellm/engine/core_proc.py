@@ -34,7 +34,7 @@ import zmq
 from pagellm.config import EngineConfig
 from pagellm.core.scheduler import error_output
 from pagellm.engine.core import EngineCore
-from pagellm.engine.protocol import (
+from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
     EngineCoreReady,
@@ -43,6 +43,7 @@ from pagellm.engine.protocol import (
     UtilityOutput,
 )
 from pagellm.sampling_params import SamplingParams
+from pagellm.tracing import trace_input_queue
 
 logger = logging.getLogger("pagellm.engine.core_proc")
 
@@ -55,6 +56,8 @@ class EngineCoreProc(EngineCore):
     def __init__(self, config: EngineConfig, ctx: zmq.Context, input_path: str) -> None:
         super().__init__(config)
         self.input_queue: queue.Queue = queue.Queue()
+        if self.tracer is not None:
+            trace_input_queue(self.tracer, self.input_queue)
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
         self.input_path = input_path
@@ -234,7 +237,7 @@ def _send_failure(sock: zmq.Socket, message: list[str]) -> None:
 
 
 def main() -> None:
-    from pagellm.cli import setup_logging
+    from pagellm.logger import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, even while waiting
     setup_logging()

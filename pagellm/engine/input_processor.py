@@ -16,8 +16,8 @@ import msgspec
 from jinja2 import TemplateError
 
 from pagellm.config import ModelConfig
-from pagellm.engine.protocol import EngineCoreRequest
 from pagellm.loader.source import TOKENIZER_FILES
+from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}

@@ -14,9 +14,11 @@ from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
-from pagellm.engine.protocol import SchedulerStats
+from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
+from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
+from pagellm.tracing import trace_caller
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +32,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
-        self.children: dict[str, list[str]] = {}  # parent request id -> child ids (n > 1)
         self.last_stats: SchedulerStats | None = None
+        self.stat_logger = StatLogger(config.log_stats_interval, config.device)
+        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -64,23 +67,18 @@ class LLMEngine:
         except BaseException:
             self.output_processor.withdraw(added, self.engine_core.abort_requests)
             raise
-        if len(children) > 1:
-            self.children[request_id] = added
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [child for rid in ids for child in self.children.pop(rid, [rid])]
         self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+            self.stat_logger.record(outputs.scheduler_stats)
         request_outputs, reqs_to_abort = self.output_processor.process_outputs(outputs.outputs)
         self.engine_core.abort_requests(reqs_to_abort)
-        for out in request_outputs:
-            if out.finished:
-                self.children.pop(out.request_id, None)
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -94,3 +92,5 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.tracer is not None:
+            self.tracer.write(self.config.trace)

@@ -17,7 +17,6 @@ import msgspec
 
 from pagellm.engine.core_client import EngineDeadError
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.outputs import (
     CompletionOutput,
     Logprob,
@@ -25,6 +24,7 @@ from pagellm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from pagellm.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.sampling_params import INT64_MIN, RequestOutputKind
 
 logger = logging.getLogger(__name__)
@@ -34,11 +34,13 @@ class ParentRequest:
     """The user's request when n > 1: collects the children's completions into one output."""
 
     __slots__ = (
-        "request_id", "completions", "num_finished", "n", "output_kind", "sent_prompt_logprobs"
+        "request_id", "child_ids", "completions", "num_finished", "n", "output_kind",
+        "sent_prompt_logprobs",
     )  # fmt: skip
 
     def __init__(self, request_id: str, n: int, output_kind: RequestOutputKind) -> None:
         self.request_id = request_id
+        self.child_ids = [f"{i}_{request_id}" for i in range(n)]
         self.n = n
         self.output_kind = output_kind
         self.completions: list[CompletionOutput | None] = [None] * n
@@ -61,7 +63,7 @@ def fan_out(
         if params.seed is not None:
             child_params.seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN
         child = msgspec.structs.replace(
-            request, request_id=f"{i}_{request.request_id}", sampling_params=child_params
+            request, request_id=parent.child_ids[i], sampling_params=child_params
         )
         children.append((child, parent, i))
     return children
@@ -115,6 +117,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}  # n > 1: the user's request id -> parent
 
     def add_request(
         self,
@@ -129,10 +132,17 @@ class OutputProcessor:
         state = RequestState(prompt, request, self.tokenizer)
         state.parent, state.index, state.queue = parent, index, queue
         self.request_states[request.request_id] = state
+        if parent is not None:
+            self.parents[parent.request_id] = parent
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forgets these requests; returns the ids the engine core still has to abort."""
-        return [rid for rid in request_ids if self.request_states.pop(rid, None) is not None]
+        """Forgets these requests (a parent's id: its children); returns the ids the engine
+        core still has to abort."""
+        ids = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids += parent.child_ids if parent is not None else [rid]
+        return [rid for rid in ids if self.request_states.pop(rid, None) is not None]
 
     def withdraw(self, request_ids: list[str], abort: Callable[[list[str]], Any]) -> None:
         """Undo a request added in part (all or nothing): forget the children registered so
@@ -286,6 +296,8 @@ class OutputProcessor:
         parent.completions[state.index] = completion
         parent.num_finished += finished
         all_done = parent.num_finished == parent.n
+        if all_done:
+            self.parents.pop(parent.request_id, None)
         if parent.output_kind == RequestOutputKind.FINAL_ONLY and not all_done:
             return None
         if parent.output_kind == RequestOutputKind.DELTA:

@@ -2,13 +2,14 @@
 
 `generate()` is the add-then-step loop: every prompt goes in with add_request(), then step()
 runs until no request is unfinished, and the finished outputs come back in input order.
+`generate_stream()` is the same loop as an iterator: each output as step() produces it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 from pagellm.config import EngineArgs
 from pagellm.engine.input_processor import PromptType, render_chat
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.logger import ensure_library_logging
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,6 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        ensure_library_logging()  # the stats line and start-up lines reach a plain script
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
 
@@ -55,6 +58,19 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         request_ids = self._add_requests(prompt_list, params_list, priority)
         return self._run_engine(request_ids, use_tqdm)
+
+    def generate_stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields RequestOutputs as the engine produces them, each as its `output_kind` asks
+        (CUMULATIVE, DELTA, FINAL_ONLY: then one per request, in completion order).
+        Leaving the loop early aborts the requests not yet finished and frees their KV blocks."""
+        prompt_list = _as_list(prompts)
+        params_list = self._params_for(prompt_list, sampling_params)
+        request_ids = self._add_requests(prompt_list, params_list, keep_output_kind=True)
+        return self._stream(request_ids)
 
     def chat(
         self,
@@ -102,13 +118,15 @@ class LLM:
         prompts: list[PromptType],
         params: list[SamplingParams],
         priority: Sequence[int] | None = None,
+        keep_output_kind: bool = False,
     ) -> list[str]:
         added: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._request_counter))
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
+                if not keep_output_kind:
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 level = 0 if priority is None else priority[i]
                 self.llm_engine.add_request(request_id, prompt, p, priority=level)
                 added.append(request_id)
@@ -121,17 +139,26 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = _ProgressBar(len(request_ids), use_tqdm)
         try:
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(out)
-        except BaseException:
-            self.llm_engine.abort_request([r for r in request_ids if r not in finished])
-            raise
+            for out in self._stream(request_ids):
+                finished[out.request_id] = out  # FINAL_ONLY: finished outputs only
+                bar.update(out)
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+    def _stream(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Steps the engine until these requests finish; an error, or the caller closing the
+        iterator (a `break` does), aborts the unfinished ones."""
+        unfinished = set(request_ids)
+        try:
+            while unfinished and self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+                    yield out
+        finally:
+            if unfinished:
+                self.llm_engine.abort_request(list(unfinished))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (False, changing nothing, while requests run)."""

@@ -65,17 +65,10 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm.attention.kv_cache_dtype import is_fp8
-from pagellm.kernels.attention_plan import (  # noqa: F401  (re-exported)
+from pagellm.kernels.attention_plan import (
     MAX_SPLITS,
-    MIN_KEYS_PER_SPLIT,
-    TARGET_WAVES,
     AttentionPlan,
-    Launch,
     TileConfig,
-    choose_num_splits,
-    decode_config,
-    plan_attention,
-    prefill_config,
 )
 
 LOG2E = 1.4426950408889634

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from pagellm import envs
-from pagellm.attention.base import CommonAttentionMetadata, get_attn_backend_cls
+from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
+from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
@@ -42,9 +43,10 @@ from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
 from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
-from pagellm.worker.cuda_graphs import CudaGraphRunner, StepInputs, capture_sizes, pad_decode
+from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.step_inputs import StepInputs, pad_decode
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server, in a private registry (two apps in one process never clash).
 
-Gauges (running and waiting requests, KV cache usage) are read from the engine core's
-scheduler stats when `/metrics` is scraped. Token counters and latency histograms are
+Gauges (running and waiting requests, KV cache usage) and the core's own counters (prefix-cache
+queries and hits, preemptions) are read from the engine core's scheduler stats when `/metrics`
+is scraped. Token counters and latency histograms are
 recorded per request by `RequestTimer`, from the times the server receives outputs.
 """
 
@@ -29,6 +30,17 @@ class ServerMetrics:
         self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        # the core's counters since start, by SchedulerStats field; advanced when scraped
+        self.core_counters = {
+            "prefix_cache_queries": self._counter(
+                "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            ),
+            "prefix_cache_hits": self._counter(
+                "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            ),
+            "num_preemptions": self._counter("num_preemptions", "Requests preempted."),
+        }
+        self.core_seen: dict[str, float] = {}
         self.requests = Counter(
             "pagellm:request_success",
             "Completions finished, by finish reason.",
@@ -66,6 +78,11 @@ class ServerMetrics:
         self.running.set(stats.get("num_running_reqs", 0))
         self.waiting.set(stats.get("num_waiting_reqs", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        for field, counter in self.core_counters.items():
+            value = stats.get(field, 0)
+            if value > self.core_seen.get(field, 0):  # a Counter only goes up by increments
+                counter.inc(value - self.core_seen.get(field, 0))
+                self.core_seen[field] = value
 
     def on_engine_restart(self) -> None:
         """A new core holds nothing yet: the gauges start from zero (counters go on)."""

@@ -61,6 +61,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # since start
     prefix_cache_queries: int = 0  # tokens looked up, since start
     prefix_cache_hits: int = 0  # tokens found, since start
+    num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits not), since start
+    num_generation_tokens: int = 0  # tokens sampled, since start
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -69,6 +71,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     timestamp: float = 0.0
     # the reply to a utility call (call_id, result) travels on the output channel too
     utility_output: UtilityOutput | None = None
+    trace_events: list[dict[str, Any]] | None = None  # the core's journey trace (tracing.py)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -1,0 +1,45 @@
+"""StatLogger: vLLM's periodic stats line, on the caller side, from the EngineCore's counters.
+
+Every EngineCoreOutputs carries the core's SchedulerStats (running, waiting, KV usage, and
+counters since start); `record()` takes each one and, once `interval_s` has passed since the
+last line, logs the throughputs over that interval and the prefix-cache hit rate since start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagellm.protocol import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatLogger:
+    __slots__ = ("interval_s", "device", "last_time", "last")
+
+    def __init__(self, interval_s: float, device: str = "cpu") -> None:
+        self.interval_s = interval_s
+        self.device = "GPU" if device.startswith("cuda") else "CPU"
+        self.last_time = time.monotonic()
+        self.last = SchedulerStats()  # the counters at the last line
+
+    def record(self, stats: SchedulerStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now - self.last_time >= self.interval_s:
+            logger.info(self.line(stats, now - self.last_time))
+            self.last_time, self.last = now, stats
+
+    def line(self, stats: SchedulerStats, elapsed_s: float) -> str:
+        last, elapsed_s = self.last, max(elapsed_s, 1e-9)
+        prompt = (stats.num_prompt_tokens - last.num_prompt_tokens) / elapsed_s
+        generation = (stats.num_generation_tokens - last.num_generation_tokens) / elapsed_s
+        hit_rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
+        return (
+            f"Avg prompt throughput: {prompt:.1f} tokens/s, "
+            f"Avg generation throughput: {generation:.1f} tokens/s, "
+            f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+            f"{self.device} KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
+            f"Preemptions: {stats.num_preemptions - last.num_preemptions}"
+        )
