@@ -171,7 +171,7 @@ def _feed(tokenizer, params: SamplingParams, outputs: list) -> tuple[list, list[
     from pagellm.protocol import EngineCoreRequest
 
     processor = OutputProcessor(tokenizer)
-    processor.add_request("p", EngineCoreRequest("r", [1, 2, 3], params, 2, 0.0))
+    processor.add_request("p", EngineCoreRequest("r", [1, 2, 3], params, [2], 0.0))
     results, aborts = [], []
     for out in outputs:
         got, to_abort = processor.process_outputs([out])

@@ -267,7 +267,7 @@ def test_msgspec_round_trip_of_every_validated_request():
 
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
     params = SamplingParams(n=3, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"5": 100})
-    request = EngineCoreRequest("r", [1, 2], params, 2, 0.0)
+    request = EngineCoreRequest("r", [1, 2], params, [2], 0.0)
     assert decoder.decode(msgspec.msgpack.encode(request)) == request
     children = [child for child, _, _ in fan_out(request)]  # seeds seed + i stay in int64
     assert [child.sampling_params.seed for child in children] == [2**63 - 1, -(2**63), -(2**63) + 1]

@@ -164,7 +164,11 @@ def test_bin_checkpoint_only_without_safetensors(tiny, tmp_path):
 def test_dtype_auto_is_the_checkpoint_dtype_on_gpu():
     from types import SimpleNamespace
 
+    from pagellm.utils import cpu_bf16_units
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # on the CPU the checkpoint's dtype does not count: bf16 where it has bf16 units (issue 17)
+    on_cpu = torch.float32 if cpu_bf16_units() is None else torch.bfloat16
     for config_dtype, on_gpu in [
         ("bfloat16", torch.bfloat16),
         ("float16", torch.float16),
@@ -173,7 +177,7 @@ def test_dtype_auto_is_the_checkpoint_dtype_on_gpu():
         for key in ("dtype", "torch_dtype"):  # transformers 5 and 4 names
             config = SimpleNamespace(**{key: config_dtype})
             assert _resolve_dtype("auto", config, cuda) == on_gpu
-            assert _resolve_dtype("auto", config, cpu) == torch.float32
+            assert _resolve_dtype("auto", config, cpu) == on_cpu
 
 
 # ---------------------------------------------------------------- bad input

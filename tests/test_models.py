@@ -23,7 +23,7 @@ from pagellm.models import get_model_cls
 from pagellm.models.linear import PackedWeight, cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
-ATOL, RTOL = 1e-4, 1e-5
+ATOL, RTOL = 2e-4, 1e-5  # fp32; the CPU decode kernel sums in another order than HF
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

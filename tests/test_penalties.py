@@ -77,11 +77,13 @@ def test_bias_and_allowed_tokens_are_checked(tmp_path):
         SamplingParams(logit_bias={"x": 1.0})
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids has token id -1"):
+        SamplingParams(allowed_token_ids=[-1])  # below any vocabulary: refused at once
     with LLM(model=folder, dtype="float32") as llm:
         vocab = llm.llm_engine.config.model_config.vocab_size
         for bad in (
             SamplingParams(logit_bias={vocab: 1.0}),
-            SamplingParams(allowed_token_ids=[-1]),
+            SamplingParams(allowed_token_ids=[vocab]),
         ):
             with pytest.raises(ValueError, match="out of vocabulary"):
                 llm.generate({"prompt_token_ids": [1, 2]}, bad, use_tqdm=False)

@@ -85,7 +85,7 @@ def _validate(kwargs: dict) -> SamplingParams | None:
         assert named and named.group(1) in kwargs, f"{e} does not name a field of {kwargs}"
         return None
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-    request = EngineCoreRequest("r", [1, 2, 3], params, 2, 0.0)
+    request = EngineCoreRequest("r", [1, 2, 3], params, [2], 0.0)
     assert decoder.decode(msgspec.msgpack.encode(request)) == request  # the core can read it
     if params.n <= 8:  # and each child of the fan-out (seeds seed + i)
         for child, _, _ in fan_out(request):

@@ -49,7 +49,9 @@ def _token_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def _one_rank_reference(folder: str, monkeypatch, **kwargs) -> list[list[int]]:
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")  # quick to start
-    with LLM(model=folder, max_model_len=256, kv_cache_memory_bytes=SMALL_KV, **kwargs) as llm:
+    with LLM(
+        dtype="float32", model=folder, max_model_len=256, kv_cache_memory_bytes=SMALL_KV, **kwargs
+    ) as llm:
         ids = _token_ids(llm, TOKEN_PROMPTS)
     monkeypatch.delenv("PAGELLM_ENABLE_MULTIPROCESSING")
     return ids
@@ -89,7 +91,7 @@ def test_backend_resolution_and_errors(monkeypatch, tiny_llama):
 
 def test_smollm2_heads_do_not_split_in_two():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide .*heads \(9\)"):
-        LLM(max_model_len=256, tensor_parallel_size=2)
+        LLM(dtype="float32", max_model_len=256, tensor_parallel_size=2)
 
 
 # ---- each rank's shard ------------------------------------------------------------------
@@ -180,6 +182,7 @@ def _worker_dirs() -> set[str]:
 def llama_tp2(tiny_llama):
     before = _worker_dirs()
     llm = LLM(
+        dtype="float32",
         model=tiny_llama,
         max_model_len=256,
         tensor_parallel_size=2,
@@ -200,7 +203,9 @@ def test_random_samples_are_rank0s_on_every_rank(llama_tp2, tiny_llama, monkeypa
     sampled = llama_tp2.generate([{"prompt_token_ids": p} for p in prompts], params)
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
     score = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    with LLM(model=tiny_llama, max_model_len=256, kv_cache_memory_bytes=SMALL_KV) as one:
+    with LLM(
+        dtype="float32", model=tiny_llama, max_model_len=256, kv_cache_memory_bytes=SMALL_KV
+    ) as one:
         for prompt, out in zip(prompts, sampled):
             got = out.outputs[0]
             full = {"prompt_token_ids": prompt + list(got.token_ids)}
@@ -227,7 +232,11 @@ def test_moe_experts_split_over_two_ranks(tmp_path, monkeypatch):
     folder = make_tiny_hf_model("qwen3_moe", tmp_path, **MOE, head_dim=32, mlp_only_layers=[0])
     want = _one_rank_reference(folder, monkeypatch)
     with LLM(
-        model=folder, max_model_len=256, tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV
+        dtype="float32",
+        model=folder,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=SMALL_KV,
     ) as llm:
         assert _token_ids(llm, TOKEN_PROMPTS) == want
 
@@ -238,7 +247,11 @@ def test_olmo2_whole_projection_norms_over_two_ranks(tmp_path, monkeypatch):
     folder = make_tiny_hf_model("olmo2", tmp_path, num_key_value_heads=1)
     want = _one_rank_reference(folder, monkeypatch)
     with LLM(
-        model=folder, max_model_len=256, tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV
+        dtype="float32",
+        model=folder,
+        max_model_len=256,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=SMALL_KV,
     ) as llm:
         assert _token_ids(llm, TOKEN_PROMPTS) == want
 
@@ -320,18 +333,20 @@ def test_two_rank_server_answers_as_one_rank_then_dies_whole(tmp_path, monkeypat
     part: the same model as one rank's) with SmolLM2's tokenizer, async scheduling (each
     rank keeps one step in flight): the same greedy texts as one rank. Then the server is
     SIGKILLed: its EngineCore follows, the workers follow the EngineCore, no files remain."""
-    from test_server import _start_server, _wait_healthy
+    from server_utils import start_server as _start_server
+    from server_utils import wait_healthy as _wait_healthy
 
     from pagellm.loader import load_tokenizer, resolve_model_source
 
     folder = make_tiny_hf_model("llama", tmp_path, vocab_size=49152, initializer_range=0.5)
     load_tokenizer(resolve_model_source(None)).save_pretrained(folder)
     engine = ["--load-format", "dummy", "--max-model-len", "256", "--async-scheduling"]
+    engine += ["--dtype", "float32"]
     before = _worker_dirs()
     server = _start_server([folder, *engine, "-tp", "2"], str(tmp_path / "server.log"))
     try:
         monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
-        with LLM(model=folder, load_format="dummy", max_model_len=256) as llm:
+        with LLM(dtype="float32", model=folder, load_format="dummy", max_model_len=256) as llm:
             outputs = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
             constrained = llm.generate(PROMPTS[:2], _regex_params(), use_tqdm=False)
         _wait_healthy(server)

@@ -43,7 +43,7 @@ def test_ray_ranks_same_tokens_then_a_dead_actor(ray_cluster, tmp_path, monkeypa
     want = _one_rank_reference(folder, monkeypatch)
     kwargs = dict(max_model_len=256, kv_cache_memory_bytes=SMALL_KV, async_scheduling=True)
     # no backend named: a caller connected to Ray gets the Ray executor
-    llm = LLM(model=folder, tensor_parallel_size=2, **kwargs, **STRESS)
+    llm = LLM(dtype="float32", model=folder, tensor_parallel_size=2, **kwargs, **STRESS)
     try:
         assert _token_ids(llm, TOKEN_PROMPTS) == want
         assert llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0

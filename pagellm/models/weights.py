@@ -123,7 +123,8 @@ def load_param(module: nn.Module, name: str, tensor: Any, shard: str | None = No
         module.load_full(name, tensor.read())
         return
     slicer = getattr(module, "checkpoint_slice", None)
-    if slicer is not None and tensor.shape != module.full_shape(name):  # before it is cut
+    quantized = getattr(module, "quant_method", None) is not None  # its tensors, its shapes
+    if slicer is not None and not quantized and tensor.shape != module.full_shape(name):
         raise ValueError(f"{name}: expected shape {module.full_shape(name)}, got {tensor.shape}")
     set_param(module, name, tensor.read(slicer(name) if slicer else None))
 
