@@ -1,7 +1,8 @@
-"""The paged attention kernel compiled for Hopper (sm_90) on this CPU-only machine: Triton's
-front end, its GPU passes and ptxas, without a device. The interpreter runs the kernels'
-semantics in CI, but accepts Python the compiler refuses (an `if` on a float constexpr once
-broke every GPU run); this catches that class of error before device time is spent."""
+"""The paged attention and fp8 GEMM kernels compiled for Hopper (sm_90) on this CPU-only
+machine: Triton's front end, its GPU passes and ptxas, without a device. The interpreter runs
+the kernels' semantics in CI, but accepts Python the compiler refuses (an `if` on a float
+constexpr once broke every GPU run); this catches that class of error before device time is
+spent."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def _signature(fn, kv_fp8: bool) -> dict[str, str]:
     types |= {name: "*i32" for name in _INT_POINTERS}
     types |= {name: "*fp32" for name in _FLOAT_POINTERS}
     types["qk_scale"] = "fp32"
+    return _typed(fn, types)
+
+
+def _typed(fn, types: dict[str, str]) -> dict[str, str]:
+    """Triton's signature of `fn`: constexprs, the given types, i32 for the other scalars."""
     return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
 
 
@@ -45,3 +51,18 @@ def test_paged_attention_compiles_for_hopper(window, soft_cap_log2, kv_fp8, spli
     src = ASTSource(fn=fn, signature=_signature(fn, kv_fp8), constexprs=constexprs)
     compiled = triton.compile(src, target=HOPPER)
     assert compiled.asm["cubin"]  # through ptxas: sm_90 machine code
+
+
+@pytest.mark.parametrize(
+    ("a_fp8", "w_block", "block_m"), [(False, 0, 16), (True, 0, 64), (True, 128, 64)]
+)
+def test_fp8_gemm_compiles_for_hopper(a_fp8, w_block, block_m):
+    from pagellm.kernels.fp8_gemm import _fp8_gemm_kernel
+
+    types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16",
+             "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
+    constexprs = dict(A_FP8=a_fp8, W_BLOCK=w_block, HAS_BIAS=True, BLOCK_M=block_m,
+                      BLOCK_N=64, BLOCK_K=128)  # fmt: skip
+    src = ASTSource(fn=_fp8_gemm_kernel, signature=_typed(_fp8_gemm_kernel, types),
+                    constexprs=constexprs)  # fmt: skip
+    assert triton.compile(src, target=HOPPER).asm["cubin"]
