@@ -227,33 +227,24 @@ def test_two_ranks_same_tokens_as_one(llama_tp2, tiny_llama, monkeypatch):
     assert all(r["num_kv_heads"] == 1 for r in ranks)  # 2 KV heads, one per rank
 
 
+def _two_rank_ids(folder: str) -> list[list[int]]:
+    """Greedy ids of TOKEN_PROMPTS from `folder`'s model split over two ranks."""
+    with LLM(dtype="float32", model=folder, max_model_len=256, tensor_parallel_size=2,
+             kv_cache_memory_bytes=SMALL_KV) as llm:  # fmt: skip
+        return _token_ids(llm, TOKEN_PROMPTS)
+
+
 def test_moe_experts_split_over_two_ranks(tmp_path, monkeypatch):
     """Qwen3-MoE: each expert's intermediate rows split over the ranks, one all-reduce."""
     folder = make_tiny_hf_model("qwen3_moe", tmp_path, **MOE, head_dim=32, mlp_only_layers=[0])
-    want = _one_rank_reference(folder, monkeypatch)
-    with LLM(
-        dtype="float32",
-        model=folder,
-        max_model_len=256,
-        tensor_parallel_size=2,
-        kv_cache_memory_bytes=SMALL_KV,
-    ) as llm:
-        assert _token_ids(llm, TOKEN_PROMPTS) == want
+    assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
 
 
 def test_olmo2_whole_projection_norms_over_two_ranks(tmp_path, monkeypatch):
     """OLMo 2 RMS-normalizes q and k over all heads, which the ranks split: one all-reduce of
     the sums of squares; its one KV head, replicated on both ranks, is counted once."""
     folder = make_tiny_hf_model("olmo2", tmp_path, num_key_value_heads=1)
-    want = _one_rank_reference(folder, monkeypatch)
-    with LLM(
-        dtype="float32",
-        model=folder,
-        max_model_len=256,
-        tensor_parallel_size=2,
-        kv_cache_memory_bytes=SMALL_KV,
-    ) as llm:
-        assert _token_ids(llm, TOKEN_PROMPTS) == want
+    assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
 
 
 # ---- faults (last: the module's engine dies here) ----------------------------------------------
