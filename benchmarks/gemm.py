@@ -3,7 +3,8 @@ with `--fp8`, the fp8 weight GEMMs of `quantization="fp8"` against `torch._scale
 
     python benchmarks/gemm.py
     python benchmarks/gemm.py --fp8              # Llama-3.1-8B projections, M = 1, 16, 256
-    python benchmarks/gemm.py --fp8-sweep        # M = 1: every small-M tile config, the best
+    python benchmarks/gemm.py --fp8-sweep        # M = 1: every GEMV tile config, the best
+    python benchmarks/gemm.py --fp8-sweep --rows 16   # the weight-only tl.dot kernel at M = 16
 
 `--fp8` times, per projection and M (activations already quantized where the path needs
 them, so each cell is one GEMM): `torch._scaled_mm` with row-wise scales (cuBLAS; the goal
@@ -57,9 +58,20 @@ def time_linear(m: int, k: int, n: int) -> float:
     return graph_median_ms(run, replays=7) / len(weights)
 
 
+def without_pairs(fn):
+    """fn() with fp8 tiles loaded as fp8 and converted by `.to()` (captured that way)."""
+    from pagellm.kernels import fp8_convert
+
+    fp8_convert.ENABLED = False
+    try:
+        return fn()
+    finally:
+        fp8_convert.ENABLED = True
+
+
 def fp8_cases(m: int, k: int, n: int) -> dict:
     """Callables for one (M, K, N): every fp8 path and bf16, each over rotated weights."""
-    from pagellm.kernels.fp8_gemm import fp8_gemm, quantize_fp8
+    from pagellm.kernels.fp8_gemm import fp8_gemm, gemm_config, quantize_fp8
     from pagellm.quantization.fp8 import Fp8Weight, quantize_weight_per_row
 
     count = max(1, int(2e9 // (n * k)))
@@ -69,11 +81,16 @@ def fp8_cases(m: int, k: int, n: int) -> dict:
     xq, xs = quantize_fp8(x)
     xqb, xsb = quantize_fp8(x, 128)
     wrapped = [Fp8Weight(q, s) for q, s in ws]
+    dot_cfg = gemm_config(m, n, k, 0)  # the tl.dot kernel, also at M = 1
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count // 2 or 1)]
     return {
         "scaled_mm": lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1),
                                                out_dtype=torch.bfloat16) for q, s in ws],
-        "triton_w8a16": lambda: [fp8_gemm(x, q, s) for q, s in ws],
+        "triton_w8a16": lambda: [fp8_gemm(x, q, s) for q, s in ws],  # the GEMV at M = 1
+        "triton_dot_w8a16": lambda: [fp8_gemm(x, q, s, config=dot_cfg) for q, s in ws],
+        "triton_dot_w8a16_to": lambda: without_pairs(
+            lambda: [fp8_gemm(x, q, s, config=dot_cfg) for q, s in ws]
+        ),  # w loaded as fp8 and converted by .to()
         "triton_w8a8": lambda: [fp8_gemm(xq, q, s, x_scale=xs) for q, s in ws],
         "triton_block_w8a8": lambda: [fp8_gemm(xqb, q, bscale, x_scale=xsb) for q, _ in ws],
         "Fp8Weight": lambda: [w(x) for w in wrapped],
@@ -83,7 +100,7 @@ def fp8_cases(m: int, k: int, n: int) -> dict:
 
 def main_fp8() -> None:
     results = []
-    for m in (1, 16, 256):
+    for m in (1, 4, 16, 256):
         for name, (k, n) in SHAPES["llama-3.1-8b"].items():
             if name == "lm_head":
                 continue  # stays bf16
@@ -103,9 +120,10 @@ def main_fp8() -> None:
                       "torch": torch.__version__, "fp8": results}))  # fmt: skip
 
 
-def main_fp8_sweep() -> None:
-    """M = 1, weight-only: every tile config per projection, best first."""
-    from pagellm.kernels.fp8_gemm import fp8_gemm, gemm_config
+def main_fp8_sweep(m: int) -> None:
+    """Weight-only tile configs per projection, best first: at M = 1 the GEMV's (and the
+    tl.dot kernel's default), at M > 1 the tl.dot kernel's."""
+    from pagellm.kernels.fp8_gemm import fp8_gemm, gemm_config, gemv_config
     from pagellm.quantization.fp8 import quantize_weight_per_row
 
     best = {}
@@ -114,11 +132,19 @@ def main_fp8_sweep() -> None:
             continue
         ws = [quantize_weight_per_row(torch.randn(n, k, device="cuda") * 0.02)
               for _ in range(max(1, int(2e9 // (n * k))))]  # fmt: skip
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        configs = [gemm_config(m, n, k, 0)]
+        for bn, bk, warps, stages in itertools.product((2, 4, 8), (512, 1024, 2048), (2, 4, 8),
+                                                       (1, 3)):  # fmt: skip
+            if m == 1 and 16 <= bn * bk // (32 * warps) <= 64 and k % bk == 0:  # acc a lane
+                configs.append(dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                    num_stages=stages))  # fmt: skip
+        for bn, bk, warps, stages in itertools.product((16, 32), (128, 256, 512), (2, 4), (3, 5)):
+            if m > 1 and k % bk == 0:
+                configs.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                    num_stages=stages))  # fmt: skip
         timings = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8),
-                                                       (3, 4, 6)):  # fmt: skip
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        for cfg in configs:
             try:
                 run = lambda x=x, ws=ws, cfg=cfg: [fp8_gemm(x, q, s, config=cfg) for q, s in ws]  # noqa: E731
                 ms = graph_median_ms(run)
@@ -127,26 +153,27 @@ def main_fp8_sweep() -> None:
                 continue
             timings.append((ms / len(ws), cfg))
         timings.sort(key=lambda t: t[0])
-        default = gemm_config(1, n, k, 0)
-        for ms, cfg in timings[:3]:
+        default = gemv_config(n, k, 0) if m == 1 else configs[0]
+        for ms, cfg in timings[:4] + [t for t in timings if t[1] == configs[0]]:
             print(
                 f"{name}: {n * k / ms / 1e9:.2f} TB/s {cfg}"
                 + (" (default)" if cfg == default else "")
             )
         best[name] = {"TB/s": round(n * k / timings[0][0] / 1e9, 2), "config": timings[0][1]}
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
-                      "fp8_sweep_m1": best}))  # fmt: skip
+                      f"fp8_sweep_m{m}": best}))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--fp8-sweep", action="store_true")
+    ap.add_argument("--rows", type=int, default=1, help="M of --fp8-sweep")
     args = ap.parse_args()
     if args.fp8:
         return main_fp8()
     if args.fp8_sweep:
-        return main_fp8_sweep()
+        return main_fp8_sweep(args.rows)
     for model, shapes in SHAPES.items():
         for m in (1, 64, 256, 2048, 8192):
             cells, flops, ms_all = [], 0.0, 0.0

@@ -3,6 +3,8 @@
     python benchmarks/step_profile.py                                  # CPU workload
     python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b --load-format dummy
     python benchmarks/step_profile.py --workload fixed512 --kernels    # + a kernel table (CUDA)
+    python benchmarks/step_profile.py --workload batch1 --model llama-3.1-8b \
+        --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --kernels
     python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b \
         --load-format dummy --async-timeline                           # does the GPU wait?
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -47,12 +50,25 @@ def _sync(device: torch.device) -> None:
 def requests_of(args) -> tuple[list[list[int]], list[int]]:
     if args.workload == "cpu":
         return make_requests(64, 32, 256, seed=0), [128] * 64
+    if args.workload == "batch1":  # throughput.py's: 128 random ids, 512 tokens
+        rng = random.Random(0)
+        return [[rng.randint(0, 10000) for _ in range(128)]], [512]
     return standard_requests(512 if args.workload == "fixed512" else None)
+
+
+def engine_kwargs(args) -> dict:
+    """The LLM(...) settings the flags name (quantization, KV cache dtype)."""
+    kwargs = {"kv_cache_dtype": args.kv_cache_dtype}
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
+    return kwargs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512"], default="cpu")
+    ap.add_argument("--workload", choices=["cpu", "standard", "fixed512", "batch1"], default="cpu")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (GPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
     ap.add_argument("--model", default=None, help="default: the embedded model on CPU")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
@@ -85,7 +101,7 @@ def main() -> None:
     gpu = args.workload != "cpu"
     llm = LLM(
         model=args.model, load_format=args.load_format, async_scheduling=False,
-        max_num_seqs=256 if gpu else 64,
+        max_num_seqs=256 if gpu else 64, **engine_kwargs(args),
     )  # fmt: skip
     temperature = 0.6 if gpu else 0.0
     prompts = run_rounds(
@@ -146,7 +162,8 @@ def async_timeline(args) -> None:
                   f"{gap:.3f} ms")  # fmt: skip
 
     ModelRunner.execute_model_async = recorded
-    llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=256)
+    llm = LLM(model=args.model, load_format=args.load_format, max_num_seqs=256,
+              **engine_kwargs(args))  # fmt: skip
     run_rounds(llm, args, 0.6, steps, timeline)
     llm.shutdown()
 

@@ -1,4 +1,4 @@
-"""The paged attention and fp8 GEMM kernels compiled for Hopper (sm_90) on this CPU-only
+"""The paged attention and fp8 GEMM / GEMV kernels compiled for Hopper (sm_90) on this CPU-only
 machine: Triton's front end, its GPU passes and ptxas, without a device. The interpreter runs
 the kernels' semantics in CI, but accepts Python the compiler refuses (an `if` on a float
 constexpr once broke every GPU run); this catches that class of error before device time is
@@ -19,9 +19,9 @@ _POINTERS = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
 _INT_POINTERS = ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr",
                  "tile_q_ptr")  # fmt: skip
 _FLOAT_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "kv_scale_ptr")
-ATTENTION_VARIANTS = [  # (WINDOW, SOFT_CAP_LOG2, KV_FP8, SPLIT)
-    (0, 0.0, False, False), (64, 72.13, False, True), (0, 0.0, True, True),
-    (4096, 0.0, True, False),
+ATTENTION_VARIANTS = [  # (WINDOW, SOFT_CAP_LOG2, KV_FP8, SPLIT, FP8_PAIRS)
+    (0, 0.0, False, False, 0), (64, 72.13, False, True, 0), (0, 0.0, True, True, 0),
+    (0, 0.0, True, False, 1), (4096, 0.0, True, True, 2),
 ]  # fmt: skip
 GEMM_VARIANTS = [(False, 0, 16), (True, 0, 64), (True, 128, 64)]  # (A_FP8, W_BLOCK, BLOCK_M)
 
@@ -36,35 +36,47 @@ def _compile(fn, types: dict[str, str], constexprs: dict) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=_typed(fn, types), constexprs=constexprs)
+    signature = _typed(fn, types)
+    # pointers 16-byte aligned, as torch's allocations are at run time (wide loads)
+    aligned = {
+        (i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t[0] == "*"
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]  # via ptxas
 
 
 def compile_attention() -> None:
     from pagellm.kernels.paged_attention import _paged_attention_kernel
 
-    for window, soft_cap_log2, kv_fp8, split in ATTENTION_VARIANTS:
-        cache = "*fp8e4nv" if kv_fp8 else "*bf16"
+    for window, soft_cap_log2, kv_fp8, split, fp8_pairs in ATTENTION_VARIANTS:
+        cache = ("*fp8e5" if fp8_pairs == 2 else "*fp8e4nv") if kv_fp8 else "*bf16"
         types = {name: "*bf16" for name in _POINTERS} | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         types |= {name: "*i32" for name in _INT_POINTERS}
         types |= {name: "*fp32" for name in _FLOAT_POINTERS} | {"qk_scale": "fp32"}
         constexprs = dict(
             QUERIES_PER_KV=2, HEAD_GROUPS=1, HEADS_PER_PROG=2, BLOCK_Q=16, BLOCK_N=32,
             HEAD_DIM=64, BLOCK_SIZE=16, HAS_TILE_MAP=True, SPLIT=split, FP32_DOT=False,
-            WINDOW=window, SOFT_CAP_LOG2=soft_cap_log2, KV_FP8=kv_fp8,
+            WINDOW=window, SOFT_CAP_LOG2=soft_cap_log2, KV_FP8=kv_fp8, FP8_PAIRS=fp8_pairs,
+            PTX_CVT=bool(fp8_pairs),
         )  # fmt: skip
         _compile(_paged_attention_kernel, types, constexprs)
 
 
 def compile_fp8_gemm() -> None:
-    from pagellm.kernels.fp8_gemm import _fp8_gemm_kernel
+    from pagellm.kernels.fp8_gemm import _fp8_gemm_kernel, _fp8_gemv_kernel
 
     for a_fp8, w_block, block_m in GEMM_VARIANTS:
         types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16",
                  "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
         constexprs = dict(A_FP8=a_fp8, W_BLOCK=w_block, HAS_BIAS=True, BLOCK_M=block_m,
                           BLOCK_N=64, BLOCK_K=128)  # fmt: skip
+        constexprs |= dict(W_PAIRS=not a_fp8, PTX_CVT=not a_fp8)
         _compile(_fp8_gemm_kernel, types, constexprs)
+    for w_block, block_n, block_k in ((0, 2, 1024), (128, 32, 128)):
+        types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "w_scale_ptr": "*fp32",
+                 "bias_ptr": "*bf16"}  # fmt: skip
+        constexprs = dict(W_BLOCK=w_block, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k)
+        _compile(_fp8_gemv_kernel, types, constexprs)
 
 
 def _in_fresh_process(function: str) -> None:

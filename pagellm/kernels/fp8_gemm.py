@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels import fp8_convert
+from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_BLOCK = 128  # rows and columns of one block scale
@@ -95,6 +98,8 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    W_PAIRS: tl.constexpr = False,  # weight-only: w read as int16 pairs (`fp8_convert`)
+    PTX_CVT: tl.constexpr = False,  # W_PAIRS converted by PTX (compiled; not interpreted)
 ):
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,13 +107,18 @@ def _fp8_gemm_kernel(
     m_ok, n_ok = rm < M, rn < N
     a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    w_rows = rn.to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
         a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         if A_FP8:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             part = tl.dot(a, tl.trans(w))
         else:
+            if W_PAIRS:
+                w = fp8_pairs_to_f16(load_fp8_pairs(w_ptr, w_rows + k0, n_ok, BLOCK_K), 1, PTX_CVT)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             part = tl.dot(a, tl.trans(w.to(a.dtype)))
         if W_BLOCK:
             kb = k0 // W_BLOCK
@@ -131,14 +141,75 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,  # [K] bf16 / fp16 / fp32: one activation row
+    w_ptr,  # [N, K] fp8
+    w_scale_ptr,  # [N] or [N / 128, K / 128] float32
+    bias_ptr,  # [N]
+    c_ptr,  # [N]
+    N,
+    K,
+    stride_wn,
+    stride_wsn,
+    W_BLOCK: tl.constexpr,  # 0: per-row scales; 128: block scales
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step (16-byte loads,
+    # fp8 -> f16x2 -> f32 in registers), on the CUDA cores: products summed per lane in a
+    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    # x through [BLOCK_N, BLOCK_K] pointers, the w tile's layout: each lane loads the x
+    # values it multiplies (repeats hit L1), so no layout change through shared memory
+    x_ptrs = x_ptr + rk[None, :] + 0 * rn[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs).to(tl.float32)
+        if W_BLOCK:  # BLOCK_K == W_BLOCK: one scale per row and step
+            ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + k0 // W_BLOCK, mask=n_ok,
+                         other=0.0)  # fmt: skip
+            acc += (w * x) * ws[:, None]
+        else:
+            acc += w * x
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if not W_BLOCK:
+        out = out * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + rn, out.to(c_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_config(n: int, k: int, block: int) -> dict:
+    """Tiles of the one-row kernel: 2 weight rows a program (N / 2 programs: ~4 waves of
+    the SMs' slots even for N = 4096), 1024 bytes of each a step with 2 warps, 2048 with 4
+    where K >= 8192; block scales fix BLOCK_K at 128. From `benchmarks/gemm.py --fp8-sweep`
+    at Llama-3.1-8B shapes (H200): 2.3-3.4 TB/s of weight against 1.8-3.2 for 8-row tiles."""
+    if block:
+        return dict(GEMV=True, BLOCK_N=32, BLOCK_K=block, num_warps=4, num_stages=1)
+    block_k, warps = (2048, 4) if k >= 8192 else (1024, 2)
+    while k % block_k:
+        block_k //= 2
+    return dict(GEMV=True, BLOCK_N=2, BLOCK_K=block_k, num_warps=warps, num_stages=1)
+
+
 def gemm_config(m: int, n: int, k: int, block: int) -> dict:
     """Tiles for one call. Decode sizes (m <= 16): one M tile of 16 and narrow N tiles, so
-    that N / BLOCK_N programs (>= 2 per SM on an H200 for N >= 4096) each stream a few weight
-    rows; larger m: 64 x 128 tiles. Block scales fix BLOCK_K at 128. Untuned guesses at
-    the time of writing: `benchmarks/gemm.py --fp8-sweep` measures the alternatives."""
+    that N / BLOCK_N programs each stream a few weight rows, 2 warps; wide N (gate_up): 32 x
+    128 steps, 3 stages, else 16 x 512, 5 stages (`benchmarks/gemm.py --fp8-sweep --rows 16`,
+    Llama-3.1-8B shapes, H200: 2.0-3.35 TB/s against 1.4-3.3 for 16 x 256 with 4 warps);
+    larger m: 64 x 128 tiles. Block scales fix BLOCK_K at 128."""
     if m <= 16:
-        cfg = dict(BLOCK_M=16, BLOCK_N=32 if n >= 8192 else 16, BLOCK_K=256, num_warps=4)
-        cfg["num_stages"] = 4
+        wide = n >= 8192
+        cfg = dict(BLOCK_M=16, BLOCK_N=32 if wide else 16, BLOCK_K=128 if wide else 512)
+        cfg.update(num_warps=2, num_stages=3 if wide else 5)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
     if block:
@@ -161,12 +232,24 @@ def fp8_gemm(
     n = w.shape[0]
     block = SCALE_BLOCK if w_scale.dim() == 2 else 0
     _check(x, w, w_scale, x_scale, block)
+    if config is None and x_scale is None and m == 1:
+        config = gemv_config(n, k, block)
     cfg = dict(config or gemm_config(m, n, k, block))
     if k % cfg["BLOCK_K"] or k % 16:
         raise ValueError(f"fp8_gemm: K={k} must be a multiple of 16 and of BLOCK_K")
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     a_fp8 = x_scale is not None
+    if cfg.pop("GEMV", False):  # one bf16 row: the CUDA-core kernel
+        if a_fp8 or m != 1:
+            raise ValueError("fp8_gemm: a GEMV config takes one bf16 / fp16 row of x")
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x, w, w_scale, bias if bias is not None else w_scale, out, n, k, w.stride(0),
+            w_scale.stride(0) if block else 0, W_BLOCK=block, HAS_BIAS=bias is not None, **cfg,
+        )  # fmt: skip
+        return out
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    if not a_fp8 and fp8_convert.ENABLED:
+        cfg.update(W_PAIRS=True, PTX_CVT=w.device.type == "cuda")  # the interpreter: no PTX
     _fp8_gemm_kernel[grid](
         x, x_scale if a_fp8 else w_scale, w, w_scale, bias if bias is not None else w_scale, out,
         m, n, k, x.stride(0), x_scale.stride(0) if a_fp8 else 0, w.stride(0),

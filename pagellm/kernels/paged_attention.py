@@ -50,9 +50,11 @@ unchanged:
   segments divide the keys from there.
 - SOFT_CAP_LOG2 (Gemma 2's logit soft-cap c, times log2(e)): scores become
   c * tanh(scale * q.k / c) in registers, before masking and the softmax.
-- KV_FP8 (a float8 cache): K/V tiles are loaded as fp8 (half the bytes of bf16) and
-  converted to q's dtype in registers before `tl.dot`; k_scale joins the softmax scale and
-  v_scale multiplies the accumulator once at the end (`pagellm.attention.kv_cache_dtype`).
+- KV_FP8 (a float8 cache): K/V tiles are read as fp8 (half the bytes of bf16) in int16
+  pairs and converted to fp16 in registers (FP8_PAIRS, `pagellm.kernels.fp8_convert`: one
+  PTX instruction a pair, before the tile's change to the MMA layout); q is converted to
+  fp16 once, so both dots run in fp16 (fp32 stays fp32). k_scale joins the softmax scale
+  and v_scale multiplies the accumulator once at the end (`pagellm.attention.kv_cache_dtype`).
   The scales are read from the device, so CUDA graphs replay with scales set after capture.
   Decode tiles take more keys per step (`attention_plan.DECODE_TILES`, by element size).
 """
@@ -65,11 +67,13 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm.attention.kv_cache_dtype import is_fp8
+from pagellm.kernels import fp8_convert
 from pagellm.kernels.attention_plan import (
     MAX_SPLITS,
     AttentionPlan,
     TileConfig,
 )
+from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
 
 LOG2E = 1.4426950408889634
 
@@ -89,6 +93,14 @@ def _block_ids(bt_row, start, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 def _tanh(x):
     """tanh as 1 - 2 / (exp(2x) + 1): exactly +-1 where exp2 overflows to inf or reaches 0."""
     return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _kv_rows(block, start, kv_head_offset, stride_cb, stride_cs, BLOCK_N: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """[BLOCK_N] element offset of each key's head vector in the K (and V) cache."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    return block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
 
 
 @triton.jit
@@ -115,6 +127,8 @@ def _attend_block(
     FP32_DOT: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP_LOG2: tl.constexpr,
+    FP8_PAIRS: tl.constexpr,
+    PTX_CVT: tl.constexpr,
 ):
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -123,9 +137,12 @@ def _attend_block(
         if WINDOW:
             key_ok = key_ok & (offs_n >= win_start)
     # [BLOCK_N, HEAD_DIM] element offsets of these keys in the K (and V) cache
-    rows = block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
+    rows = _kv_rows(block, start, kv_head_offset, stride_cb, stride_cs, BLOCK_N, BLOCK_SIZE)
     kv_offs = rows[:, None] + offs_d[None, :]
-    if MASKED:
+    if FP8_PAIRS:
+        k = load_fp8_pairs(k_cache_ptr, rows, key_ok if MASKED else offs_n >= 0, HEAD_DIM)
+        k = fp8_pairs_to_f16(k, FP8_PAIRS, PTX_CVT)
+    elif MASKED:
         k = tl.load(k_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_offs)
@@ -155,7 +172,10 @@ def _attend_block(
     p = tl.math.exp2(s * qk_scale - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    if MASKED:
+    if FP8_PAIRS:
+        v = load_fp8_pairs(v_cache_ptr, rows, key_ok if MASKED else offs_n >= 0, HEAD_DIM)
+        v = fp8_pairs_to_f16(v, FP8_PAIRS, PTX_CVT)
+    elif MASKED:
         v = tl.load(v_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_offs)
@@ -174,7 +194,7 @@ def _attend_range(
     kv_head_offset, qk_scale, stride_cb, stride_cs,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
-    SOFT_CAP_LOG2: tl.constexpr,
+    SOFT_CAP_LOG2: tl.constexpr, FP8_PAIRS: tl.constexpr, PTX_CVT: tl.constexpr,
 ):  # fmt: skip
     """Keys lo .. hi (multiples of BLOCK_N apart) in BLOCK_N steps.
 
@@ -190,6 +210,7 @@ def _attend_range(
             acc, m_i, l_i, q, block, start, kv_end, max_key, win_start, k_cache_ptr,
             v_cache_ptr, kv_head_offset, qk_scale, stride_cb, stride_cs,
             BLOCK_N, HEAD_DIM, BLOCK_SIZE, MASKED, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
+            FP8_PAIRS, PTX_CVT,
         )  # fmt: skip
         block = next_block
     return acc, m_i, l_i
@@ -234,6 +255,8 @@ def _paged_attention_kernel(
     WINDOW: tl.constexpr = 0,  # sliding window in keys; 0: none
     SOFT_CAP_LOG2: tl.constexpr = 0.0,  # logit soft-cap * log2(e); 0: none
     KV_FP8: tl.constexpr = False,  # float8 cache with per-tensor scales
+    FP8_PAIRS: tl.constexpr = 0,  # KV_FP8 as int16 pairs, fp16 dots: 1 e4m3fn, 2 e5m2
+    PTX_CVT: tl.constexpr = False,  # FP8_PAIRS converted by PTX (compiled; not interpreted)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
     pid_head = tl.program_id(0)
@@ -262,6 +285,8 @@ def _paged_attention_kernel(
     token = (q_begin + q_idx).to(tl.int64)
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    if FP8_PAIRS and not FP32_DOT:
+        q = q.to(tl.float16)  # the dots' dtype: fp8 converts to fp16 in one instruction
 
     max_key = ctx + q_idx  # [BLOCK_M] causal limit (inclusive)
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last visible key
@@ -296,19 +321,22 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, lo, tl.minimum(hi, full_start), kv_end, max_key, win_start,
             k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-            BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
+            BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+            PTX_CVT,
         )  # fmt: skip
         lo = tl.maximum(lo, full_start)
         full_end = tl.maximum(full_end, full_start)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, win_start,
         k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+        PTX_CVT,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, win_start,
         k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+        PTX_CVT,
     )  # fmt: skip
 
     if KV_FP8:
@@ -522,6 +550,9 @@ def _launch(
         constexprs["SOFT_CAP_LOG2"] = cap_log2
     if is_fp8(kv_cache.dtype):
         constexprs["KV_FP8"] = True
+        if fp8_convert.ENABLED:  # K/V read as int16 pairs (`pagellm.kernels.fp8_convert`)
+            constexprs["FP8_PAIRS"] = 1 if kv_cache.dtype == torch.float8_e4m3fn else 2
+            constexprs["PTX_CVT"] = kv_cache.device.type == "cuda"  # the interpreter: no PTX
     _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
