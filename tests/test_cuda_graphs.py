@@ -1,5 +1,6 @@
 """The host-side parts of CUDA-graph decode (run on the CPU): the batch-size ladder, padding
-of a decode step to a captured size, and the persistent staged inputs."""
+of a decode step to a captured size, the persistent staged inputs, and the shape of the
+profiling step run before the graphs are captured."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def test_step_inputs_stage_views_of_persistent_buffers():
     # a later, narrower step overwrites the front and leaves the rest as it was
     table = inputs.stage_block_table(np.array([[9]], np.int32))
     assert inputs.block_table[:2, :3].tolist() == [[9, 4, 5], [6, 7, 8]]
+
+
+def test_profile_step_fits_the_schedulers_limits():
+    """The profiling forward (CUDA start-up) is a step the scheduler could make: at most
+    max_num_seqs requests of at most max_model_len tokens (a small max_num_seqs once sent 33
+    requests into a 5-entry query_start_loc)."""
+    from pagellm.worker.model_runner import profile_step
+
+    for tokens, seqs, max_len in [(8192, 256, 4096), (8192, 4, 256), (8192, 3, 3000),
+                                  (8192, 1, 100_000), (2048, 64, 2048), (16, 4, 4)]:  # fmt: skip
+        query_lens, seq_lens = profile_step(tokens, seqs, max_len, block_size=16)
+        assert len(query_lens) <= seqs and (seq_lens <= max_len).all()
+        assert (query_lens <= seq_lens).all() and query_lens.min() >= 1
+        assert query_lens.sum() == min(tokens, seqs * max_len)
+    assert profile_step(8192, 256, 4096, 16)[0].tolist() == [4096, 4095, 1]  # with a decode
+

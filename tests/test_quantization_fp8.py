@@ -259,15 +259,22 @@ def test_fp8_gemm_at_llama_shapes_matches_scaled_mm(rows, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["block", "channel"])
 def test_fp8_checkpoint_on_cuda_agrees_with_dequantized(tmp_path, scheme):
+    """The checkpoint as stored (fp8 kernels) against its dequantized weights. At most 4
+    requests a step keep every GEMM on the weight-only kernels (<= 16 rows: bf16 activations,
+    the exact fp8 weight times its scale), so the runs differ only by the dequantized copy's
+    bf16 rounding; with more rows activations are quantized per token, whose error flips
+    the near-tied argmaxes of a random tiny model (12 of 24 agreed with 24 at once)."""
     from pagellm import LLM, SamplingParams
 
-    folder = make_tiny_hf_model("llama", tmp_path, std=0.1, **TINY_FP8)
+    folder = make_tiny_hf_model("llama", tmp_path, **TINY_FP8)
     _write_fp8_checkpoint(folder, scheme)
     prompts = [{"prompt_token_ids": [3, 17, 99, 250 + i]} for i in range(24)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = {}
     for quantization in (None, "none"):
-        with LLM(model=folder, quantization=quantization, max_model_len=256) as llm:
+        with LLM(
+            model=folder, quantization=quantization, max_model_len=256, max_num_seqs=4
+        ) as llm:
             runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     same = sum(a[:4] == b[:4] for a, b in zip(runs[None], runs["none"]))
     assert same >= 20, same

@@ -75,6 +75,24 @@ class StepBatch:
         return int(self.query_start_loc[-1]) == len(self.rows)
 
 
+def profile_step(
+    max_tokens: int, max_seqs: int, max_len: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(query_lens, seq_lens) of the largest step the scheduler can make: min(max_tokens,
+    max_seqs * max_len) tokens in prompts of up to max_len, at most max_seqs requests; where
+    one is left, a token of the last prompt becomes a decode with a short context (so the
+    decode launch beside prefill tiles compiles now too)."""
+    tokens = min(max_tokens, max_seqs * max_len)
+    lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    query_lens, seq_lens = list(lens), list(lens)
+    if len(lens) < max_seqs and lens[-1] > 1:
+        query_lens[-1] -= 1
+        seq_lens[-1] -= 1
+        query_lens.append(1)
+        seq_lens.append(min(block_size + 1, max_len))
+    return np.array(query_lens, np.int32), np.array(seq_lens, np.int32)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from pagellm import loader
@@ -180,11 +198,9 @@ class ModelRunner:
         On CUDA the Triton kernels of this forward and of the decode-only forwards that CUDA
         graphs capture are compiled first, side by side (`compile_ahead`: dry passes)."""
         sc, mc = self.config.scheduler_config, self.model_config
-        n = sc.max_num_batched_tokens
-        lens = [mc.max_model_len] * ((n - 1) // mc.max_model_len) + [(n - 1) % mc.max_model_len]
-        query_lens = np.array([x for x in lens if x] + [1], dtype=np.int32)
-        seq_lens = query_lens.copy()
-        seq_lens[-1] = min(self.block_size + 1, mc.max_model_len)  # the decode: a short context
+        query_lens, seq_lens = profile_step(
+            sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len, self.block_size
+        )
         shape = self.attn_backend_cls.kv_cache_shape(
             1, self.block_size, self.num_kv_heads, mc.head_dim
         )
@@ -198,7 +214,7 @@ class ModelRunner:
                     ones = np.ones(size, np.int32)
                     self._forward(*self._dummy_inputs(ones, ones * graph_seq_len), kv)
         hidden = self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
-        rows = min(sc.max_num_seqs, n)
+        rows = min(sc.max_num_seqs, int(query_lens.sum()))
         meta = _profile_sampling(rows, self.device, self.input_batch.penalty_state())
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
