@@ -4,7 +4,8 @@
     python benchmarks/accuracy.py --dtype bfloat16                 # fp8 KV vs bf16 KV
     python benchmarks/accuracy.py --kv-cache-dtype fp8_e5m2
     python benchmarks/accuracy.py --calculate-kv-scales             # scales from batch 1
-    python benchmarks/accuracy.py --model qwen3-0.6b --load-format dummy   # GPU, random weights
+    python benchmarks/accuracy.py --model qwen3-0.6b --load-format dummy --dtype bfloat16
+                                                  # GPU, random weights, random prompt ids
 
 The reference engine runs `--dtype` with `kv_cache_dtype="auto"`, the candidate the same
 with `--kv-cache-dtype` (scales 1.0, or with `--calculate-kv-scales` from the first batch:
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import time
 
 import torch
@@ -182,7 +184,12 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str, ref: dict | None) -> 
     if ref is not None:
         engine["calculate_kv_scales"] = args.calculate_kv_scales
     with LLM(**engine, max_model_len=1024, kv_cache_dtype=kv_cache_dtype, seed=0) as llm:
-        ids = prompt_ids(llm, PROMPTS[: args.num_prompts])  # the first batch
+        if args.load_format == "dummy":  # shipped configs have no tokenizer: random ids
+            rng = random.Random(0)
+            ids = [[rng.randint(0, 10000) for _ in range(rng.randint(8, 40))]
+                   for _ in PROMPTS[: args.num_prompts]]  # fmt: skip
+        else:
+            ids = prompt_ids(llm, PROMPTS[: args.num_prompts])  # the first batch
         free = greedy(llm, [{"prompt_token_ids": p} for p in ids], args.max_tokens)
         conts = ref["free"] if ref else free
         return {
