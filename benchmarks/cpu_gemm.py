@@ -7,9 +7,11 @@
 
 Formats: float32 through MKL's packed sgemm (today's unquantized path), bfloat16 through
 oneDNN's packed layout, int4 (groups of 32) and int8 (per row) through torch's weight-only CPU
-kernels with bfloat16 activations, and int4 with float32 activations (the kernel's scalar
-path: why the activations are cast). One thread by default: on a shared machine a second
-thread mostly measures the neighbours. Ends with one JSON line (microseconds per GEMM).
+kernels with bfloat16 activations, int4 with float32 activations (the kernel's scalar
+path: why the activations are cast), and GGUF Q4_1 / Q8_0 blocks through our block kernel
+(`pagellm/csrc/gguf_gemm.cpp`, float32 or bfloat16 activations, up to 8 rows). One thread
+by default: on a shared machine a second thread mostly measures the neighbours. Ends with
+one JSON line (microseconds per GEMM).
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import platform
 import statistics
 import time
 
+import gguf
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from pagellm.models.layers import PackedWeight
 from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
+from pagellm.quantization.gguf_kernel import MAX_ROWS, BlockPlanes, block_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}  # fmt: skip
@@ -40,13 +45,23 @@ def formats(n: int, k: int) -> dict:
     q8, s8 = quantize_int8(w)
     s8 = s8.bfloat16()
     int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    blocks = {qt: gguf_blocks(w, qt) for qt in (Q.Q4_1, Q.Q8_0)}
     return {
+        "q4_1_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.float32),
+        "q4_1_blocks_bf16": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.bfloat16),
+        "q8_0_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q8_0]), torch.float32),
         "fp32_mkl": (fp32, torch.float32),
         "bf16_onednn": (bf16, torch.bfloat16),
         "int4_bf16act": (lambda x: int4mm(x, packed, 32, sz_bf16), torch.bfloat16),
         "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, q8, s8), torch.bfloat16),
         "int4_fp32act": (lambda x: int4mm(x, packed, 32, sz), torch.float32),
     }
+
+
+def gguf_blocks(w: torch.Tensor, qtype) -> BlockPlanes:
+    """w [N, K] as GGUF blocks (gguf's own quantizer), in the kernel's planes."""
+    raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype)).view(w.shape[0], -1)
+    return BlockPlanes.from_blocks(raw, qtype)
 
 
 def measure(fn, x: torch.Tensor, seconds: float) -> float:
@@ -76,6 +91,8 @@ def main() -> None:
                 for f, (fn, _) in cands.items():
                     if f == "int4_fp32act" and m > 1:
                         continue  # scalar path: one row tells the story
+                    if "blocks" in f and m > MAX_ROWS:
+                        continue
                     times[f].append(measure(fn, xs[f], args.seconds))
             cell = {f: round(statistics.median(t), 1) for f, t in times.items() if t}
             table[f"{name} M={m}"] = cell

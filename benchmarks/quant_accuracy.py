@@ -104,6 +104,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", default="gguf")
     p.add_argument("--reference", default="none", help="the reference's quantization")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="float32", help="both engines' (auto: bf16 on AMX CPUs)")
     p.add_argument("--all-int", action="store_true", help="prefill through the int kernels too")
     return p.parse_args()
 
@@ -111,7 +112,10 @@ def parse_args() -> argparse.Namespace:
 def generate(args: argparse.Namespace, quantization: str) -> tuple[list[list[int]], float]:
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, load_format=args.load_format, quantization=quantization)
+    llm = LLM(
+        model=args.model, load_format=args.load_format, quantization=quantization,
+        dtype=args.dtype,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -145,6 +149,7 @@ def main() -> None:
         "reference": args.reference,
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
         "prefill_through_int": args.all_int,
         "identical_continuations": same,
         "agreement": round(same / len(PROMPTS), 4),

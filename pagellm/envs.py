@@ -18,7 +18,7 @@ def enable_multiprocessing() -> bool:
 
 
 def cache_dir() -> str:
-    """PAGELLM_CACHE_DIR: where converted tokenizers and the CPU decode kernel are kept
+    """PAGELLM_CACHE_DIR: where converted tokenizers and the compiled CPU kernels are kept
     (default ~/.cache/pagellm)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "pagellm")
     return os.environ.get("PAGELLM_CACHE_DIR", default)
@@ -47,7 +47,7 @@ def cpu_decode_kernel() -> bool:
 
 
 def cpu_quant_max_rows() -> int:
-    """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the int4 /
-    int8 CPU kernels (`pagellm.quantization.cpu_int`; larger ones use the dequantized copy).
-    Default 4, where they stop beating float32 MKL."""
+    """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the CPU's
+    quantized kernels (GGUF blocks, torch's int4 / int8: `pagellm.quantization`; larger ones
+    use the dequantized copy). Default 4, where they stop beating float32 MKL."""
     return int(os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS", "4"))

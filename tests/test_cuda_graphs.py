@@ -76,4 +76,3 @@ def test_profile_step_fits_the_schedulers_limits():
         assert (query_lens <= seq_lens).all() and query_lens.min() >= 1
         assert query_lens.sum() == min(tokens, seqs * max_len)
     assert profile_step(8192, 256, 4096, 16)[0].tolist() == [4096, 4095, 1]  # with a decode
-

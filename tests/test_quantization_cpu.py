@@ -1,7 +1,9 @@
 """Quantized weights on the CPU: torch's int4 / int8 kernels against dequantized reference
 matmuls (their zero-point convention, bfloat16 scales and activations), GGUF Q4_0 / Q4_1
-blocks mapped exactly, the dispatch by row count, a quantized model's logits against the
-same model dequantized, and which `quantization` values are accepted where."""
+blocks mapped exactly, the GGUF block kernel (Q4_0 / Q4_1 / Q8_0, float32 and bfloat16
+activations) against the dequantized weights, the dispatch by row count, a quantized
+model's logits against the same model dequantized, and which `quantization` values are
+accepted where."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from model_utils import load_our_model, make_tiny_hf_model, write_tiny_gguf
 from pagellm import EngineArgs
 from pagellm.loader.dequant import decode_blocks, dequantize, q4_parts
 from pagellm.loader.gguf_file import GGUFTensor
-from pagellm.quantization import cpu_int, resolve_quantization
+from pagellm.quantization import cpu_int, gguf_kernel, resolve_quantization
 from pagellm.quantization.cpu_int import (
     CpuQuantizedWeight,
     dequantize_int4,
@@ -25,11 +27,15 @@ from pagellm.quantization.cpu_int import (
     quantize_int4,
     quantize_int8,
 )
+from pagellm.quantization.gguf_cpu import GGUFBlockWeight
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 needs_int_kernels = pytest.mark.skipif(
-    not cpu_int.cpu_int_supported(), reason="quantization='int4' / 'gguf' need AVX512-BF16"
+    not cpu_int.cpu_int_supported(), reason="torch's int4 / int8 kernels need AVX512-BF16"
+)
+needs_block_kernel = pytest.mark.skipif(
+    not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512 and a compiler"
 )
 
 
@@ -113,6 +119,69 @@ def test_gguf_blocks_map_exactly(qtype):
     assert torch.equal(decode_blocks(blocks, qtype), ref)
 
 
+def _random_blocks(qtype, n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, k / 32 * bytes] blocks of random bytes with sane fp16 scales (and mins)."""
+    size = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * k // 32, size), generator=gen, dtype=torch.uint8)
+    halves = (torch.rand(n * k // 32, 2, generator=gen) * 0.02 - 0.005).half()
+    blocks[:, :2] = halves[:, :1].view(torch.uint8)
+    if qtype == Q.Q4_1:
+        blocks[:, 2:4] = halves[:, 1:].view(torch.uint8)
+    return blocks.view(n, -1)
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_block_gemm_matches_the_dequantized_weights(qtype):
+    """float32: the dequantized matmul up to float32 rounding; bfloat16 x: the same on the
+    bf16 values, the output rounded once; rows 1..8 a call, more in chunks, with a bias; N
+    not a multiple of the kernel's 16-row tasks."""
+    n, k = 50, 256
+    blocks = _random_blocks(qtype, n, k, seed=7)
+    w = decode_blocks(blocks.reshape(-1, blocks.shape[1] // (k // 32)), qtype).view(n, k)
+    planes = gguf_kernel.BlockPlanes.from_blocks(blocks, qtype)
+    assert torch.equal(_planes_to_float(planes), w)  # the planes hold the file's values
+    bias = torch.randn(n)
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want = F.linear(x.double(), w.double(), bias.double())
+        got = gguf_kernel.block_gemm(x, planes, bias)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+        got = gguf_kernel.block_gemm(x.bfloat16(), planes)
+        want = F.linear(x.bfloat16().double(), w.double())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+def _planes_to_float(p: gguf_kernel.BlockPlanes) -> torch.Tensor:
+    n, k = p.shape
+    if p.m is None:  # Q8
+        q = p.qs.float().view(n, -1, 32)
+    else:
+        nib = p.qs.view(n, -1, 16)
+        q = torch.cat([nib & 0x0F, nib >> 4], -1).float()
+    w = q * p.d.float()[..., None] + (0.0 if p.m is None else p.m.float()[..., None])
+    return w.view(n, k)
+
+
+@needs_block_kernel
+def test_block_gemm_rows_are_independent():
+    """A row's result does not depend on the rows beside it (batched decodes are each the
+    lone request's), and bad shapes are refused."""
+    blocks = _random_blocks(Q.Q4_1, 40, 128, seed=8)
+    planes = gguf_kernel.BlockPlanes.from_blocks(blocks, Q.Q4_1)
+    x = torch.randn(6, 128)
+    together = gguf_kernel.block_gemm(x, planes)
+    for i in range(6):
+        assert torch.equal(gguf_kernel.block_gemm(x[i : i + 1], planes)[0], together[i])
+    with pytest.raises(ValueError, match="differ in K"):
+        gguf_kernel.block_gemm(torch.randn(1, 96), planes)
+    with pytest.raises(ValueError, match="not supported"):
+        gguf_kernel.block_gemm(torch.randn(1, 128, dtype=torch.float16), planes)
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -134,13 +203,36 @@ def _decode_logits(model, ids: list[int]) -> torch.Tensor:
     return torch.cat([runner.step([(0, 1)])[0] for _ in ids])
 
 
+@needs_block_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_model_computes_the_dequantized_weights(tiny_ggufs, qtype):
+    """The block kernel reads the file's values: batch-1 decode logits are the dequantized
+    model's up to float32 summation order."""
+    path = tiny_ggufs[1][qtype]
+    ref = load_our_model(path, quantization="none")
+    model = load_our_model(path, quantization="gguf")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert type(qkv.quant_method).__name__ == "GGUFBlocksMethod" and qkv.weight is None
+    assert isinstance(qkv.packed_weight, GGUFBlockWeight)
+    assert isinstance(model.lm_head.packed_weight, GGUFBlockWeight)
+    ids = [5, 77, 301, 12, 9, 400]
+    want, got = _decode_logits(ref, ids), _decode_logits(model, ids)
+    _close(got, want, 1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 @needs_int_kernels
 @pytest.mark.parametrize(("qtype", "quantization", "kind"), [
     ("Q4_1", "gguf", "GGUFBlocksMethod"),
     ("Q8_0", "gguf", "FloatToIntMethod"),
     ("Q4_1", "int8", "FloatToIntMethod"),
 ])  # fmt: skip
-def test_quantized_model_logits_close_to_dequantized(tiny_ggufs, qtype, quantization, kind):
+def test_int_kernel_model_logits_close_to_dequantized(
+    tiny_ggufs, qtype, quantization, kind, monkeypatch
+):
+    """torch's int4 / int8 kernels (`int8`, and `gguf` where the block kernel is not):
+    bfloat16 activations, Q8_0 requantized."""
+    monkeypatch.setattr(gguf_kernel, "supported", lambda: False)
     path = tiny_ggufs[1][qtype]
     ref = load_our_model(path, quantization="none")
     model = load_our_model(path, quantization=quantization)
@@ -172,17 +264,21 @@ def test_tied_head_is_quantized(tmp_path):
 # ---------------------------------------------------------------- selection
 
 
-def test_default_keeps_gguf_dequantized(monkeypatch):
-    """No quantized default: "gguf" agrees with the dequantized path on 45% of the embedded
-    model's 32-token greedy continuations (docs/benchmarks.md), below the 90% a default needs."""
-    monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
-    assert resolve_quantization(None, None, "gguf", CPU) is None
+def test_default_for_gguf_files(monkeypatch):
+    """GGUF files on the CPU stay quantized by default where the block kernel runs (64 of
+    64 of the embedded model's 32-token greedy continuations are the dequantized path's,
+    docs/benchmarks.md); elsewhere, and for other checkpoints, nothing is quantized."""
+    monkeypatch.setattr(gguf_kernel, "supported", lambda: True)
+    assert resolve_quantization(None, None, "gguf", CPU) == "gguf"
     assert resolve_quantization(None, None, "hf", CPU) is None
     assert resolve_quantization("none", None, "gguf", CPU) is None
-    assert EngineArgs(device="cpu").create_engine_config().model_config.quantization is None
+    assert resolve_quantization(None, None, "gguf", torch.device("cuda")) is None
+    monkeypatch.setattr(gguf_kernel, "supported", lambda: False)
+    assert resolve_quantization(None, None, "gguf", CPU) is None
 
 
-def test_int_methods_only_where_the_cpu_runs_the_int_kernels(monkeypatch):
+def test_int_methods_only_where_the_cpu_runs_their_kernels(monkeypatch):
+    monkeypatch.setattr(gguf_kernel, "supported", lambda: False)
     monkeypatch.setattr(cpu_int, "cpu_int_supported", lambda: True)
     assert resolve_quantization("gguf", None, "gguf", CPU) == "gguf"
     assert resolve_quantization("int4", None, "hf", CPU) == "int4"
@@ -191,6 +287,10 @@ def test_int_methods_only_where_the_cpu_runs_the_int_kernels(monkeypatch):
         with pytest.raises(ValueError, match=f"quantization='{name}' needs an x86 CPU"):
             resolve_quantization(name, None, "gguf", CPU)
     assert resolve_quantization("none", None, "gguf", CPU) is None
+    monkeypatch.setattr(gguf_kernel, "supported", lambda: True)  # gguf needs only the blocks'
+    assert resolve_quantization("gguf", None, "gguf", CPU) == "gguf"
+    with pytest.raises(ValueError, match="quantization='int4' needs an x86 CPU"):
+        resolve_quantization("int4", None, "hf", CPU)
 
 
 def test_cpu_int_supported_probes_the_cpu(monkeypatch):
@@ -244,3 +344,21 @@ def test_cli_flag_reaches_engine_args():
     assert args.quantization == "fp8"
     with pytest.raises(ValueError, match="quantization='fp8' quantizes weights for CUDA"):
         args.create_engine_config()  # the embedded GGUF on the CPU
+
+
+@pytest.mark.parametrize("compiler", ["none", "failing"])
+def test_no_block_kernel_without_a_compiler(compiler, tmp_path, monkeypatch):
+    """No C++ compiler (or a failing one): no block kernel, so GGUF files stay dequantized
+    by default rather than taking the bf16-activation int kernels."""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))  # no cached build to fall back on
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if compiler == "none":
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("CXX", "/bin/false")
+    gguf_kernel.kernel.cache_clear()
+    try:
+        assert gguf_kernel.kernel() is None and not gguf_kernel.supported()
+        assert resolve_quantization(None, None, "gguf", CPU) is None
+    finally:
+        gguf_kernel.kernel.cache_clear()  # the next user builds (or finds) the real kernel

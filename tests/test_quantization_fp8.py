@@ -272,9 +272,7 @@ def test_fp8_checkpoint_on_cuda_agrees_with_dequantized(tmp_path, scheme):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = {}
     for quantization in (None, "none"):
-        with LLM(
-            model=folder, quantization=quantization, max_model_len=256, max_num_seqs=4
-        ) as llm:
+        with LLM(model=folder, quantization=quantization, max_model_len=256, max_num_seqs=4) as llm:
             runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     same = sum(a[:4] == b[:4] for a, b in zip(runs[None], runs["none"]))
     assert same >= 20, same

@@ -8,78 +8,35 @@ with the sliding window and soft-cap of the layer.
 
 torch ships no paged CPU attention (its flash kernel wants contiguous K/V; flex attention
 needs Inductor's compiler at run time), so the kernel is ours: one C++ file that includes
-only ATen's thread pool, compiled on first use with the system's C++ compiler (about one
-second of CPU) into PAGELLM_CACHE_DIR, keyed by the source, torch's version and the CPU's
-flags, and called through ctypes. No compiler, a failed build or
-PAGELLM_CPU_DECODE_KERNEL=0: `kernel()` is None and decodes take the gather path.
-(A build at install time is not possible with the README's one pip command: torch is not
-installed yet when the package is built.)
+only ATen's thread pool, compiled on first use (`pagellm.cpp_build`) and called through
+ctypes. No compiler, a failed build or PAGELLM_CPU_DECODE_KERNEL=0: `kernel()` is None and
+decodes take the gather path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from pagellm import envs
+from pagellm import cpp_build, envs
 from pagellm.attention.kv_cache_dtype import is_fp8
-from pagellm.utils import cpuinfo_flags
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_decode.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC"]
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and 2: fp8, read through a table
 
 
 @functools.cache
-def kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built here (logged once)."""
+def kernel():
+    """`pagellm_paged_decode`, or None where it cannot be built here (logged once)."""
     if not envs.cpu_decode_kernel() or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU decode kernel unavailable (%s): decodes gather their K/V", e)
-        return None
-    fn = lib.pagellm_paged_decode
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-    fn.restype = None
-    return lib
-
-
-def _build() -> Path:
-    """The shared library for this source, torch and CPU; compiled if not cached yet."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise OSError("no C++ compiler (c++, g++ or $CXX)")
-    torch_dir = Path(torch.__file__).parent
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    lib_dir = torch_dir / "lib"
-    cmd = [compiler, *FLAGS, abi, f"-I{torch_dir / 'include'}", str(SOURCE)]
-    cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join([*cmd, torch.__version__, *sorted(cpuinfo_flags())]).encode())
-    out = Path(envs.cache_dir()) / "cpu_kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # then one atomic rename
-        subprocess.run([*cmd, "-o", f"{tmp}/k.so"], check=True, capture_output=True, timeout=300)
-        os.replace(f"{tmp}/k.so", out)
-    logger.info("built the CPU decode kernel: %s", out)
-    return out
+    args = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    args += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    return cpp_build.entry_point(
+        "paged_decode", "pagellm_paged_decode", args, None, "decodes gather their K/V"
+    )
 
 
 @functools.cache
@@ -103,8 +60,8 @@ def paged_decode_attention(
     soft_cap: float | None = None,
 ) -> None:
     """Attention of each decode row of q over its request's paged keys, into `out`."""
-    lib = kernel()
-    if lib is None:
+    decode = kernel()
+    if decode is None:
         raise RuntimeError("the CPU decode kernel is not available")
     _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs)
     fp8 = is_fp8(key_cache.dtype)
@@ -120,7 +77,7 @@ def paged_decode_attention(
          c_kind],
         dtype=torch.int32,
     )  # fmt: skip
-    lib.pagellm_paged_decode(
+    decode(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_table.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(), reqs.data_ptr(),
         rows.numel(), strides.data_ptr(), dims.data_ptr(),

@@ -3,13 +3,16 @@
 (EngineCore side, `get_quant_config`). Method modules are imported lazily.
 
     None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
-                     `quantization_config`); otherwise unquantized (GGUF files too: "gguf"
-                     agrees with the dequantized path on 45% of 32-token greedy continuations
-                     of the embedded model, below the 90% a default needs; docs/benchmarks.md)
+                     `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
+                     AVX-512 where the block kernel builds (its float32 results are the
+                     dequantized path's: 64 of 64 identical 32-token greedy continuations of
+                     the embedded model, docs/benchmarks.md); otherwise unquantized
     "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
-    "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py)
+    "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py): Q4_0 / Q4_1 /
+                     Q8_0 blocks read as they are (the block kernel, AVX-512), or without
+                     it torch's int4 / int8 kernels (AVX512-BF16)
     "int4", "int8"   weight-only int4 (groups of 32) / int8 (per row) on the CPU (cpu_int.py)
-                     these three need an x86 CPU with AVX512-BF16 (elsewhere torch's kernels
+                     torch's int kernels need an x86 CPU with AVX512-BF16 (elsewhere they
                      run a scalar path slower than float32, for no memory saved: ValueError)
     "fp8"            float8 e4m3 weights on CUDA: a bf16 checkpoint quantized at load, or an
                      fp8 checkpoint as stored (fp8.py); fp8 checkpoints on the CPU are
@@ -61,6 +64,10 @@ def resolve_quantization(
         )
     if stored is not None:
         return _with_checkpoint(name, stored)
+    if name is None and source_kind == "gguf" and device.type == "cpu":
+        from pagellm.quantization import gguf_kernel
+
+        return "gguf" if gguf_kernel.supported() else None
     if name in CPU_ONLY:
         _check_cpu_int(name, device)
     if name == "gguf" and source_kind != "gguf":
@@ -109,6 +116,7 @@ def _fp8_at_load(name: str, device: torch.device) -> str:
 
 
 def _check_cpu_int(name: str, device: torch.device) -> None:
+    from pagellm.quantization import gguf_kernel
     from pagellm.quantization.cpu_int import cpu_int_supported
 
     if device.type != "cpu":
@@ -116,6 +124,8 @@ def _check_cpu_int(name: str, device: torch.device) -> None:
             f"quantization={name!r} runs on the CPU only (torch's int4/int8 CPU kernels); "
             "on CUDA use quantization='fp8'"
         )
+    if name == "gguf" and gguf_kernel.supported():
+        return
     if not cpu_int_supported():
         raise ValueError(
             f"quantization={name!r} needs an x86 CPU with AVX512-BF16 (torch's int4/int8 "

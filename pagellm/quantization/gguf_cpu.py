@@ -1,9 +1,16 @@
-"""`quantization="gguf"`: a GGUF file's quantized tensors stay quantized on the CPU, in the
-int4 / int8 layouts of `cpu_int.py` (opt-in: GGUF files are dequantized by default; see
-`pagellm/quantization/__init__.py` for why).
+"""`quantization="gguf"` (the default for GGUF files where the block kernel runs): a GGUF
+file's quantized tensors stay quantized on the CPU.
 
-How each GGUF type maps (per Linear; a fused projection maps when all its parts share one
-type, and is requantized from the dequantized values otherwise):
+With the block kernel (`gguf_kernel.py`, x86 with AVX-512): Q4_0 / Q4_1 / Q8_0 tensors are
+read as they are, with float32 arithmetic on the model dtype's activations, for GEMMs of up
+to PAGELLM_CPU_QUANT_MAX_ROWS rows (decodes); a dequantized copy serves larger ones
+(prefill chunks), so every path computes the file's exact weights. Other types (K-quants,
+fused projections whose parts differ) are dequantized at load. The tied LM head (SmolLM2's
+`token_embd`, Q8_0) reads the embedding's blocks the same way.
+
+Without it (no C++ compiler), torch's int4 / int8 kernels (AVX512-BF16; bfloat16
+activations: 45% of the embedded model's greedy continuations agree with the dequantized
+path, docs/benchmarks.md), per Linear:
 
     Q4_0, Q4_1   exact: a block's (d, m) is an int4 group of 32 (scale d, zero m + 8 d, both
                  rounded to bfloat16, which the kernel requires)
@@ -16,8 +23,8 @@ type, and is requantized from the dequantized values otherwise):
     F32, F16, BF16
                  unquantized (the model dtype)
 
-The tied LM head (SmolLM2's `token_embd`, Q8_0) gets the same treatment from the embedding's
-dequantized values; the embedding lookup itself reads the dequantized table.
+and the tied LM head is requantized the same way from the embedding's dequantized values.
+The embedding lookup itself always reads the dequantized table.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from pagellm import envs
 from pagellm.loader.dequant import block_bytes, decode_blocks, q4_parts
 from pagellm.loader.gguf_file import GGUFFile, read_gguf
 from pagellm.loader.gguf_loader import hf_name
+from pagellm.quantization import gguf_kernel
 from pagellm.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -37,10 +46,12 @@ from pagellm.quantization.base import (
 )
 from pagellm.quantization.cpu_int import (
     FloatToIntMethod,
+    dense_weight,
     float_weight_to_int,
     int4_fits,
     int4_weight,
 )
+from pagellm.quantization.gguf_kernel import BlockPlanes
 
 Q = GGMLQuantizationType
 EXACT_INT4 = (Q.Q4_0, Q.Q4_1)
@@ -48,8 +59,31 @@ FOUR_BIT = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 UNQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.F64)
 
 
+class GGUFBlockWeight(QuantizedWeight):
+    """GGUF blocks read as they are by `gguf_kernel.block_gemm` for a few rows (float32 or
+    bfloat16 activations, float32 arithmetic), the dequantized copy for larger batches."""
+
+    def __init__(self, planes: BlockPlanes, dense) -> None:
+        self.planes = planes
+        self.dense = dense  # x [T, in], bias -> [T, out] in x's dtype
+        self.max_rows = envs.cpu_quant_max_rows()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if x.shape[0] > self.max_rows or x.dtype not in (torch.float32, torch.bfloat16):
+            return self.dense(x, bias)
+        return gguf_kernel.block_gemm(x, self.planes, None if bias is None else bias.float())
+
+
+def block_weight(blocks: torch.Tensor, qtype: GGMLQuantizationType, dense: torch.Tensor):
+    """The `QuantizedWeight` of one GGUF tensor's blocks [N, K / 32 * bytes] (Q/K rows in HF
+    order); `dense` [N, K] is its dequantized weight in the model dtype."""
+    return GGUFBlockWeight(BlockPlanes.from_blocks(blocks, qtype), dense_weight(dense))
+
+
 class GGUFBlocksMethod(LinearMethod):
-    """Q4_0 / Q4_1 blocks loaded as bytes, packed for the int4 kernel after loading."""
+    """Blocks loaded as bytes: for the block kernel (Q4_0, Q4_1, Q8_0) or, without it,
+    packed for torch's int4 kernel (Q4_0, Q4_1)."""
 
     def __init__(self, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
         self.qtype = qtype
@@ -62,11 +96,15 @@ class GGUFBlocksMethod(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         # raw: [N, K / 32 * bytes], Q/K rows already in HF order
         n, k = layer.out_features, layer.in_features
-        blocks = layer.weight.detach().reshape(-1, block_bytes(self.qtype))
-        q, d, m = q4_parts(blocks, self.qtype)
+        raw = layer.weight.detach()
+        blocks = raw.reshape(-1, block_bytes(self.qtype))
         dense = decode_blocks(blocks, self.qtype).view(n, k)  # exactly the dequantized path's
-        q, scale, low = q.view(n, k).to(torch.int32), d.view(n, k // 32), m.view(n, k // 32)
-        layer.packed_weight = int4_weight(q, scale, low, dense.to(self.dtype))
+        if gguf_kernel.supported():
+            layer.packed_weight = block_weight(raw.contiguous(), self.qtype, dense.to(self.dtype))
+        else:
+            q, d, m = q4_parts(blocks, self.qtype)
+            q, scale, low = q.view(n, k).to(torch.int32), d.view(n, k // 32), m.view(n, k // 32)
+            layer.packed_weight = int4_weight(q, scale, low, dense.to(self.dtype))
         drop_params(layer, "weight")
 
 
@@ -89,9 +127,13 @@ class GGUFConfig(QuantizationConfig):
         qtypes = {t.qtype for t in tensors}
         if len(tensors) != len(names) or qtypes <= set(UNQUANTIZED):
             return None
-        if len(qtypes) == 1 and qtypes <= set(EXACT_INT4) and int4_fits(layer.in_features):
+        blocks = gguf_kernel.supported()
+        exact = set(gguf_kernel.QTYPES if blocks else EXACT_INT4)
+        if len(qtypes) == 1 and qtypes <= exact and int4_fits(layer.in_features):
             self.raw_names.update(names)
             return GGUFBlocksMethod(qtypes.pop(), self.dtype)
+        if blocks:  # other types (K-quants, mixed parts) stay dequantized: exact, not smaller
+            return None
         four_bit = qtypes <= set(FOUR_BIT) and int4_fits(layer.in_features)
         return FloatToIntMethod(4 if four_bit else 8)
 
@@ -99,6 +141,11 @@ class GGUFConfig(QuantizationConfig):
         tensor = self.tensors.get("model.embed_tokens.weight")
         if tensor is None or tensor.qtype in UNQUANTIZED:
             return None
+        if gguf_kernel.supported():
+            if tensor.qtype not in gguf_kernel.QTYPES:
+                return None
+            blocks = torch.from_numpy(tensor.data).reshape(embedding.shape[0], -1)
+            return block_weight(blocks.contiguous(), tensor.qtype, embedding.detach())
         four_bit = tensor.qtype in FOUR_BIT and int4_fits(embedding.shape[1])
         return float_weight_to_int(embedding.detach(), 4 if four_bit else 8)
 

@@ -1,0 +1,225 @@
+// y = x @ W^T on the CPU with W kept as GGUF's 4- and 8-bit blocks: a few rows of float32
+// (or bfloat16) activations against weights that are never dequantized to memory.
+//
+// W is the file's Q4_0 / Q4_1 / Q8_0 blocks of 32 weights, split at load into planes
+// (pagellm/quantization/gguf_kernel.py, exactly: no value changes):
+//   kind Q4:  qs [N, K / 2] uint8   block b of row n is bytes 16 b .. 16 b + 15; byte i holds
+//                                   weight i (low nibble) and weight i + 16 (high nibble)
+//             d, m [N, K / 32] fp16  w = d * q + m  (Q4_1 as stored; Q4_0: m = -8 d, exact)
+//   kind Q8:  qs [N, K] int8, d [N, K / 32] fp16   w = d * q  (Q8_0)
+//   x [M, K] float32 or bfloat16 (row-major), 1 <= M <= 8; y [M, N] in x's dtype;
+//   bias [N] float32 or null
+//
+// The arithmetic is float32: per block, the stored integers are dotted with x, the dot is
+// scaled by d, and m times the block's sum of x is added (one dot over the blocks at the
+// end). That equals the dequantized weight's dot product up to float32 rounding order, as
+// another BLAS would give; no activation is rounded (llama.cpp's own kernels round x to
+// int8 blocks). Each block is unpacked once for every row of x. Two accumulators per row
+// of x alternate between blocks, so no add waits on the one before.
+//
+// Rows of W are split over ATen's thread pool (torch's OpenMP threads). A plain C entry
+// point for ctypes; gguf_kernel.py checks shapes and dtypes.
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Kind { Q4 = 0, Q8 = 1 };
+constexpr int kBlock = 32;
+constexpr int kMaxRows = 8;
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exp = 113;
+    while (!(mant & 0x400)) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((bits >> 16) | 0x40);  // nan
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+struct Weights {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // Q4 only
+  int64_t N, K;
+};
+
+// sum over blocks of m[b] * xsum[b] (the offsets' share of one output)
+inline float offset_dot(const uint16_t* m, const float* xsum, int64_t blocks) {
+  float s = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) s += half_to_float(m[b]) * xsum[b];
+  return s;
+}
+
+#if defined(__AVX512F__)
+// block b's 32 stored integers of row `qs` as two float vectors (weights 0..15, 16..31)
+template <int KIND>
+inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
+  if (KIND == Q8) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + b * 32));
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+  }
+}
+#endif
+
+// rows n0 .. n1 of y for MR rows of x (xf: float32 [MR, K]; xsum: [MR, K / 32] block sums)
+template <int KIND, int MR>
+void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0, int64_t n1,
+               float* y, const float* bias) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  const int64_t row_bytes = KIND == Q8 ? K : K / 2;
+  std::vector<float> scale(blocks);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qs = w.qs + n * row_bytes;
+    const uint16_t* d = w.d + n * blocks;
+    for (int64_t b = 0; b < blocks; ++b) scale[b] = half_to_float(d[b]);
+#if defined(__AVX512F__)
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 lo, hi;
+      unpack<KIND>(qs, b, &lo, &hi);
+      const __m512 vscale = _mm512_set1_ps(scale[b]);
+      for (int r = 0; r < MR; ++r) {
+        const float* xb = xf + r * K + b * kBlock;
+        __m512 dot = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
+        dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), dot);
+        acc[r][b & 1] = _mm512_fmadd_ps(dot, vscale, acc[r][b & 1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+      if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
+    }
+#else
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = xf + r * K;
+      float out = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        float dot = 0.0f;
+        for (int i = 0; i < kBlock; ++i) {
+          float q;
+          if (KIND == Q8) {
+            q = float(reinterpret_cast<const int8_t*>(qs)[b * 32 + i]);
+          } else {
+            const uint8_t byte = qs[b * 16 + (i & 15)];
+            q = float(i < 16 ? byte & 0x0F : byte >> 4);
+          }
+          dot += q * xr[b * kBlock + i];
+        }
+        out += dot * scale[b];
+      }
+      if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
+    }
+#endif
+  }
+}
+
+template <int KIND, int MR>
+void gemm(const Weights& w, const float* xf, const float* xsum, float* y, const float* bias) {
+  // grain: 16 rows of W (a few KB) per task
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    rows_of_y<KIND, MR>(w, xf, xsum, n0, n1, y, bias);
+  });
+}
+
+template <int KIND>
+void dispatch_rows(int64_t M, const Weights& w, const float* xf, const float* xsum, float* y,
+                   const float* bias) {
+  switch (M) {
+    case 1: gemm<KIND, 1>(w, xf, xsum, y, bias); break;
+    case 2: gemm<KIND, 2>(w, xf, xsum, y, bias); break;
+    case 3: gemm<KIND, 3>(w, xf, xsum, y, bias); break;
+    case 4: gemm<KIND, 4>(w, xf, xsum, y, bias); break;
+    case 5: gemm<KIND, 5>(w, xf, xsum, y, bias); break;
+    case 6: gemm<KIND, 6>(w, xf, xsum, y, bias); break;
+    case 7: gemm<KIND, 7>(w, xf, xsum, y, bias); break;
+    default: gemm<KIND, 8>(w, xf, xsum, y, bias); break;
+  }
+}
+
+}  // namespace
+
+// kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null). x_bf16: x and y are bfloat16, else float32.
+// Returns 0, or -1 for arguments the kernel does not take.
+extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16, int kind,
+                                 const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                                 int64_t N, void* y, const float* bias) {
+  if (M < 1 || M > kMaxRows || K % kBlock || (kind != Q4 && kind != Q8)) return -1;
+  if (kind == Q4 && m == nullptr) return -1;
+  const int64_t blocks = K / kBlock;
+  std::vector<float> xf(M * K), xsum(M * blocks), yf;
+  for (int64_t i = 0; i < M * K; ++i) {
+    xf[i] = x_bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i])
+                   : static_cast<const float*>(x)[i];
+  }
+  for (int64_t i = 0; i < M * blocks; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < kBlock; ++j) s += xf[i * kBlock + j];
+    xsum[i] = s;
+  }
+  float* yout = static_cast<float*>(y);
+  if (x_bf16) {
+    yf.resize(M * N);
+    yout = yf.data();
+  }
+  const Weights w{qs, d, m, N, K};
+  if (kind == Q4) {
+    dispatch_rows<Q4>(M, w, xf.data(), xsum.data(), yout, bias);
+  } else {
+    dispatch_rows<Q8>(M, w, xf.data(), xsum.data(), yout, bias);
+  }
+  if (x_bf16) {
+    uint16_t* yb = static_cast<uint16_t*>(y);
+    for (int64_t i = 0; i < M * N; ++i) yb[i] = float_to_bf16(yf[i]);
+  }
+  return 0;
+}

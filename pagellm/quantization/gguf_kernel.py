@@ -1,0 +1,108 @@
+"""GGUF blocks times float activations on the CPU (`pagellm/csrc/gguf_gemm.cpp`).
+
+`block_gemm(x, BlockPlanes.from_blocks(blocks, qtype))` is `F.linear(x, dequantized
+weight)` for a few rows of x (float32 or bfloat16), reading the file's
+Q4_0 / Q4_1 / Q8_0 values as they are (split into planes of integers and fp16 scales, bit
+for bit): a quarter (Q4) or about half (Q8_0) of a bf16 weight's bytes, with float32
+arithmetic and no rounding of the activations, so its results are the dequantized float32
+path's up to summation order. Compiled on first use (`pagellm.cpp_build`); `kernel()` is
+None where that fails (no compiler), and callers take torch's int4 path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from pagellm import cpp_build
+from pagellm.utils import cpuinfo_flags
+
+Q = GGMLQuantizationType
+QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what the kernel reads
+MAX_ROWS = 8  # rows of x one kernel call takes
+BLOCK = 32  # weights per block
+_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
+
+
+@dataclass
+class BlockPlanes:
+    """A GGUF block tensor split into the kernel's planes, bit for bit (w = d * q + m)."""
+
+    qs: torch.Tensor  # Q4: [N, K / 2] uint8 nibbles; Q8: [N, K] int8
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d); Q8: None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, qtype: GGMLQuantizationType) -> BlockPlanes:
+        """blocks: [N, K / 32 * block bytes] uint8, one row of blocks per output row."""
+        if qtype not in _BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+            raise ValueError(f"GGUF blocks of {qtype!r} as uint8 [N, bytes] are not supported")
+        n = blocks.shape[0]
+        b = blocks.reshape(n, -1, _BYTES[qtype])  # [N, K / 32, bytes]
+        d = b[..., :2].contiguous().view(torch.float16).reshape(n, -1)
+        if qtype == Q.Q8_0:
+            return cls(b[..., 2:].contiguous().view(torch.int8).reshape(n, -1), d, None)
+        if qtype == Q.Q4_1:
+            m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
+            return cls(b[..., 4:].reshape(n, -1).contiguous(), d, m)
+        return cls(b[..., 2:].reshape(n, -1).contiguous(), d, d * -8.0)  # Q4_0: exact
+
+
+def supported() -> bool:
+    """Whether GGUF blocks run fast here: an x86 CPU with AVX-512 (the kernel's vector path;
+    elsewhere it compiles to scalar code) where the kernel builds."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and "avx512f" in cpuinfo_flags() and kernel() is not None
+
+
+@functools.cache
+def kernel():
+    """`pagellm_gguf_gemm`, or None where it cannot be built here (logged once)."""
+    c = ctypes
+    args = [c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int, c.c_void_p, c.c_void_p]
+    args += [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p]
+    return cpp_build.entry_point(
+        "gguf_gemm", "pagellm_gguf_gemm", args, c.c_int, "GGUF files are dequantized"
+    )
+
+
+def block_gemm(
+    x: torch.Tensor,  # [M, K] float32 / bfloat16
+    w: BlockPlanes,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N] float32
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x @ w^T (+ bias), MAX_ROWS rows of x a kernel call (each row's result is the same
+    whatever the others: they share the unpacking, not the sums)."""
+    gemm = kernel()
+    if gemm is None:
+        raise RuntimeError("the GGUF block kernel is not available")
+    m, k = x.shape
+    n = w.d.shape[0]
+    if x.dtype not in (torch.float32, torch.bfloat16) or m < 1:
+        raise ValueError(f"block_gemm: {x.dtype} x of {m} rows is not supported")
+    if w.shape != (n, k):
+        raise ValueError(f"block_gemm: x {tuple(x.shape)} and weight {w.shape} differ in K")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError("block_gemm: bias must be float32 [N]")
+    x = x.contiguous()
+    bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+    y = torch.empty((m, n), dtype=x.dtype)
+    for start in range(0, m, MAX_ROWS):
+        rows = min(MAX_ROWS, m - start)
+        rc = gemm(
+            x[start].data_ptr(), rows, k, int(x.dtype == torch.bfloat16), int(w.m is None),
+            w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), n,
+            y[start].data_ptr(), bias_ptr,
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError("block_gemm: the kernel refused its arguments")
+    return y
