@@ -119,3 +119,16 @@ def api_server(request, tmp_path_factory):
         yield srv
     finally:
         stop_server(srv)
+
+
+@pytest.fixture(params=["none", "failing"])
+def broken_compiler(request, monkeypatch, tmp_path) -> str:
+    """No C++ compiler on PATH, or one that fails, and no cached CPU kernel to fall back on
+    (`pagellm.cpp_build`); the kernels' cached loaders must be cleared around the test."""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    if request.param == "none":
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("CXX", "/bin/false")
+    return request.param
