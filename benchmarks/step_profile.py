@@ -57,8 +57,8 @@ def requests_of(args) -> tuple[list[list[int]], list[int]]:
 
 
 def engine_kwargs(args) -> dict:
-    """The LLM(...) settings the flags name (quantization, KV cache dtype)."""
-    kwargs = {"kv_cache_dtype": args.kv_cache_dtype}
+    """The LLM(...) settings the flags name (quantization, KV cache dtype, dtype)."""
+    kwargs = {"kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}
     if args.quantization:
         kwargs["quantization"] = args.quantization
     return kwargs
@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=["cpu", "standard", "fixed512", "batch1"], default="cpu")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (GPU)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e5m2")
+    ap.add_argument("--dtype", default="auto", help="the engine's (auto: bf16 on AMX CPUs)")
     ap.add_argument("--model", default=None, help="default: the embedded model on CPU")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--rounds", type=int, default=2)

@@ -9,8 +9,14 @@ medians are compared (this machine's speed swings between runs).
     python benchmarks/throughput.py --peer none         # pagellm only
     python benchmarks/throughput.py --peer inproc       # multiprocess vs in-process pagellm
     python benchmarks/throughput.py --num-requests 1 --max-num-seqs 1 --min-prompt 64 \
-        --max-prompt 64 --quantization gguf --peer unquantized   # batch 1: GGUF kept quantized
-                                                                  # vs dequantized float32
+        --max-prompt 64 --peer unquantized          # batch 1: GGUF blocks (the default for
+                                                    # GGUF files) vs dequantized float32
+    python benchmarks/throughput.py --num-requests 1 --max-num-seqs 1 --min-prompt 64 \
+        --max-prompt 64 --peer llama.cpp            # the same against llama.cpp on the file
+    python benchmarks/throughput.py --dtype bfloat16 ...    # the engine in bf16 (CPU)
+
+`--peer llama.cpp` runs llama-cpp-python (installed by hand: it builds llama.cpp, ~7
+minutes here) on the same GGUF file with torch's thread count, one request at a time.
 
 GPU workloads (`--workload standard | fixed512 | batch1`, pagellm alone unless `--peer hf`):
 
@@ -90,6 +96,34 @@ def load_hf():
     return model.eval()
 
 
+def load_llama_cpp():
+    """llama.cpp (llama-cpp-python) on the embedded GGUF file, with torch's thread count."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SystemExit(
+            "--peer llama.cpp needs llama-cpp-python (`pip install llama-cpp-python` builds "
+            "llama.cpp from source, ~7 minutes on 2 cores; not a pagellm dependency)"
+        ) from None
+    from pagellm.loader import resolve_model_source
+
+    path = resolve_model_source(None, "auto", None).path
+    threads = torch.get_num_threads()
+    return Llama(model_path=path, n_ctx=4096, n_batch=512, n_threads=threads,
+                 n_threads_batch=threads, verbose=False)  # fmt: skip
+
+
+def run_llama_cpp(model, prompts: list[list[int]], max_tokens: int) -> float:
+    """One request at a time (llama.cpp's own loop: prefill, then greedy tokens, EOS not
+    checked), max_tokens each."""
+    start = time.perf_counter()
+    for prompt in prompts:
+        for n, _ in enumerate(model.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
+            if n == max_tokens:
+                break
+    return time.perf_counter() - start
+
+
 def run_hf(model, prompts: list[list[int]], max_tokens: int, batch_size: int = 8) -> float:
     pad = 2
     start = time.perf_counter()
@@ -119,7 +153,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--peer", choices=["hf", "inproc", "unquantized", "none"], default=None)
+    ap.add_argument(
+        "--peer", choices=["hf", "inproc", "unquantized", "llama.cpp", "none"], default=None
+    )
+    ap.add_argument("--dtype", default="float32", help="CPU: the engine's (bfloat16, auto)")
     ap.add_argument("--quantization", default=None, help="the engine's; default: its default")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--model", default="qwen3-0.6b", help="GPU workloads only")
@@ -141,7 +178,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-CPU_ONLY = ("num_requests", "min_prompt", "max_prompt", "max_tokens")
+CPU_ONLY = ("num_requests", "min_prompt", "max_prompt", "max_tokens", "dtype")
 GPU_ONLY = ("model", "load_format", "enforce_eager", "async_scheduling", "peer_requests")
 
 
@@ -165,7 +202,7 @@ def main() -> None:
         distributed_executor_backend=args.distributed_executor_backend,
     )
     llm = LLM(
-        dtype="float32",
+        dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
@@ -178,11 +215,14 @@ def main() -> None:
         runners["hf"] = lambda p: run_hf(hf, p, args.max_tokens)
     elif args.peer == "inproc":
         os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "0"
-        inproc = LLM(dtype="float32", max_num_seqs=args.max_num_seqs)
+        inproc = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs)
         runners["pagellm-inproc"] = lambda p: run_pagellm(inproc, p, args.max_tokens)
     elif args.peer == "unquantized":
-        plain = LLM(dtype="float32", max_num_seqs=args.max_num_seqs, quantization="none")
+        plain = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs, quantization="none")
         runners["pagellm-unquantized"] = lambda p: run_pagellm(plain, p, args.max_tokens)
+    elif args.peer == "llama.cpp":
+        cpp = load_llama_cpp()
+        runners["llama.cpp"] = lambda p: run_llama_cpp(cpp, p, args.max_tokens)
 
     for run in runners.values():  # warm-up, not timed
         run(prompts[:2])

@@ -119,3 +119,15 @@ def test_sampled_tokens_carry_their_vocab_rank(llm, hf_smollm):
     for rank, (low, high) in zip(got, want_rank[n - 1 :].tolist()):
         assert low <= rank <= high
     assert max(got) > 1  # some token was not the argmax: the test can fail
+
+
+def test_a_tied_likeliest_token_is_rank_1():
+    """vLLM's ranks: a token's rank counts the tokens at least as likely (2 when two tie at
+    the top), but a token among the top k takes its top-k rank, so the likeliest is rank 1
+    (bf16 logits tie often; `benchmarks/accuracy.py` looks up the rank-1 entry)."""
+    from pagellm.engine.output_processor import _logprob_entry
+
+    entry = _logprob_entry([-0.7, -0.7, -0.7], [5, 5, 9], rank=2)  # 5 and 9 tie at the top
+    assert entry[5].rank == 1 and entry[9].rank == 2
+    entry = _logprob_entry([-3.0, -0.1, -0.5], [4, 8, 6], rank=7)  # 4 outside the top 2
+    assert (entry[4].rank, entry[8].rank, entry[6].rank) == (7, 1, 2)

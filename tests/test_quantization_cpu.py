@@ -176,9 +176,9 @@ def test_block_gemm_rows_are_independent():
     together = gguf_kernel.block_gemm(x, planes)
     for i in range(6):
         assert torch.equal(gguf_kernel.block_gemm(x[i : i + 1], planes)[0], together[i])
-    with pytest.raises(ValueError, match="differ in K"):
+    with pytest.raises(ValueError, match="against weight"):
         gguf_kernel.block_gemm(torch.randn(1, 96), planes)
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match="float16 against"):
         gguf_kernel.block_gemm(torch.randn(1, 128, dtype=torch.float16), planes)
 
 

@@ -108,6 +108,55 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGELLM_BF16_SPLIT 1
+// Q4 rows n0 .. n1 with the dot products on bf16 pairs: x = hi + lo, both bf16 (xh, xl:
+// [MR, K]; |x - hi - lo| <= 2^-17 |x|), the stored 0..15 exact in bf16 (a 16-entry table),
+// and `vdpbf16ps` summing 32 products a block in float32 (two instructions: hi, lo).
+template <int MR>
+void q4_rows_bf16(const Weights& w, const uint16_t* xh, const uint16_t* xl, const float* xsum,
+                  int64_t n0, int64_t n1, float* y, const float* bias) {
+  const int64_t K = w.K, blocks = K / kBlock;
+  alignas(64) uint16_t table_values[32];
+  for (int v = 0; v < 16; ++v) {
+    const float f = float(v);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    table_values[v] = table_values[v + 16] = uint16_t(bits >> 16);  // exact: v has <= 4 bits
+  }
+  const __m512i table = _mm512_load_si512(table_values);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  std::vector<float> scale(blocks);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qs = w.qs + n * (K / 2);
+    const uint16_t* d = w.d + n * blocks;
+    for (int64_t b = 0; b < blocks; ++b) scale[b] = half_to_float(d[b]);
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+      const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
+                                               _mm_and_si128(q, mask));  // weights 0..31
+      const __m512bh wb =
+          (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+      const __m512 vscale = _mm512_set1_ps(scale[b]);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = r * K + b * kBlock;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb,
+                                      (__m512bh)_mm512_loadu_si512(xh + at));
+        dot = _mm512_dpbf16_ps(dot, wb, (__m512bh)_mm512_loadu_si512(xl + at));
+        acc[r][b & 1] = _mm512_fmadd_ps(dot, vscale, acc[r][b & 1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+      out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
+    }
+  }
+}
+#endif
+
 // rows n0 .. n1 of y for MR rows of x (xf: float32 [MR, K]; xsum: [MR, K / 32] block sums)
 template <int KIND, int MR>
 void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0, int64_t n1,
@@ -163,26 +212,36 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
   }
 }
 
+struct Activations {  // x in the forms the kernels read
+  const float* xf;  // [M, K] float32
+  const float* xsum;  // [M, K / 32] block sums
+  const uint16_t* xh;  // [M, K] bf16 hi and lo halves (PAGELLM_BF16_SPLIT)
+  const uint16_t* xl;
+};
+
 template <int KIND, int MR>
-void gemm(const Weights& w, const float* xf, const float* xsum, float* y, const float* bias) {
+void gemm(const Weights& w, const Activations& a, float* y, const float* bias) {
   // grain: 16 rows of W (a few KB) per task
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    rows_of_y<KIND, MR>(w, xf, xsum, n0, n1, y, bias);
+#if defined(PAGELLM_BF16_SPLIT)
+    if (KIND == Q4) return q4_rows_bf16<MR>(w, a.xh, a.xl, a.xsum, n0, n1, y, bias);
+#endif
+    rows_of_y<KIND, MR>(w, a.xf, a.xsum, n0, n1, y, bias);
   });
 }
 
 template <int KIND>
-void dispatch_rows(int64_t M, const Weights& w, const float* xf, const float* xsum, float* y,
+void dispatch_rows(int64_t M, const Weights& w, const Activations& a, float* y,
                    const float* bias) {
   switch (M) {
-    case 1: gemm<KIND, 1>(w, xf, xsum, y, bias); break;
-    case 2: gemm<KIND, 2>(w, xf, xsum, y, bias); break;
-    case 3: gemm<KIND, 3>(w, xf, xsum, y, bias); break;
-    case 4: gemm<KIND, 4>(w, xf, xsum, y, bias); break;
-    case 5: gemm<KIND, 5>(w, xf, xsum, y, bias); break;
-    case 6: gemm<KIND, 6>(w, xf, xsum, y, bias); break;
-    case 7: gemm<KIND, 7>(w, xf, xsum, y, bias); break;
-    default: gemm<KIND, 8>(w, xf, xsum, y, bias); break;
+    case 1: gemm<KIND, 1>(w, a, y, bias); break;
+    case 2: gemm<KIND, 2>(w, a, y, bias); break;
+    case 3: gemm<KIND, 3>(w, a, y, bias); break;
+    case 4: gemm<KIND, 4>(w, a, y, bias); break;
+    case 5: gemm<KIND, 5>(w, a, y, bias); break;
+    case 6: gemm<KIND, 6>(w, a, y, bias); break;
+    case 7: gemm<KIND, 7>(w, a, y, bias); break;
+    default: gemm<KIND, 8>(w, a, y, bias); break;
   }
 }
 
@@ -211,11 +270,23 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
     yf.resize(M * N);
     yout = yf.data();
   }
-  const Weights w{qs, d, m, N, K};
+  std::vector<uint16_t> xh, xl;
+#if defined(PAGELLM_BF16_SPLIT)
   if (kind == Q4) {
-    dispatch_rows<Q4>(M, w, xf.data(), xsum.data(), yout, bias);
+    xh.resize(M * K);
+    xl.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) {
+      xh[i] = float_to_bf16(xf[i]);
+      xl[i] = float_to_bf16(xf[i] - bf16_to_float(xh[i]));
+    }
+  }
+#endif
+  const Weights w{qs, d, m, N, K};
+  const Activations a{xf.data(), xsum.data(), xh.data(), xl.data()};
+  if (kind == Q4) {
+    dispatch_rows<Q4>(M, w, a, yout, bias);
   } else {
-    dispatch_rows<Q8>(M, w, xf.data(), xsum.data(), yout, bias);
+    dispatch_rows<Q8>(M, w, a, yout, bias);
   }
   if (x_bf16) {
     uint16_t* yb = static_cast<uint16_t*>(y);

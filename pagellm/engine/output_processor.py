@@ -331,9 +331,11 @@ class OutputProcessor:
 
 def _logprob_entry(values: list[float], ids: list[int], rank: int) -> dict[int, Logprob]:
     """{token: Logprob} from [its logprob, then the top k], [its id, then theirs] and its
-    rank in the vocabulary; the top k are ranked 1 .. k."""
+    rank in the vocabulary (tokens at least as likely); the top k are ranked 1 .. k, and a
+    token among them takes its top-k rank, as in vLLM (so the likeliest token is rank 1 even
+    when another ties with it)."""
     top = ids[1:]  # best first
     entry = {ids[0]: Logprob(values[0], rank=rank)}
     for rank, (tid, val) in enumerate(zip(top, values[1:]), start=1):
-        entry.setdefault(tid, Logprob(val, rank=rank))
+        entry[tid] = Logprob(val, rank=rank)
     return entry

@@ -37,9 +37,19 @@ class BlockPlanes:
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d); Q8: None
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * BLOCK
+    def __post_init__(self) -> None:
+        n, blocks = self.d.shape
+        k = blocks * BLOCK
+        q4 = self.m is not None
+        if self.qs.shape != (n, k // 2 if q4 else k) or (q4 and self.m.shape != self.d.shape):
+            raise ValueError("BlockPlanes: qs, d and m disagree on [N, K]")
+        planes = (self.qs, self.d) + ((self.m,) if q4 else ())
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in planes):
+            raise ValueError("BlockPlanes: the planes must be contiguous CPU tensors")
+        self.shape = (n, k)
+        # the kernel's arguments after x: kind, qs, d, m, N (read on every call)
+        self._args = (int(not q4), self.qs.data_ptr(), self.d.data_ptr(),
+                      self.m.data_ptr() if q4 else None, n)  # fmt: skip
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, qtype: GGMLQuantizationType) -> BlockPlanes:
@@ -75,33 +85,36 @@ def kernel():
     )
 
 
+_X_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+
+
 def block_gemm(
     x: torch.Tensor,  # [M, K] float32 / bfloat16
     w: BlockPlanes,  # [N, K]
     bias: torch.Tensor | None = None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ w^T (+ bias), MAX_ROWS rows of x a kernel call (each row's result is the same
-    whatever the others: they share the unpacking, not the sums)."""
+    whatever the others: they share the unpacking, not the sums). Called for every decode
+    GEMM: the checks are the few a call needs (the planes were checked when built)."""
     gemm = kernel()
-    if gemm is None:
-        raise RuntimeError("the GGUF block kernel is not available")
     m, k = x.shape
-    n = w.d.shape[0]
-    if x.dtype not in (torch.float32, torch.bfloat16) or m < 1:
-        raise ValueError(f"block_gemm: {x.dtype} x of {m} rows is not supported")
-    if w.shape != (n, k):
-        raise ValueError(f"block_gemm: x {tuple(x.shape)} and weight {w.shape} differ in K")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+    x_kind = _X_KINDS.get(x.dtype)
+    if gemm is None or x_kind is None or k != w.shape[1] or m < 1:
+        raise ValueError(
+            f"block_gemm: x {tuple(x.shape)} {x.dtype} against weight {w.shape}"
+            + ("" if gemm else " (the GGUF block kernel is not available)")
+        )
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.shape[0],)):
         raise ValueError("block_gemm: bias must be float32 [N]")
     x = x.contiguous()
     bias_ptr = None if bias is None else bias.contiguous().data_ptr()
-    y = torch.empty((m, n), dtype=x.dtype)
+    y = torch.empty((m, w.shape[0]), dtype=x.dtype)
+    x_ptr, y_ptr, x_row, y_row = x.data_ptr(), y.data_ptr(), k * x.element_size(), y.stride(0)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         rc = gemm(
-            x[start].data_ptr(), rows, k, int(x.dtype == torch.bfloat16), int(w.m is None),
-            w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), n,
-            y[start].data_ptr(), bias_ptr,
+            x_ptr + start * x_row, rows, k, x_kind, *w._args,
+            y_ptr + start * y_row * y.element_size(), bias_ptr,
         )  # fmt: skip
         if rc != 0:
             raise ValueError("block_gemm: the kernel refused its arguments")
