@@ -10,12 +10,16 @@
 //   x [M, K] float32 or bfloat16 (row-major), 1 <= M <= 8; y [M, N] in x's dtype;
 //   bias [N] float32 or null
 //
-// The arithmetic is float32: per block, the stored integers are dotted with x, the dot is
-// scaled by d, and m times the block's sum of x is added (one dot over the blocks at the
-// end). That equals the dequantized weight's dot product up to float32 rounding order, as
-// another BLAS would give; no activation is rounded (llama.cpp's own kernels round x to
-// int8 blocks). Each block is unpacked once for every row of x. Two accumulators per row
-// of x alternate between blocks, so no add waits on the one before.
+// Per block, the stored integers are dotted with x, the dot is scaled by d, and m times the
+// block's sum of x is added (one dot over the blocks at the end), accumulating in float32.
+// Q8 blocks multiply in float32. Q4 blocks, where the CPU has AVX512-BF16, multiply on
+// bf16 pairs (`vdpbf16ps`, 32 products an instruction): the integers 0..15 are exact in
+// bf16, and x is split into two bf16 halves, hi + lo, within 2^-17 of each element, so
+// their products are float32's to about 16 bits (without AVX512-BF16: float32 FMAs). That
+// is the dequantized weight's dot product up to rounding order and that split; activations
+// are not rounded to 8 bits (llama.cpp's own kernels round x to int8 blocks). Each block is
+// unpacked once for every row of x; two accumulators per row of x alternate between blocks,
+// so no add waits on the one before.
 //
 // Rows of W are split over ATen's thread pool (torch's OpenMP threads). A plain C entry
 // point for ctypes; gguf_kernel.py checks shapes and dtypes.

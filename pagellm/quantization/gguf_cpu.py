@@ -2,7 +2,7 @@
 file's quantized tensors stay quantized on the CPU.
 
 With the block kernel (`gguf_kernel.py`, x86 with AVX-512): Q4_0 / Q4_1 / Q8_0 tensors are
-read as they are, with float32 arithmetic on the model dtype's activations, for GEMMs of up
+read as they are, with float32 accumulation on the model dtype's activations, for GEMMs of up
 to PAGELLM_CPU_QUANT_MAX_ROWS rows (decodes); a dequantized copy serves larger ones
 (prefill chunks), so every path computes the file's exact weights. Other types (K-quants,
 fused projections whose parts differ) are dequantized at load. The tied LM head (SmolLM2's
@@ -61,7 +61,7 @@ UNQUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.F64)
 
 class GGUFBlockWeight(QuantizedWeight):
     """GGUF blocks read as they are by `gguf_kernel.block_gemm` for a few rows (float32 or
-    bfloat16 activations, float32 arithmetic), the dequantized copy for larger batches."""
+    bfloat16 activations, float32 accumulation), the dequantized copy for larger batches."""
 
     def __init__(self, planes: BlockPlanes, dense) -> None:
         self.planes = planes
