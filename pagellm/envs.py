@@ -46,8 +46,10 @@ def cpu_decode_kernel() -> bool:
     return _bool("PAGELLM_CPU_DECODE_KERNEL", True)
 
 
-def cpu_quant_max_rows() -> int:
+def cpu_quant_max_rows(default: int) -> int:
     """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the CPU's
     quantized kernels (GGUF blocks, torch's int4 / int8: `pagellm.quantization`; larger ones
-    use the dequantized copy). Default 4, where they stop beating float32 MKL."""
-    return int(os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS", "4"))
+    use the dequantized copy). Unset: each kernel's `default`, where it stops beating the
+    dense GEMM (docs/benchmarks.md)."""
+    value = os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS")
+    return default if value is None else int(value)

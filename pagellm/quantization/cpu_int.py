@@ -99,7 +99,7 @@ class CpuQuantizedWeight(QuantizedWeight):
         self.small = small  # bfloat16 x [T, in] -> bfloat16 [T, out]
         self.dense = dense  # x [T, in], bias -> [T, out] in x's dtype
         self.out_features = out_features
-        self.max_rows = envs.cpu_quant_max_rows()
+        self.max_rows = envs.cpu_quant_max_rows(4)  # beyond: float32 MKL is faster
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
