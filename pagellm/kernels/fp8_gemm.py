@@ -4,15 +4,19 @@ Weights are float8_e4m3fn [N, K] (row-major, K contiguous) with float32 scales, 
 output row (`w_scale` [N]; per-tensor checkpoints are expanded to it) or one per 128x128 block
 (`w_scale` [ceil(N / 128), ceil(K / 128)], DeepSeek-V3 / Qwen3-FP8's `weight_scale_inv`).
 
-    fp8_gemm(x bf16, w, w_scale)          weight-only: w tiles are upcast to bf16 in registers
+    fp8_gemm(x bf16, w, w_scale)          weight-only: w tiles are upcast in registers
                                           (decode sizes: the GEMM streams the weight; no
                                           activation rounding, no extra kernel)
     fp8_gemm(xq fp8, w, w_scale, x_scale) w8a8: x quantized per token (per-channel w) or per
                                           (token, 128 columns) (block w) by `quantize_fp8`
 
-One kernel serves both (`A_FP8`), with the block scales applied per 128-wide K step. Each
-program computes a BLOCK_M x BLOCK_N tile of y, walking K; at decode sizes (BLOCK_N small,
-one M tile) the grid is N / BLOCK_N programs, each streaming BLOCK_N weight rows.
+One tl.dot kernel serves both (`A_FP8`), with the block scales applied per 128-wide K step.
+Each program computes a BLOCK_M x BLOCK_N tile of y, walking K; at decode sizes (BLOCK_N
+small, one M tile) the grid is N / BLOCK_N programs, each streaming BLOCK_N weight rows.
+Weight-only, w is read as int16 pairs and converted to fp16 before the MMA layout change
+(`fp8_convert`: 1.2-1.3x over a plain `.to()` at 2-16 rows). One row of x (batch 1) takes
+`_fp8_gemv_kernel` instead: no tensor cores, two weight rows a program, 2.3-3.4 TB/s of
+weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
