@@ -273,6 +273,7 @@ def test_default_for_gguf_files(monkeypatch):
     assert resolve_quantization(None, None, "hf", CPU) is None
     assert resolve_quantization("none", None, "gguf", CPU) is None
     assert resolve_quantization(None, None, "gguf", torch.device("cuda")) is None
+    assert resolve_quantization(None, None, "gguf", CPU, tensor_parallel_size=2) is None
     monkeypatch.setattr(gguf_kernel, "supported", lambda: False)
     assert resolve_quantization(None, None, "gguf", CPU) is None
 

@@ -12,14 +12,12 @@
 //
 // Per block, the stored integers are dotted with x, the dot is scaled by d, and m times the
 // block's sum of x is added (one dot over the blocks at the end), accumulating in float32.
-// Q8 blocks multiply in float32. Q4 blocks, where the CPU has AVX512-BF16, multiply on
-// bf16 pairs (`vdpbf16ps`, 32 products an instruction): the integers 0..15 are exact in
-// bf16, and x is split into two bf16 halves, hi + lo, within 2^-17 of each element, so
-// their products are float32's to about 16 bits (without AVX512-BF16: float32 FMAs). That
-// is the dequantized weight's dot product up to rounding order and that split; activations
-// are not rounded to 8 bits (llama.cpp's own kernels round x to int8 blocks). Each block is
-// unpacked once for every row of x; two accumulators per row of x alternate between blocks,
-// so no add waits on the one before.
+// Every product is exact: float32 FMAs, or for bfloat16 x against Q4 blocks on CPUs with
+// AVX512-BF16, `vdpbf16ps` (the integers 0..15 are exact in bf16; 32 products an
+// instruction). So the result is the dequantized weight's dot product up to float32
+// rounding order, as another BLAS would give; no activation is rounded (llama.cpp's own
+// kernels round x to int8 blocks). Each block is unpacked once for every row of x; two
+// accumulators per row of x alternate between blocks, so no add waits on the one before.
 //
 // Rows of W are split over ATen's thread pool (torch's OpenMP threads). A plain C entry
 // point for ctypes; gguf_kernel.py checks shapes and dtypes.
@@ -113,13 +111,13 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define PAGELLM_BF16_SPLIT 1
-// Q4 rows n0 .. n1 with the dot products on bf16 pairs: x = hi + lo, both bf16 (xh, xl:
-// [MR, K]; |x - hi - lo| <= 2^-17 |x|), the stored 0..15 exact in bf16 (a 16-entry table),
-// and `vdpbf16ps` summing 32 products a block in float32 (two instructions: hi, lo).
+#define PAGELLM_BF16_DOTS 1
+// Q4 rows n0 .. n1 for bf16 x (xh: [MR, K]) with the dot products on bf16 pairs: the stored
+// 0..15 are exact in bf16 (a 16-entry table), so `vdpbf16ps` forms the exact products and
+// sums 32 of them a block in float32, one instruction.
 template <int MR>
-void q4_rows_bf16(const Weights& w, const uint16_t* xh, const uint16_t* xl, const float* xsum,
-                  int64_t n0, int64_t n1, float* y, const float* bias) {
+void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64_t n0,
+                  int64_t n1, float* y, const float* bias) {
   const int64_t K = w.K, blocks = K / kBlock;
   alignas(64) uint16_t table_values[32];
   for (int v = 0; v < 16; ++v) {
@@ -146,9 +144,8 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xh, const uint16_t* xl, cons
       const __m512 vscale = _mm512_set1_ps(scale[b]);
       for (int r = 0; r < MR; ++r) {
         const int64_t at = r * K + b * kBlock;
-        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb,
-                                      (__m512bh)_mm512_loadu_si512(xh + at));
-        dot = _mm512_dpbf16_ps(dot, wb, (__m512bh)_mm512_loadu_si512(xl + at));
+        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb,
+                                            (__m512bh)_mm512_loadu_si512(xh + at));
         acc[r][b & 1] = _mm512_fmadd_ps(dot, vscale, acc[r][b & 1]);
       }
     }
@@ -219,16 +216,15 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
 struct Activations {  // x in the forms the kernels read
   const float* xf;  // [M, K] float32
   const float* xsum;  // [M, K / 32] block sums
-  const uint16_t* xh;  // [M, K] bf16 hi and lo halves (PAGELLM_BF16_SPLIT)
-  const uint16_t* xl;
+  const uint16_t* xh;  // [M, K] bf16 x as given, or null (float32 x)
 };
 
 template <int KIND, int MR>
 void gemm(const Weights& w, const Activations& a, float* y, const float* bias) {
   // grain: 16 rows of W (a few KB) per task
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-#if defined(PAGELLM_BF16_SPLIT)
-    if (KIND == Q4) return q4_rows_bf16<MR>(w, a.xh, a.xl, a.xsum, n0, n1, y, bias);
+#if defined(PAGELLM_BF16_DOTS)
+    if (KIND == Q4 && a.xh) return q4_rows_bf16<MR>(w, a.xh, a.xsum, n0, n1, y, bias);
 #endif
     rows_of_y<KIND, MR>(w, a.xf, a.xsum, n0, n1, y, bias);
   });
@@ -274,19 +270,8 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
     yf.resize(M * N);
     yout = yf.data();
   }
-  std::vector<uint16_t> xh, xl;
-#if defined(PAGELLM_BF16_SPLIT)
-  if (kind == Q4) {
-    xh.resize(M * K);
-    xl.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) {
-      xh[i] = float_to_bf16(xf[i]);
-      xl[i] = float_to_bf16(xf[i] - bf16_to_float(xh[i]));
-    }
-  }
-#endif
   const Weights w{qs, d, m, N, K};
-  const Activations a{xf.data(), xsum.data(), xh.data(), xl.data()};
+  const Activations a{xf.data(), xsum.data(), x_bf16 ? static_cast<const uint16_t*>(x) : nullptr};
   if (kind == Q4) {
     dispatch_rows<Q4>(M, w, a, yout, bias);
   } else {

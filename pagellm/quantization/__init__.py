@@ -4,7 +4,7 @@
 
     None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
                      `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
-                     AVX-512 where the block kernel builds (its float32 results are the
+                     AVX-512 where the block kernel builds, on one rank (its float32 results are the
                      dequantized path's: 64 of 64 identical 32-token greedy continuations of
                      the embedded model, docs/benchmarks.md); otherwise unquantized
     "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
@@ -65,9 +65,9 @@ def resolve_quantization(
     if stored is not None:
         return _with_checkpoint(name, stored)
     if name is None and source_kind == "gguf" and device.type == "cpu":
-        from pagellm.quantization import gguf_kernel
+        from pagellm.quantization import gguf_kernel  # quantized layers run on one rank
 
-        return "gguf" if gguf_kernel.supported() else None
+        return "gguf" if tensor_parallel_size == 1 and gguf_kernel.supported() else None
     if name in CPU_ONLY:
         _check_cpu_int(name, device)
     if name == "gguf" and source_kind != "gguf":

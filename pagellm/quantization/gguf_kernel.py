@@ -3,10 +3,9 @@
 `block_gemm(x, BlockPlanes.from_blocks(blocks, qtype))` is `F.linear(x, dequantized
 weight)` for a few rows of x (float32 or bfloat16), reading the file's Q4_0 / Q4_1 / Q8_0
 values as they are (split into planes of integers and fp16 scales, bit for bit): a quarter
-(Q4) or about half (Q8_0) of a bf16 weight's bytes, accumulating in float32 with products
-of float32 or (Q4, AVX512-BF16) of x split into bf16 halves within 2^-17 of each element,
-so its results are the dequantized float32 path's up to rounding order and that split (the
-embedded model's 64 greedy test continuations are identical). Compiled on first use
+(Q4) or about half (Q8_0) of a bf16 weight's bytes, with exact products (float32, or bf16
+pairs for bf16 x) accumulated in float32, so its results are the dequantized path's up to
+summation order. Compiled on first use
 (`pagellm.cpp_build`); `kernel()` is None where that fails (no compiler), and callers take
 torch's int4 path or dequantize.
 """
