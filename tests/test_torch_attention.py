@@ -30,6 +30,7 @@ def decode_path(request, monkeypatch) -> str:
     if in_place and cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
     monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)  # bf16 cases too
     return request.param
 
 
@@ -205,6 +206,7 @@ def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
         outs = []
         for in_place in (True, False):
             monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+            monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)
             cache = case.cache.to(dtype)  # the NaN poison stays NaN
             backend = TorchAttentionBackend(12, 4, 64, 0.125)
             metadata = TorchAttentionBackend.build_metadata(common)
@@ -223,3 +225,16 @@ def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, br
         _check(_Case([(1, 5), (4, 3), (1, 9)], 4, 2, 8, 4, seed=3))
     finally:
         cpu_decode.kernel.cache_clear()  # the next user builds (or finds) the real kernel
+
+
+def test_bf16_caches_gather_by_default(monkeypatch):
+    """The kernel reads float32 and fp8 caches in place; bf16 caches take the gather path
+    (SDPA's bf16 kernels were faster end to end), unless asked for."""
+    if cpu_decode.kernel() is None:
+        pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
+    backend = TorchAttentionBackend(4, 2, 8, 0.125)
+    q32, q16 = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8, dtype=torch.bfloat16)
+    assert backend._in_place(q32, torch.float32) and backend._in_place(q16, torch.float8_e4m3fn)
+    assert not backend._in_place(q16, torch.bfloat16)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", True)
+    assert backend._in_place(q16, torch.bfloat16)

@@ -2,9 +2,10 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), wherever they sit in the flat batch. On the CPU they go, longest
-  first, to a C++ kernel that reads the paged cache in place (`cpu_decode`: no copy of the
-  keys); elsewhere, or without a compiler, they are sorted by length and cut into
+- decodes (query length 1), wherever they sit in the flat batch. On the CPU, with a float32
+  or fp8 cache, they go, longest first, to a C++ kernel that reads the paged cache in place
+  (`cpu_decode`: no copy of the keys); with a bf16 cache (SDPA's bf16 kernels are faster
+  end to end), elsewhere, or without a compiler, they are sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
   padding repeats the request's last slot (so a gather never reads a slot the request does
@@ -131,6 +132,10 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     decode_in_place = True  # False: CPU decodes take the gather path too (A/B benchmarks)
+    # bf16 caches gather for SDPA instead: its bf16 kernels beat ours end to end (workload W,
+    # 48 requests, bf16: 373 vs 283 tok/s interleaved in one run; float32 145 vs 148, and
+    # fp8 caches 3.8x faster in place: docs/benchmarks.md)
+    in_place_bf16 = False
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -155,7 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         work = metadata.windowed(self.sliding_window)
-        if len(work.decode_reqs) and self._in_place(q):
+        if len(work.decode_reqs) and self._in_place(q, kv_cache.dtype):
             self._decode_in_place(q, kv_cache, metadata.common, work.decode_batch, scale, out)
         else:
             for group in work.decodes:
@@ -168,8 +173,10 @@ class TorchAttentionBackend(AttentionBackend):
             out[:n] *= v_scale
         return out
 
-    def _in_place(self, q: torch.Tensor) -> bool:
+    def _in_place(self, q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
         supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+        if cache_dtype == torch.bfloat16 and not self.in_place_bf16:
+            return False
         return supported and self.decode_in_place and cpu_decode.kernel() is not None
 
     def _decode_in_place(self, q, kv_cache, common, batch: DecodeBatch, scale, out) -> None:
