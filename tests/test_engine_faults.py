@@ -273,3 +273,21 @@ def test_msgspec_round_trip_of_every_validated_request():
     assert [child.sampling_params.seed for child in children] == [2**63 - 1, -(2**63), -(2**63) + 1]
     for child in children:
         assert decoder.decode(msgspec.msgpack.encode(child)) == child
+
+
+def test_an_exited_core_gets_one_more_poll_for_its_death_report():
+    """The core reports its error just before it exits; the reader may see the exit before
+    the report arrives. The first sighting of the exit waits one more poll (so the caller
+    hears "EngineCore died: <reason>"), the second one declares the core dead."""
+    import subprocess
+    import sys
+
+    client = object.__new__(core_client.SyncMPClient)  # only the liveness state, no sockets
+    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    client.proc.wait()
+    client.dead_error, client._exit_seen = None, False
+    client._check_alive()  # first sighting: no verdict yet
+    with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(code 3\)"):
+        client._check_alive()
+    with pytest.raises(EngineDeadError):  # and it stays dead
+        client._check_alive()

@@ -156,6 +156,7 @@ class MPClient(EngineCoreClient):
             self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
         )
         self.dead_error: EngineDeadError | None = None
+        self._exit_seen = False  # the process was seen gone once (see _check_alive)
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.encoder = msgspec.msgpack.Encoder()
         self.call_ids = itertools.count()
@@ -219,8 +220,15 @@ class MPClient(EngineCoreClient):
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
-        if self.proc.poll() is not None:
-            self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
+        if self.proc.poll() is None:
+            return
+        # A core that dies of an error reports it just before it exits, and the report may
+        # still be on its way to the output socket: the first time the exit is seen, the
+        # reader gets one more poll to read it ("EngineCore died: <reason>").
+        if not self._exit_seen:
+            self._exit_seen = True
+            return
+        self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
 
     def _mark_dead(self, message: str) -> None:
         self.dead_error = EngineDeadError(message)
