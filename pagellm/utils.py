@@ -33,10 +33,12 @@ def cpu_bf16_units() -> str | None:
     return None
 
 
-def cpuinfo_flags() -> set[str]:
+@functools.cache
+def cpuinfo_flags() -> frozenset[str]:
+    """The CPU's feature flags (read once: they do not change while we run)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((x for x in f if x.startswith("flags")), "")
     except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())

@@ -96,11 +96,20 @@ def _tanh(x):
 
 
 @triton.jit
-def _kv_rows(block, start, kv_head_offset, stride_cb, stride_cs, BLOCK_N: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """[BLOCK_N] element offset of each key's head vector in the K (and V) cache."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    return block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
+def _load_kv_tile(cache_ptr, rows, key_ok, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                  FP8_PAIRS: tl.constexpr, PTX_CVT: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, HEAD_DIM] keys (or values) at element offsets `rows` [BLOCK_N] of the cache:
+    fp8 through int16 pairs as fp16, else as stored; rows not `key_ok` read as 0."""
+    # (one return: compiled Triton refuses a return inside an `if`)
+    offs = rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    if FP8_PAIRS:
+        pairs = load_fp8_pairs(cache_ptr, rows, key_ok, HEAD_DIM)
+        tile = fp8_pairs_to_f16(pairs, FP8_PAIRS, PTX_CVT)
+    elif MASKED:
+        tile = tl.load(cache_ptr + offs, mask=key_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(cache_ptr + offs)
+    return tile
 
 
 @triton.jit
@@ -131,21 +140,15 @@ def _attend_block(
     PTX_CVT: tl.constexpr,
 ):
     offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         key_ok = offs_n < kv_end
         if WINDOW:
             key_ok = key_ok & (offs_n >= win_start)
-    # [BLOCK_N, HEAD_DIM] element offsets of these keys in the K (and V) cache
-    rows = _kv_rows(block, start, kv_head_offset, stride_cb, stride_cs, BLOCK_N, BLOCK_SIZE)
-    kv_offs = rows[:, None] + offs_d[None, :]
-    if FP8_PAIRS:
-        k = load_fp8_pairs(k_cache_ptr, rows, key_ok if MASKED else offs_n >= 0, HEAD_DIM)
-        k = fp8_pairs_to_f16(k, FP8_PAIRS, PTX_CVT)
-    elif MASKED:
-        k = tl.load(k_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
     else:
-        k = tl.load(k_cache_ptr + kv_offs)
+        key_ok = offs_n >= 0  # every key (the fp8 pair loads take a mask regardless)
+    # [BLOCK_N] element offset of each key's head vector in the K (and V) cache
+    rows = block.to(tl.int64) * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head_offset
+    k = _load_kv_tile(k_cache_ptr, rows, key_ok, HEAD_DIM, MASKED, FP8_PAIRS, PTX_CVT)
     k = k.to(q.dtype)  # fp8 cache: dequantized in registers (k_scale is in qk_scale)
 
     if FP32_DOT:
@@ -172,13 +175,7 @@ def _attend_block(
     p = tl.math.exp2(s * qk_scale - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    if FP8_PAIRS:
-        v = load_fp8_pairs(v_cache_ptr, rows, key_ok if MASKED else offs_n >= 0, HEAD_DIM)
-        v = fp8_pairs_to_f16(v, FP8_PAIRS, PTX_CVT)
-    elif MASKED:
-        v = tl.load(v_cache_ptr + kv_offs, mask=key_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + kv_offs)
+    v = _load_kv_tile(v_cache_ptr, rows, key_ok, HEAD_DIM, MASKED, FP8_PAIRS, PTX_CVT)
     v = v.to(q.dtype)  # fp8 cache: v_scale multiplies the output at the end
     if FP32_DOT:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")

@@ -90,9 +90,10 @@ class GGUFBlocksMethod(LinearMethod):
     """Blocks loaded as bytes: for the block kernel (Q4_0, Q4_1, Q8_0) or, without it,
     packed for torch's int4 kernel (Q4_0, Q4_1)."""
 
-    def __init__(self, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    def __init__(self, qtype: GGMLQuantizationType, dtype: torch.dtype, block_kernel: bool) -> None:
         self.qtype = qtype
         self.dtype = dtype  # the model's: the dense copy's
+        self.block_kernel = block_kernel  # else torch's int4 kernel
 
     def create_weights(self, layer) -> None:
         row_bytes = layer.in_features // 32 * block_bytes(self.qtype)
@@ -104,7 +105,7 @@ class GGUFBlocksMethod(LinearMethod):
         raw = layer.weight.detach()
         blocks = raw.reshape(-1, block_bytes(self.qtype))
         dense = decode_blocks(blocks, self.qtype).view(n, k)  # exactly the dequantized path's
-        if gguf_kernel.supported():
+        if self.block_kernel:
             layer.packed_weight = block_weight(raw.contiguous(), self.qtype, dense.to(self.dtype))
         else:
             q, d, m = q4_parts(blocks, self.qtype)
@@ -121,6 +122,7 @@ class GGUFConfig(QuantizationConfig):
         # HF name -> GGUF tensor, for every tensor of the file
         self.tensors = {hf_name(n): t for n, t in gguf.tensors.items() if n != "rope_freqs.weight"}
         self.raw_names: set[str] = set()  # loaded as blocks (see gguf_weights)
+        self.block_kernel = gguf_kernel.supported()  # decided once, for every layer
 
     @classmethod
     def from_model(cls, model_config, device: torch.device) -> GGUFConfig:
@@ -132,12 +134,11 @@ class GGUFConfig(QuantizationConfig):
         qtypes = {t.qtype for t in tensors}
         if len(tensors) != len(names) or qtypes <= set(UNQUANTIZED):
             return None
-        blocks = gguf_kernel.supported()
-        exact = set(gguf_kernel.QTYPES if blocks else EXACT_INT4)
+        exact = set(gguf_kernel.QTYPES if self.block_kernel else EXACT_INT4)
         if len(qtypes) == 1 and qtypes <= exact and int4_fits(layer.in_features):
             self.raw_names.update(names)
-            return GGUFBlocksMethod(qtypes.pop(), self.dtype)
-        if blocks:  # other types (K-quants, mixed parts) stay dequantized: exact, not smaller
+            return GGUFBlocksMethod(qtypes.pop(), self.dtype, self.block_kernel)
+        if self.block_kernel:  # other types (K-quants, mixed parts) stay dequantized: exact
             return None
         four_bit = qtypes <= set(FOUR_BIT) and int4_fits(layer.in_features)
         return FloatToIntMethod(4 if four_bit else 8)
@@ -146,7 +147,7 @@ class GGUFConfig(QuantizationConfig):
         tensor = self.tensors.get("model.embed_tokens.weight")
         if tensor is None or tensor.qtype in UNQUANTIZED:
             return None
-        if gguf_kernel.supported():
+        if self.block_kernel:
             if tensor.qtype not in gguf_kernel.QTYPES:
                 return None
             blocks = torch.from_numpy(tensor.data).reshape(embedding.shape[0], -1)
@@ -155,7 +156,7 @@ class GGUFConfig(QuantizationConfig):
         return float_weight_to_int(embedding.detach(), 4 if four_bit else 8)
 
     def describe(self) -> str:
-        how = "read by the block kernel" if gguf_kernel.supported() else "as int4 blocks"
+        how = "read by the block kernel" if self.block_kernel else "as int4 blocks"
         return f"gguf ({len(self.raw_names)} tensors {how})"
 
 
