@@ -216,6 +216,44 @@ def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
         torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 
+# decodes whose key counts straddle the kernel's 16-key chunks (0, 15, 16, 17, 33, 100 + 1)
+_CHUNK_EDGES = [(1, 0), (1, 14), (1, 15), (1, 16), (1, 32), (1, 100)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (9, 3), (16, 2), (10, 2)])
+def test_vector_kernel_head_sizes(head_dim, heads, kv_heads, decode_path):
+    """The kernel's AVX-512 path (head_dim 64 / 128 / 256; others run its scalar loop, which
+    the small cases above test) against the reference, float32: query heads a KV head of 1,
+    3, 8 and 5 (values accumulated a few heads at a time, with a remainder)."""
+    _check(_Case(list(_CHUNK_EDGES), heads, kv_heads, head_dim, 16, seed=head_dim + heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 5.0), (7, 2.0)])
+def test_vector_kernel_windows_soft_caps_and_caches(dtype, window, soft_cap, monkeypatch):
+    """head_dim 64 (the vector path) with sliding windows, soft-caps and every cache kind:
+    the kernel against the gather path on the same cache."""
+    if cpu_decode.kernel() is None:
+        pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
+    case = _Case([*_CHUNK_EDGES, (1, 57)], 12, 4, 64, 4, seed=11)
+    q, k, v, common = case.inputs()
+    q_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q, k, v = q.to(q_dtype), k.to(q_dtype), v.to(q_dtype)
+    outs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+        monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)
+        backend = TorchAttentionBackend(
+            12, 4, 64, 0.125, sliding_window=window, logits_soft_cap=soft_cap
+        )
+        metadata = TorchAttentionBackend.build_metadata(common)
+        outs.append(backend.forward(q, k, v, case.cache.to(dtype), metadata))
+    assert not outs[0].isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+
 def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, broken_compiler):
     """No C++ compiler on PATH, or one that fails: no kernel, and the backend still decodes."""
     monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", True)
@@ -227,14 +265,14 @@ def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, br
         cpu_decode.kernel.cache_clear()  # the next user builds (or finds) the real kernel
 
 
-def test_bf16_caches_gather_by_default(monkeypatch):
-    """The kernel reads float32 and fp8 caches in place; bf16 caches take the gather path
-    (SDPA's bf16 kernels were faster end to end), unless asked for."""
+def test_every_cache_kind_decodes_in_place(monkeypatch):
+    """The kernel reads float32, bf16 and fp8 caches in place (bf16 included since its
+    AVX-512 path beat SDPA end to end); `in_place_bf16 = False` sends bf16 to the gather path."""
     if cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
     backend = TorchAttentionBackend(4, 2, 8, 0.125)
     q32, q16 = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8, dtype=torch.bfloat16)
     assert backend._in_place(q32, torch.float32) and backend._in_place(q16, torch.float8_e4m3fn)
-    assert not backend._in_place(q16, torch.bfloat16)
-    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", True)
     assert backend._in_place(q16, torch.bfloat16)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", False)
+    assert not backend._in_place(q16, torch.bfloat16)

@@ -2,10 +2,9 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), wherever they sit in the flat batch. On the CPU, with a float32
-  or fp8 cache, they go, longest first, to a C++ kernel that reads the paged cache in place
-  (`cpu_decode`: no copy of the keys); with a bf16 cache (SDPA's bf16 kernels are faster
-  end to end), elsewhere, or without a compiler, they are sorted by length and cut into
+- decodes (query length 1), wherever they sit in the flat batch. On the CPU they go, longest
+  first, to a C++ kernel that reads the paged cache in place (`cpu_decode`: no copy of the
+  keys); elsewhere, or without a compiler, they are sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
   padding repeats the request's last slot (so a gather never reads a slot the request does
@@ -132,10 +131,9 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     decode_in_place = True  # False: CPU decodes take the gather path too (A/B benchmarks)
-    # bf16 caches gather for SDPA instead: its bf16 kernels beat ours end to end (workload W,
-    # 48 requests, bf16: 373 vs 283 tok/s interleaved in one run; float32 145 vs 148, and
-    # fp8 caches 3.8x faster in place: docs/benchmarks.md)
-    in_place_bf16 = False
+    # bf16 caches too: since the kernel's AVX-512 path, faster than gathering for SDPA's bf16
+    # kernels (workload W, bf16: 1.09x end to end, interleaved in one run; docs/benchmarks.md)
+    in_place_bf16 = True
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:

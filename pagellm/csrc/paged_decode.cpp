@@ -23,6 +23,9 @@
 // libgomp torch has loaded) with torch's thread count.
 
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -89,8 +92,9 @@ inline void axpy(float w, const float* x, float* y, int d) {
   for (int i = 0; i < d; ++i) y[i] += w * x[i];
 }
 
-// decode `i`'s query heads on KV head `h`; buf: the thread's scratch
-void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
+// decode `i`'s query heads on KV head `h`, one element at a time (any head_dim, any CPU);
+// buf: the thread's scratch
+void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
   const int d = p.head_dim;
   const int g = p.num_heads / p.num_kv_heads;  // query heads of this KV head
   const int64_t req = p.reqs[i], row = p.rows[i];
@@ -152,6 +156,198 @@ void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
       for (int e = 0; e < d; ++e) o[e] = to_bf16(a[e] * norm);
     }
   }
+}
+
+
+#if defined(__AVX512F__)
+// AVX-512: keys 16 at a time. K rows become float32 in a [16, d] tile, each query head
+// scores the tile (16 FMA chains, summed across lanes by one transpose), the exponentials
+// are computed 16 lanes at a time, and values are accumulated in float32. Same arithmetic
+// as attend_scalar up to the order of the sums; head_dim a multiple of 16.
+
+// 16 rows (keys) of up to 16 elements each -> lane t holds the sum of a[t]
+inline __m512 sum_rows16(const __m512* a) {
+  __m512 c[8], d[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: sums of pairs of rows 2i, 2i + 1
+    c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i .. 4i + 3, that lane's sum
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(d[2], d[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// e^x for x <= 0 (scores minus their max), within ~2 ulp of std::exp: x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by its Taylor series to r^7, times 2^n
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // below: 0 (as exp's underflow)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 elements of a row (float32, bfloat16 or fp8 through `table`) as float32
+inline __m512 load16(const char* src, int kind, const float* table) {
+  if (kind == F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(src));
+  if (kind == BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(b), table, 4);
+}
+
+// the weighted values of NB query heads j0 .. j0 + NB - 1, accumulated in registers
+template <int DV, int CK, int NB>
+void mix_values(const Problem& p, const int64_t* offs, int n, const float* weights, int n16,
+                __m512 (*acc)[DV]) {
+  __m512 a[NB][DV];
+  for (int jj = 0; jj < NB; ++jj)
+    for (int e = 0; e < DV; ++e) a[jj][e] = _mm512_setzero_ps();
+  const int v_bytes = 16 * int(elem_size(CK));
+  for (int t = 0; t < n; ++t) {
+    const char* v = p.v_cache + offs[t];
+    __m512 vr[DV];
+    for (int e = 0; e < DV; ++e) vr[e] = load16(v + e * v_bytes, CK, p.fp8_table);
+    for (int jj = 0; jj < NB; ++jj) {
+      const __m512 w = _mm512_set1_ps(weights[size_t(jj) * n16 + t]);
+      for (int e = 0; e < DV; ++e) a[jj][e] = _mm512_fmadd_ps(w, vr[e], a[jj][e]);
+    }
+  }
+  for (int jj = 0; jj < NB; ++jj)
+    for (int e = 0; e < DV; ++e) acc[jj][e] = a[jj][e];
+}
+
+// DV = head_dim / 16 vectors a row, CK the cache's element kind. Accumulators stay in
+// registers: 16 score chains a query head, and the values of up to 16 / DV query heads at a
+// time (more heads re-read the values, from cache).
+template <int DV, int CK>
+void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
+  constexpr int d = DV * 16;
+  constexpr int HB = DV >= 16 ? 1 : 16 / DV < 4 ? 16 / DV : 4;
+  const int g = p.num_heads / p.num_kv_heads;
+  const int64_t req = p.reqs[i], row = p.rows[i];
+  const int len = p.seq_lens[req];
+  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
+  const int n = len - first;
+  const int n16 = (n + 15) / 16 * 16;
+  const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
+  buf.resize(size_t(g) * (d + n16 + 1) + 16 * size_t(d) + 2 * size_t(n) + 2);
+  float* qf = buf.data();  // [g, d] queries times scale
+  float* tile = qf + size_t(g) * d;  // [16, d] K rows as float32
+  float* scores = tile + 16 * size_t(d);  // [g, n16], then the softmax weights
+  float* sums = scores + size_t(g) * n16;  // [g] of the weights
+  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
+  for (int j = 0; j < g; ++j) {
+    const int64_t off = (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * q_elem;
+    for (int e = 0; e < DV; ++e) {
+      const __m512 x = load16(p.q + off + e * 16 * q_elem, p.q_kind, nullptr);
+      _mm512_storeu_ps(qf + size_t(j) * d + e * 16, _mm512_mul_ps(x, _mm512_set1_ps(p.scale)));
+    }
+  }
+  {  // byte offset of key t's row in the K (and V) cache, walking the block table
+    const int32_t* table = p.block_table + req * p.bt_stride;
+    int b = first / p.block_size, slot = first % p.block_size;
+    for (int t = 0; t < n; ++t) {
+      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
+      if (++slot == p.block_size) slot = 0, ++b;
+    }
+  }
+  const int v_bytes = 16 * int(c_elem);  // of one vector's elements
+  for (int t0 = 0; t0 < n; t0 += 16) {  // scores, 16 keys at a time
+    const int m = std::min(16, n - t0);  // rows past m keep stale values: lanes discarded
+    for (int t = 0; t < m; ++t) {
+      const char* k = p.k_cache + offs[t0 + t];
+      for (int e = 0; e < DV; ++e) {
+        _mm512_storeu_ps(tile + t * d + e * 16, load16(k + e * v_bytes, CK, p.fp8_table));
+      }
+    }
+    for (int j = 0; j < g; ++j) {
+      __m512 a[16];
+      for (int t = 0; t < 16; ++t) a[t] = _mm512_setzero_ps();
+      for (int e = 0; e < DV; ++e) {
+        const __m512 qv = _mm512_loadu_ps(qf + size_t(j) * d + e * 16);
+        for (int t = 0; t < 16; ++t) {
+          a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(tile + t * d + e * 16), a[t]);
+        }
+      }
+      _mm512_storeu_ps(scores + size_t(j) * n16 + t0, sum_rows16(a));
+    }
+  }
+  for (int j = 0; j < g; ++j) {  // softmax weights (unnormalized), 16 at a time
+    float* s = scores + size_t(j) * n16;
+    if (p.soft_cap > 0.f) {
+      for (int t = 0; t < n; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
+    }
+    for (int t = n; t < n16; ++t) s[t] = -INFINITY;  // the last chunk's discarded lanes
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < n16; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    const __m512 max_s = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n16; t += 16) {
+      const __m512 w = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_s));  // 0 past n
+      _mm512_storeu_ps(s + t, w);
+      sum = _mm512_add_ps(sum, w);
+    }
+    sums[j] = _mm512_reduce_add_ps(sum);
+  }
+  for (int j0 = 0; j0 < g; j0 += HB) {  // values, weighted, HB query heads at a time
+    const int hb = std::min(HB, g - j0);
+    __m512 acc[HB][DV];
+    const float* w = scores + size_t(j0) * n16;
+    switch (hb) {
+      case 1: mix_values<DV, CK, 1>(p, offs, n, w, n16, acc); break;
+      case 2: if constexpr (HB >= 2) mix_values<DV, CK, 2>(p, offs, n, w, n16, acc); break;
+      case 3: if constexpr (HB >= 3) mix_values<DV, CK, 3>(p, offs, n, w, n16, acc); break;
+      default: if constexpr (HB >= 4) mix_values<DV, CK, 4>(p, offs, n, w, n16, acc);
+    }
+    for (int jj = 0; jj < hb; ++jj) {
+      const int j = j0 + jj;
+      const __m512 norm = _mm512_set1_ps(p.v_scale / sums[j]);
+      const int64_t off = row * p.o_stride_t + int64_t(h * g + j) * p.o_stride_h;
+      for (int e = 0; e < DV; ++e) {
+        const __m512 o = _mm512_mul_ps(acc[jj][e], norm);
+        if (p.q_kind == F32) {
+          _mm512_storeu_ps(reinterpret_cast<float*>(p.out) + off + e * 16, o);
+        } else {
+          alignas(64) float tmp[16];
+          _mm512_store_ps(tmp, o);
+          uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + off + e * 16;
+          for (int x = 0; x < 16; ++x) dst[x] = to_bf16(tmp[x]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
+#if defined(__AVX512F__)
+  // the usual head sizes; others take the scalar loop
+  const int dv = p.head_dim % 16 == 0 ? p.head_dim / 16 : 0;
+  auto by_kind = [&]<int DV>() {
+    if (p.c_kind == F32) return attend_avx512<DV, F32>(p, i, h, buf);
+    if (p.c_kind == BF16) return attend_avx512<DV, BF16>(p, i, h, buf);
+    return attend_avx512<DV, FP8>(p, i, h, buf);
+  };
+  if (dv == 4) return by_kind.template operator()<4>();
+  if (dv == 8) return by_kind.template operator()<8>();
+  if (dv == 16) return by_kind.template operator()<16>();
+#endif
+  attend_scalar(p, i, h, buf);
 }
 
 }  // namespace
