@@ -134,7 +134,11 @@ def test_fp8_weight_dispatch(block):
         x = _on_fp8_grid(rows, 256, seed=rows)
         got = weight(x.to(DEVICE), bias.to(DEVICE)).float().cpu()
         want = F.linear(x, dequantize_fp8(q, scale), bias)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        # exact products; Hopper's fp8 tensor cores (w8a8 rows) sum them with fewer bits
+        # than float32 (seen on an H200: up to 3.5e-4 of the largest output)
+        w8a8_on_cuda = rows > MAX_TRITON_ROWS and DEVICE == "cuda"
+        atol = (2e-3 if w8a8_on_cuda else 1e-4) * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
 
 
 @needs_triton
