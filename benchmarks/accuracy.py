@@ -6,11 +6,15 @@
     python benchmarks/accuracy.py --calculate-kv-scales             # scales from batch 1
     python benchmarks/accuracy.py --model qwen3-0.6b --load-format dummy --dtype bfloat16
                                                   # GPU, random weights, random prompt ids
+    python benchmarks/accuracy.py ... --quantization fp8 --kv-cache-dtype auto   # fp8 weights
+    python benchmarks/accuracy.py ... --quantization fp8                         # both
 
 The reference engine runs `--dtype` with `kv_cache_dtype="auto"`, the candidate the same
 with `--kv-cache-dtype` (scales 1.0, or with `--calculate-kv-scales` from the first batch:
-the prompts' prefill); both in this process, one after the other (embedded SmolLM2-135M by
-default: its real weights). Over PROMPTS (64 prompts, 32 greedy tokens each):
+the prompts' prefill) and `--quantization` (default none: the weights as the reference has
+them; dummy weights are drawn the same before fp8 quantizes them); both in this process,
+one after the other (embedded SmolLM2-135M by default: its real weights). Over PROMPTS
+(64 prompts, 32 greedy tokens each):
 
 - top1_agreement: teacher-forced greedy agreement. Along the reference's greedy
   continuation, the share of the 32 positions where the candidate's most likely next token
@@ -181,8 +185,10 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str, ref: dict | None) -> 
     from pagellm import LLM
 
     engine = dict(model=args.model, load_format=args.load_format, dtype=args.dtype)
+    engine["quantization"] = "none"  # the reference: the weights as they are
     if ref is not None:
         engine["calculate_kv_scales"] = args.calculate_kv_scales
+        engine["quantization"] = args.quantization
     with LLM(**engine, max_model_len=1024, kv_cache_dtype=kv_cache_dtype, seed=0) as llm:
         if args.load_format == "dummy":  # shipped configs have no tokenizer: random ids
             rng = random.Random(0)
@@ -207,6 +213,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--calculate-kv-scales", action="store_true")
+    p.add_argument("--quantization", default="none", help="the candidate's (fp8: weights)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
@@ -221,7 +228,7 @@ def main() -> None:
         "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF)",
         "dtype": args.dtype,
         "reference": "kv_cache_dtype=auto",
-        "candidate": f"kv_cache_dtype={args.kv_cache_dtype}"
+        "candidate": f"kv_cache_dtype={args.kv_cache_dtype}, quantization={args.quantization}"
         + (", calculate_kv_scales" if args.calculate_kv_scales else ""),
         "prompts": n,
         "tokens": args.max_tokens,
