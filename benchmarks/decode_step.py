@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import graph_median_ms  # noqa: E402
+from cuda_timing import graph_median_ms, layer_block_tables  # noqa: E402
 
 SHAPES = {"qwen": (16, 8, 28), "llama": (32, 8, 32)}  # heads, kv heads, layers
 HEAD_DIM, BLOCK_SIZE, BATCH = 128, 16, 256
@@ -64,13 +64,7 @@ def main() -> None:
     head_major = token_major.transpose(2, 3).contiguous().transpose(2, 3)  # same values
     kv_scale = torch.tensor([0.5, 0.25], device="cuda") if fp8 is not None else None
     elem = token_major.element_size()
-    tables = []
-    for layer in range(layers):
-        perm = torch.randperm(per_layer) + layer * per_layer
-        table = torch.zeros(BATCH, max(blocks), dtype=torch.int32)
-        for i, start in enumerate(itertools.accumulate([0, *blocks[:-1]])):
-            table[i, : blocks[i]] = perm[start : start + blocks[i]]
-        tables.append(table.cuda())
+    tables = layer_block_tables(blocks, layers)
     q = torch.randn(BATCH, heads, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qsl_cpu = torch.arange(BATCH + 1, dtype=torch.int32)

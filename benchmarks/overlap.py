@@ -28,7 +28,6 @@ in turns (A B C D, five times), medians:
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import random
 import statistics
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import graph_median_ms  # noqa: E402
+from cuda_timing import graph_median_ms, layer_block_tables  # noqa: E402
 
 # hidden, intermediate, heads, kv heads, head_dim, layers
 SHAPES = {"qwen": (1024, 3072, 16, 8, 128, 28), "llama": (4096, 14336, 32, 8, 128, 32)}
@@ -68,13 +67,7 @@ def main() -> None:
     blocks = [-(-n // BLOCK_SIZE) for n in lens]
     per_layer = sum(blocks)
     cache = rand(2, per_layer * layers, BLOCK_SIZE, kv_heads, head_dim)
-    tables = []
-    for layer in range(layers):
-        perm = torch.randperm(per_layer) + layer * per_layer
-        table = torch.zeros(batch, max(blocks), dtype=torch.int32)
-        for i, start in enumerate(itertools.accumulate([0, *blocks[:-1]])):
-            table[i, : blocks[i]] = perm[start : start + blocks[i]]
-        tables.append(table.to(dev))
+    tables = layer_block_tables(blocks, layers)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     weights = [
         (rand(q_size + 2 * kv_size, hidden), rand(hidden, q_size),
