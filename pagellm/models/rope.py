@@ -13,8 +13,15 @@ the model. The table has one row per position, `cos | sin` over the rotary dims 
 first `partial_rotary_factor * head_dim` dims of each head turn, the rest pass through).
 HF decides dynamic and longrope frequencies once per forward from its longest position; a
 paged engine decides per position (the row of position p is what HF uses for a token decoded
-at p). The two agree for every prompt up to the original length and every decoded token;
-a prompt longer than that is rotated per position, not all with its last position's table.
+at p with its cache). For dynamic NTK the two agree for every prompt up to the original
+length and every decoded token. For longrope they part where a sequence passes
+original_max_position_embeddings: HF's Phi-3 `generate` then drops its cache and recomputes
+the whole sequence with the long factors (and a longer prompt is rotated with them
+throughout), while the cached keys here keep the short factors they were written with: the
+same tokens as HF's forward with a cache, step by step (checked on the CPU in float32), not
+as its `generate` (vLLM, which picks the long table per batch, matches neither). Matching
+`generate` would take a recompute of the request at the crossing and prefix-cache keys that
+tell the two rotations apart; not built.
 """
 
 from __future__ import annotations
