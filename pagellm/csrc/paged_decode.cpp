@@ -14,8 +14,10 @@
 //
 // scale multiplies q.k (an fp8 cache: times k_scale), v_scale the output; window W > 0:
 // only the last W keys are read; soft_cap c > 0: scores become c * tanh(score / c).
-// Accumulation is float32 throughout. Items are taken longest first from a shared counter
-// (the caller passes rows sorted by length), so threads finish together.
+// Accumulation is float32 throughout; with AVX-512 (head_dim 64 / 128 / 256) the keys go 16
+// at a time through vector code, otherwise one at a time. Items are taken longest first
+// from a shared counter (the caller passes rows sorted by length), so threads finish
+// together.
 //
 // A plain C entry point for ctypes (pagellm/attention/cpu_decode.py checks shapes, dtypes
 // and strides): only ATen's thread pool is used from torch, so this compiles in about a
@@ -158,12 +160,12 @@ void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
   }
 }
 
-
 #if defined(__AVX512F__)
 // AVX-512: keys 16 at a time. K rows become float32 in a [16, d] tile, each query head
 // scores the tile (16 FMA chains, summed across lanes by one transpose), the exponentials
 // are computed 16 lanes at a time, and values are accumulated in float32. Same arithmetic
-// as attend_scalar up to the order of the sums; head_dim a multiple of 16.
+// as attend_scalar up to the order of the sums (and exp_ps's last bits); head_dim 64, 128
+// or 256 (`attend` picks the path).
 
 // 16 rows (keys) of up to 16 elements each -> lane t holds the sum of a[t]
 inline __m512 sum_rows16(const __m512* a) {
