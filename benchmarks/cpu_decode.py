@@ -51,7 +51,6 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> CommonA
 def time_step(backend, inputs, cache, common, layers: int, in_place: bool) -> float:
     """Seconds for `layers` forwards of one decode step on one path."""
     TorchAttentionBackend.decode_in_place = in_place
-    TorchAttentionBackend.in_place_bf16 = in_place  # (the engine's choice aside: both paths)
     metadata = TorchAttentionBackend.build_metadata(common)
     start = time.perf_counter()
     for _ in range(layers):

@@ -30,7 +30,6 @@ def decode_path(request, monkeypatch) -> str:
     if in_place and cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
     monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
-    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)  # bf16 cases too
     return request.param
 
 
@@ -206,7 +205,6 @@ def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
         outs = []
         for in_place in (True, False):
             monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
-            monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)
             cache = case.cache.to(dtype)  # the NaN poison stays NaN
             backend = TorchAttentionBackend(12, 4, 64, 0.125)
             metadata = TorchAttentionBackend.build_metadata(common)
@@ -243,7 +241,6 @@ def test_vector_kernel_windows_soft_caps_and_caches(dtype, window, soft_cap, mon
     outs = []
     for in_place in (True, False):
         monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
-        monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", in_place)
         backend = TorchAttentionBackend(
             12, 4, 64, 0.125, sliding_window=window, logits_soft_cap=soft_cap
         )
@@ -266,13 +263,12 @@ def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, br
 
 
 def test_every_cache_kind_decodes_in_place(monkeypatch):
-    """The kernel reads float32, bf16 and fp8 caches in place (bf16 included since its
-    AVX-512 path beat SDPA end to end); `in_place_bf16 = False` sends bf16 to the gather path."""
+    """CPU decodes of float32 and bf16 queries read the cache in place, whatever its kind
+    (float32, bf16 and fp8 alike); `decode_in_place = False` sends them to the gather path."""
     if cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
     backend = TorchAttentionBackend(4, 2, 8, 0.125)
     q32, q16 = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8, dtype=torch.bfloat16)
-    assert backend._in_place(q32, torch.float32) and backend._in_place(q16, torch.float8_e4m3fn)
-    assert backend._in_place(q16, torch.bfloat16)
-    monkeypatch.setattr(TorchAttentionBackend, "in_place_bf16", False)
-    assert not backend._in_place(q16, torch.bfloat16)
+    assert backend._in_place(q32) and backend._in_place(q16)
+    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", False)
+    assert not backend._in_place(q16)

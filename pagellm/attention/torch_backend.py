@@ -130,10 +130,10 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    decode_in_place = True  # False: CPU decodes take the gather path too (A/B benchmarks)
-    # bf16 caches too: since the kernel's AVX-512 path, faster than gathering for SDPA's bf16
-    # kernels (workload W, bf16: 1.09x end to end, interleaved in one run; docs/benchmarks.md)
-    in_place_bf16 = True
+    # False: CPU decodes take the gather path too (A/B benchmarks). Every cache kind reads in
+    # place: float32, fp8 and, since the kernel's AVX-512 path, bf16 (workload W, bf16: 1.09x
+    # end to end against gathering for SDPA, interleaved in one run; docs/benchmarks.md)
+    decode_in_place = True
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -158,7 +158,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         work = metadata.windowed(self.sliding_window)
-        if len(work.decode_reqs) and self._in_place(q, kv_cache.dtype):
+        if len(work.decode_reqs) and self._in_place(q):
             self._decode_in_place(q, kv_cache, metadata.common, work.decode_batch, scale, out)
         else:
             for group in work.decodes:
@@ -171,10 +171,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[:n] *= v_scale
         return out
 
-    def _in_place(self, q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
+    def _in_place(self, q: torch.Tensor) -> bool:
         supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-        if cache_dtype == torch.bfloat16 and not self.in_place_bf16:
-            return False
         return supported and self.decode_in_place and cpu_decode.kernel() is not None
 
     def _decode_in_place(self, q, kv_cache, common, batch: DecodeBatch, scale, out) -> None:

@@ -82,16 +82,15 @@ class Fp8Weight(QuantizedWeight):
         # x: [T, K] bf16 -> [T, N]
         if x.shape[0] <= MAX_TRITON_ROWS:
             return self.kernels.fp8_gemm(x, self.weight, self.scale, bias, out_dtype=x.dtype)
+        if not self.block and bias is not None and x.dtype == torch.float32:
+            return self(x) + bias  # CUDA's _scaled_mm adds no bias to a float32 output
         xq, x_scale = self.kernels.quantize_fp8(x, self.block)
         if self.block:
             return self.kernels.fp8_gemm(xq, self.weight, self.scale, bias, x_scale, x.dtype)
-        # CUDA's _scaled_mm adds no bias to a float32 output: added after it there
-        fused_bias = None if x.dtype == torch.float32 else bias
-        out = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale_row, bias=fused_bias,
+        return torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale_row, bias=bias,
             out_dtype=x.dtype,
         )  # fmt: skip
-        return out if bias is None or fused_bias is not None else out + bias
 
 
 class Fp8LinearMethod(LinearMethod):
