@@ -61,6 +61,8 @@ def build(name: str) -> Path:
     cmd = [compiler, *FLAGS, abi, f"-I{torch_dir / 'include'}", str(source)]
     cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib_dir}"]
     key = hashlib.sha256(source.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):  # the sources' shared headers
+        key.update(header.read_bytes())
     key.update(" ".join([*cmd, torch.__version__, *sorted(cpuinfo_flags())]).encode())
     out = Path(envs.cache_dir()) / "cpu_kernels" / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():

@@ -40,6 +40,20 @@ def cpu_prepack() -> bool:
     return _bool("PAGELLM_CPU_PREPACK", True)
 
 
+def cpu_bf16_fp32_gemm() -> bool | None:
+    """PAGELLM_CPU_BF16_FP32_GEMM=1 / 0: bfloat16 GEMMs of 8 or more rows on the CPU run in
+    float32 arithmetic (an MKL copy of the weight) / in oneDNN's bf16 kernels. Unset: float32
+    arithmetic where the CPU lacks AMX (`pagellm.models.linear.PackedWeight`)."""
+    value = os.environ.get("PAGELLM_CPU_BF16_FP32_GEMM")
+    return None if value is None else _bool("PAGELLM_CPU_BF16_FP32_GEMM", False)
+
+
+def cpu_fused_ops() -> bool:
+    """PAGELLM_CPU_FUSED_OPS=0: the decoder layers' RMSNorm, rotary and SiLU-and-mul stay torch
+    ops on the CPU instead of the C++ ones (`pagellm.kernels.cpu_fused`)."""
+    return _bool("PAGELLM_CPU_FUSED_OPS", True)
+
+
 def cpu_decode_kernel() -> bool:
     """PAGELLM_CPU_DECODE_KERNEL=0: CPU decodes gather their K/V and run SDPA instead of the
     C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""

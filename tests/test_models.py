@@ -19,7 +19,7 @@ from model_utils import (
 )
 from transformers import AutoModelForCausalLM
 
-from pagellm.models import get_model_cls
+from pagellm.models import get_model_cls, linear
 from pagellm.models.linear import PackedWeight, cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
@@ -161,10 +161,11 @@ def test_prepacked_cpu_weights_match_hf(variant, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_weight_any_batch_size(dtype):
+def test_packed_weight_any_batch_size(dtype, monkeypatch):
     """One packed copy (MKL for float32, oneDNN for bfloat16) serves every row count."""
     if not cpu_prepack_supported(torch.device("cpu"), dtype):
         pytest.skip("weight packing needs an x86 CPU")
+    monkeypatch.setattr(linear, "bf16_in_fp32_arithmetic", lambda: False)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 72, generator=gen).to(dtype)
     bias = torch.randn(300, generator=gen).to(dtype)
@@ -175,6 +176,48 @@ def test_packed_weight_any_batch_size(dtype):
         x = torch.randn(rows, 72, generator=gen).to(dtype)
         torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), **tol)
         torch.testing.assert_close(packed(x), F.linear(x, weight), **tol)
+
+
+@pytest.mark.parametrize("fp32_arithmetic", [False, True])
+def test_bf16_weight_in_fp32_arithmetic(fp32_arithmetic, monkeypatch):
+    """A bf16 weight on a CPU without AMX: oneDNN's bf16 GEMM below FP32_FROM_ROWS rows, from
+    there MKL on the weight widened to float32 (exact products, float32 sums, one rounding to
+    bf16 at the end); bf16 in, bf16 out either way."""
+    if not cpu_prepack_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("weight packing needs an x86 CPU")
+    if fp32_arithmetic and not linear.mkl_packing_is_batch_independent():
+        pytest.skip("float32 arithmetic needs MKL's packed sgemm")
+    monkeypatch.setattr(linear, "bf16_in_fp32_arithmetic", lambda: fp32_arithmetic)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 200, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16)
+    packed = PackedWeight(weight, batch_hint=64)
+    assert packed.onednn is not None and (packed.mkl is not None) == fp32_arithmetic
+    first = PackedWeight.FP32_FROM_ROWS
+    for rows in (1, first - 1, first, 65):
+        x = torch.randn(rows, 200, generator=gen).to(torch.bfloat16)
+        exact = F.linear(x.double(), weight.double(), bias.double())
+        got = packed(x, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+        if fp32_arithmetic and rows >= first:  # float32 sums: the bf16 rounding of the exact
+            torch.testing.assert_close(got, exact.to(torch.bfloat16), rtol=0, atol=0.07)
+            assert (got != exact.to(torch.bfloat16)).float().mean() < 0.02
+        else:
+            torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=0.15)
+
+
+def test_bf16_fp32_arithmetic_choice(monkeypatch):
+    """By default float32 arithmetic where the CPU has no AMX; the env knob overrides."""
+    choose = linear.bf16_in_fp32_arithmetic.__wrapped__
+    if not linear.mkl_packing_is_batch_independent():
+        pytest.skip("float32 arithmetic needs MKL's packed sgemm")
+    for units, expected in (("AMX", False), ("AVX512-BF16", True), (None, True)):
+        monkeypatch.setattr(linear, "cpu_bf16_units", lambda units=units: units)
+        monkeypatch.delenv("PAGELLM_CPU_BF16_FP32_GEMM", raising=False)
+        assert choose() is expected
+        for value, forced in (("0", False), ("1", True)):
+            monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", value)
+            assert choose() is forced
 
 
 def test_registry():

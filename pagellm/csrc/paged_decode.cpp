@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #endif
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -186,20 +188,7 @@ inline __m512 sum_rows16(const __m512* a) {
                        _mm512_shuffle_f32x4(f01, f23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// e^x for x <= 0 (scores minus their max), within ~2 ulp of std::exp: x = n ln2 + r,
-// |r| <= ln2 / 2, e^r by its Taylor series to r^7, times 2^n
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));  // below: 0 (as exp's underflow)
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
-}
+using pagellm::exp_ps;  // of the scores minus their max: x <= 0
 
 // 16 elements of a row (float32, bfloat16 or fp8 through `table`) as float32
 inline __m512 load16(const char* src, int kind, const float* table) {

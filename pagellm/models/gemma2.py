@@ -61,8 +61,9 @@ class GemmaRMSNorm(RMSNorm):
         return (normed * self.weight).to(x.dtype)
 
     def _fused(self, x: torch.Tensor):
-        """The kernel reads the float32 weight whatever the activations' dtype."""
-        fused = _fused_ops(x)
+        """The Triton kernel reads the float32 weight whatever the activations' dtype (the CPU
+        one wants the activations' dtype: torch ops there)."""
+        fused = _fused_ops(x) if x.is_cuda else None
         ok = fused is not None and x.stride(-1) == 1 and x.dim() in (2, 3)
         return fused if ok else None
 

@@ -9,8 +9,9 @@ heads or MLP columns are column-parallel, projections out of them row-parallel, 
 Models are built on the `meta` device; weights arrive through `load_weights` (see
 `pagellm/models/weights.py`), which assigns real tensors in place of the meta parameters.
 
-On CUDA, RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton kernel each
-(`pagellm/kernels/fused.py`); on the CPU they stay plain torch, the reference path.
+RMSNorm (+ residual add), rotary and SiLU-and-mul run as one Triton kernel each on CUDA
+(`pagellm/kernels/fused.py`) and as one C++ loop each on the CPU (`pagellm/kernels/cpu_fused.py`);
+the plain torch ops are the reference path (PAGELLM_CPU_FUSED_OPS=0, or no compiler).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.attention.kv_cache_dtype import first_batch_scales
+from pagellm.kernels import cpu_fused
 from pagellm.models.linear import (  # noqa: F401  (re-exported for the models)
     ColumnParallelLinear,
     FusedLinear,
@@ -53,8 +55,13 @@ def _fused_module():
 
 
 def _fused_ops(x: torch.Tensor):
-    """The fused Triton ops for a CUDA tensor; None on the CPU (the torch reference path)."""
-    return _fused_module() if x.is_cuda else None
+    """The fused ops for x's device: Triton's on CUDA, the C++ ones on the CPU (float32 and
+    bf16, where they could be built); None: the torch path."""
+    if x.is_cuda:
+        return _fused_module()
+    if cpu_fused.supports(x):
+        return cpu_fused
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -130,8 +137,9 @@ def qk_norm_rotary(
     num_heads: int,
     num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, H_kv, D]
-    """Qwen3's per-head RMSNorm of q and k, then rotary: one Triton kernel on CUDA."""
-    fused = _fused_ops(qkv)
+    """Qwen3's per-head RMSNorm of q and k, then rotary: one Triton kernel on CUDA (on the
+    CPU the norm's and the rotary's C++ ops, two calls each)."""
+    fused = _fused_ops(qkv) if qkv.is_cuda else None
     d = qkv.shape[-1]
     if (
         fused is not None

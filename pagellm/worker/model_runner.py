@@ -35,7 +35,12 @@ from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.models.layers import Attention
-from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
+from pagellm.models.linear import (
+    PackedWeight,
+    bf16_in_fp32_arithmetic,
+    cpu_prepack_supported,
+    heads_per_rank,
+)
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler
@@ -116,7 +121,7 @@ class ModelRunner:
         logger.info(
             "model %s loaded in %.1f s (%s, %s%s): %.2f GiB of weights", self.model_config.model,
             time.perf_counter() - start, self.model_config.dtype, self.attn_backend_cls.name,
-            _cpu_note(self.device), self.weight_bytes / (1 << 30),
+            _cpu_note(self.device, self.model_config.dtype), self.weight_bytes / (1 << 30),
         )  # fmt: skip
         # this rank's KV heads (all of them with one rank)
         _, self.num_kv_heads = heads_per_rank(
@@ -471,11 +476,16 @@ class ModelRunner:
         return to_device(idx.astype(np.int64), self.device)
 
 
-def _cpu_note(device: torch.device) -> str:
-    """What a CPU offers bf16 (dtype="auto" picks bf16 where it has AMX or AVX512-BF16)."""
+def _cpu_note(device: torch.device, dtype: torch.dtype) -> str:
+    """What a CPU offers bf16 (dtype="auto" picks bf16 where it has AMX or AVX512-BF16), and
+    whether bf16 GEMMs run in float32 arithmetic here (`PackedWeight`)."""
     if device.type != "cpu":
         return ""
-    return f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
+    note = f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
+    if dtype == torch.bfloat16 and cpu_prepack_supported(device, dtype):
+        if bf16_in_fp32_arithmetic():
+            note += f" (bf16 GEMMs of >= {PackedWeight.FP32_FROM_ROWS} rows in float32 arithmetic)"
+    return note
 
 
 def kv_sliding_window(model: torch.nn.Module) -> int | None:

@@ -1,0 +1,25 @@
+// Vector math shared by the CPU kernels of pagellm/csrc (AVX-512 only).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace pagellm {
+
+// e^x within ~2 ulp of std::exp: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
+// r^7, times 2^n; 0 below -103 (as exp underflows), inf above 89
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pagellm
+#endif
