@@ -4,9 +4,13 @@
 
     python benchmarks/cpu_gemm.py                       # M = 1, 2, 4, 8, 16; 1 thread
     python benchmarks/cpu_gemm.py --rows 1 --threads 2
+    python benchmarks/cpu_gemm.py --rows 1 4 8 16 48 128 --threads 2    # bf16: where float32
+                                                                        # arithmetic wins
 
 Formats: float32 through MKL's packed sgemm (today's unquantized path), bfloat16 through
-oneDNN's packed layout, int4 (groups of 32) and int8 (per row) through torch's weight-only CPU
+oneDNN's packed layout, bfloat16 in float32 arithmetic (the weight widened for MKL, the
+activations widened and the result rounded: the engine's bf16 path from 8 rows where the CPU
+has no AMX, `PackedWeight`), int4 (groups of 32) and int8 (per row) through torch's weight-only CPU
 kernels with bfloat16 activations, int4 with float32 activations (the kernel's scalar
 path: why the activations are cast), and GGUF Q4_1 / Q8_0 blocks through our block kernel
 (`pagellm/csrc/gguf_gemm.cpp`, float32 or bfloat16 activations, up to 8 rows). One thread
@@ -26,6 +30,7 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from pagellm.models import linear
 from pagellm.models.layers import PackedWeight
 from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
 from pagellm.quantization.gguf_kernel import MAX_ROWS, BlockPlanes, block_gemm
@@ -37,7 +42,8 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 def formats(n: int, k: int) -> dict:
     """name -> (fn(x), activation dtype) for one [n, k] weight."""
     w = torch.randn(n, k) * 0.02
-    fp32, bf16 = PackedWeight(w, 256), PackedWeight(w.bfloat16(), 256)
+    fp32, bf16 = PackedWeight(w, 256), packed_bf16(w.bfloat16(), fp32_arithmetic=False)
+    widened = PackedWeight(w.bfloat16().float(), 256)  # a bf16 weight in float32 arithmetic
     q4, scale, low = quantize_int4(w, 32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
     sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
@@ -52,10 +58,21 @@ def formats(n: int, k: int) -> dict:
         "q8_0_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q8_0]), torch.float32),
         "fp32_mkl": (fp32, torch.float32),
         "bf16_onednn": (bf16, torch.bfloat16),
+        "bf16_fp32_arith": (lambda x: widened(x.float()).to(torch.bfloat16), torch.bfloat16),
         "int4_bf16act": (lambda x: int4mm(x, packed, 32, sz_bf16), torch.bfloat16),
         "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, q8, s8), torch.bfloat16),
         "int4_fp32act": (lambda x: int4mm(x, packed, 32, sz), torch.float32),
     }
+
+
+def packed_bf16(w: torch.Tensor, fp32_arithmetic: bool) -> PackedWeight:
+    """A bf16 PackedWeight with the float32-arithmetic choice made, whatever this CPU's default."""
+    default = linear.bf16_in_fp32_arithmetic
+    linear.bf16_in_fp32_arithmetic = lambda: fp32_arithmetic
+    try:
+        return PackedWeight(w, 256)
+    finally:
+        linear.bf16_in_fp32_arithmetic = default
 
 
 def gguf_blocks(w: torch.Tensor, qtype) -> BlockPlanes:
