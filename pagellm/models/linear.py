@@ -14,10 +14,10 @@ rank every class is a plain `Linear`.
 On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`,
 `PackedWeight`: MKL's packed sgemm for float32, else oneDNN's blocked layout): a plain weight
 is re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes (see
-docs/benchmarks.md). The plain weight is then freed. Where the CPU has AVX512-BF16 but no AMX,
-a bfloat16 weight is also held in float32 for MKL: there the bf16 dot-product instruction does
-fewer flops a cycle than float32 FMA, so GEMMs of 8 or more rows run faster in float32
-arithmetic on the same (exactly widened) values.
+docs/benchmarks.md). The plain weight is then freed. Where the CPU has no AMX (AVX512-BF16
+only, or none), a bfloat16 weight is also held in float32 for MKL: there the bf16
+dot-product instruction does fewer flops a cycle than float32 FMA, so GEMMs of 8 or more rows
+run faster in float32 arithmetic on the same (exactly widened) values.
 """
 
 from __future__ import annotations

@@ -482,9 +482,9 @@ def _cpu_note(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cpu":
         return ""
     note = f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
-    if dtype == torch.bfloat16 and cpu_prepack_supported(device, dtype):
-        if bf16_in_fp32_arithmetic():
-            note += f" (bf16 GEMMs of >= {PackedWeight.FP32_FROM_ROWS} rows in float32 arithmetic)"
+    packed_bf16 = dtype == torch.bfloat16 and cpu_prepack_supported(device, dtype)
+    if packed_bf16 and bf16_in_fp32_arithmetic():
+        note += f" (bf16 GEMMs of >= {PackedWeight.FP32_FROM_ROWS} rows in float32 arithmetic)"
     return note
 
 
