@@ -7,14 +7,15 @@
     python benchmarks/cpu_gemm.py --rows 1 4 8 16 48 128 --threads 2    # bf16: where float32
                                                                         # arithmetic wins
 
-Formats: float32 through MKL's packed sgemm (today's unquantized path), bfloat16 through
-oneDNN's packed layout, bfloat16 in float32 arithmetic (the weight widened for MKL, the
-activations widened and the result rounded: the engine's bf16 path from 8 rows where the CPU
-has no AMX, `PackedWeight`), int4 (groups of 32) and int8 (per row) through torch's weight-only CPU
-kernels with bfloat16 activations, int4 with float32 activations (the kernel's scalar
-path: why the activations are cast), and GGUF Q4_1 / Q8_0 blocks through our block kernel
-(`pagellm/csrc/gguf_gemm.cpp`, float32 or bfloat16 activations, up to 8 rows). One thread
-by default: on a shared machine a second thread mostly measures the neighbours. Ends with
+Formats: float32 through MKL's packed sgemm and through oneDNN's (the engine times the two
+at start-up and keeps the faster: `pagellm/models/cpu_gemm.py`), bfloat16 through oneDNN's
+packed layout, bfloat16 in float32 arithmetic (the weight widened to float32, the
+activations widened and the result rounded: the engine's bf16 path from 8 or 32 rows where
+that start-up timing says it wins), int4 (groups of 32) and int8 (per row) through torch's
+weight-only CPU kernels with bfloat16 activations, int4 with float32 activations (the
+kernel's scalar path: why the activations are cast), and GGUF Q4_1 / Q8_0 blocks through our
+block kernel (`pagellm/csrc/gguf_gemm.cpp`, float32 or bfloat16 activations, up to 8 rows).
+One thread by default: on a shared machine a second thread mostly measures the neighbours. Ends with
 one JSON line (microseconds per GEMM).
 """
 
@@ -30,8 +31,7 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from pagellm.models import linear
-from pagellm.models.layers import PackedWeight
+from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
 from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
 from pagellm.quantization.gguf_kernel import MAX_ROWS, BlockPlanes, block_gemm
 
@@ -42,8 +42,11 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 def formats(n: int, k: int) -> dict:
     """name -> (fn(x), activation dtype) for one [n, k] weight."""
     w = torch.randn(n, k) * 0.02
-    fp32, bf16 = PackedWeight(w, 256), packed_bf16(w.bfloat16(), fp32_arithmetic=False)
-    widened = PackedWeight(w.bfloat16().float(), 256)  # a bf16 weight in float32 arithmetic
+    mkl, onednn = CpuGemmPlan("mkl"), CpuGemmPlan("onednn")
+    fp32_mkl, fp32_onednn = PackedWeight(w, 256, mkl), PackedWeight(w, 256, onednn)
+    bf16 = PackedWeight(w.bfloat16(), 256, mkl)
+    widened = {lib: PackedWeight(w.bfloat16(), 256, CpuGemmPlan(lib, bf16_fp32_from_rows=1))
+               for lib in ("mkl", "onednn")}  # fmt: skip
     q4, scale, low = quantize_int4(w, 32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4, 8)
     sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
@@ -56,23 +59,15 @@ def formats(n: int, k: int) -> dict:
         "q4_1_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.float32),
         "q4_1_blocks_bf16": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.bfloat16),
         "q8_0_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q8_0]), torch.float32),
-        "fp32_mkl": (fp32, torch.float32),
+        "fp32_mkl": (fp32_mkl, torch.float32),
+        "fp32_onednn": (fp32_onednn, torch.float32),
         "bf16_onednn": (bf16, torch.bfloat16),
-        "bf16_fp32_arith": (lambda x: widened(x.float()).to(torch.bfloat16), torch.bfloat16),
+        "bf16_fp32_arith_mkl": (widened["mkl"], torch.bfloat16),
+        "bf16_fp32_arith_onednn": (widened["onednn"], torch.bfloat16),
         "int4_bf16act": (lambda x: int4mm(x, packed, 32, sz_bf16), torch.bfloat16),
         "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, q8, s8), torch.bfloat16),
         "int4_fp32act": (lambda x: int4mm(x, packed, 32, sz), torch.float32),
     }
-
-
-def packed_bf16(w: torch.Tensor, fp32_arithmetic: bool) -> PackedWeight:
-    """A bf16 PackedWeight with the float32-arithmetic choice made, whatever this CPU's default."""
-    default = linear.bf16_in_fp32_arithmetic
-    linear.bf16_in_fp32_arithmetic = lambda: fp32_arithmetic
-    try:
-        return PackedWeight(w, 256)
-    finally:
-        linear.bf16_in_fp32_arithmetic = default
 
 
 def gguf_blocks(w: torch.Tensor, qtype) -> BlockPlanes:

@@ -42,10 +42,21 @@ def cpu_prepack() -> bool:
 
 def cpu_bf16_fp32_gemm() -> bool | None:
     """PAGELLM_CPU_BF16_FP32_GEMM=1 / 0: bfloat16 GEMMs of 8 or more rows on the CPU run in
-    float32 arithmetic (an MKL copy of the weight) / in oneDNN's bf16 kernels. Unset: float32
-    arithmetic where the CPU lacks AMX (`pagellm.models.linear.PackedWeight`)."""
+    float32 arithmetic (a float32 copy of the weight) / in oneDNN's bf16 kernels. Unset:
+    whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_BF16_FP32_GEMM")
     return None if value is None else _bool("PAGELLM_CPU_BF16_FP32_GEMM", False)
+
+
+def cpu_fp32_gemm() -> str | None:
+    """PAGELLM_CPU_FP32_GEMM=mkl | onednn: the library of float32 GEMMs on the CPU. Unset:
+    whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
+    value = os.environ.get("PAGELLM_CPU_FP32_GEMM", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("mkl", "onednn"):
+        raise ValueError(f"PAGELLM_CPU_FP32_GEMM must be mkl, onednn or auto, got {value!r}")
+    return value
 
 
 def cpu_fused_ops() -> bool:

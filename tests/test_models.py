@@ -19,8 +19,9 @@ from model_utils import (
 )
 from transformers import AutoModelForCausalLM
 
-from pagellm.models import get_model_cls, linear
-from pagellm.models.linear import PackedWeight, cpu_prepack_supported
+from pagellm.models import cpu_gemm, get_model_cls
+from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
+from pagellm.models.linear import cpu_prepack_supported
 from pagellm.models.llama import LlamaForCausalLM
 
 ATOL, RTOL = 2e-4, 1e-5  # fp32; the CPU decode kernel sums in another order than HF
@@ -160,17 +161,22 @@ def test_prepacked_cpu_weights_match_hf(variant, tmp_path, monkeypatch):
     assert not cpu_prepack_supported(torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_weight_any_batch_size(dtype, monkeypatch):
-    """One packed copy (MKL for float32, oneDNN for bfloat16) serves every row count."""
+def test_packed_weight_any_batch_size(dtype, library):
+    """One packed copy (MKL or oneDNN for float32, oneDNN for bfloat16) serves every row count."""
     if not cpu_prepack_supported(torch.device("cpu"), dtype):
         pytest.skip("weight packing needs an x86 CPU")
-    monkeypatch.setattr(linear, "bf16_in_fp32_arithmetic", lambda: False)
+    if library == "mkl" and not cpu_gemm.mkl_packing_is_batch_independent():
+        pytest.skip("MKL's packed sgemm is not usable here")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 72, generator=gen).to(dtype)
     bias = torch.randn(300, generator=gen).to(dtype)
-    packed = PackedWeight(weight, batch_hint=64)
-    assert (packed.mkl is not None) == (dtype == torch.float32)
+    packed = PackedWeight(weight, batch_hint=64, plan=CpuGemmPlan(library))
+    if dtype == torch.float32:
+        assert packed.onednn is None and packed.fp32.library == library
+    else:
+        assert packed.onednn is not None and packed.fp32 is None
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     for rows in (1, 2, 63, 64, 65, 700):
         x = torch.randn(rows, 72, generator=gen).to(dtype)
@@ -178,46 +184,80 @@ def test_packed_weight_any_batch_size(dtype, monkeypatch):
         torch.testing.assert_close(packed(x), F.linear(x, weight), **tol)
 
 
-@pytest.mark.parametrize("fp32_arithmetic", [False, True])
-def test_bf16_weight_in_fp32_arithmetic(fp32_arithmetic, monkeypatch):
-    """A bf16 weight on a CPU without AMX: oneDNN's bf16 GEMM below FP32_FROM_ROWS rows, from
-    there MKL on the weight widened to float32 (exact products, float32 sums, one rounding to
-    bf16 at the end); bf16 in, bf16 out either way."""
+@pytest.mark.parametrize("library", ["mkl", "onednn"])
+def test_bf16_weight_in_fp32_arithmetic(library):
+    """A bf16 weight whose plan says float32 arithmetic from some row count: oneDNN's bf16
+    GEMM below it, from there the weight widened to float32 (exact products, float32 sums,
+    one rounding to bf16 at the end); bf16 in, bf16 out either way."""
     if not cpu_prepack_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("weight packing needs an x86 CPU")
-    if fp32_arithmetic and not linear.mkl_packing_is_batch_independent():
-        pytest.skip("float32 arithmetic needs MKL's packed sgemm")
-    monkeypatch.setattr(linear, "bf16_in_fp32_arithmetic", lambda: fp32_arithmetic)
+    if library == "mkl" and not cpu_gemm.mkl_packing_is_batch_independent():
+        pytest.skip("MKL's packed sgemm is not usable here")
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 200, generator=gen).to(torch.bfloat16)
     bias = torch.randn(300, generator=gen).to(torch.bfloat16)
-    packed = PackedWeight(weight, batch_hint=64)
-    assert packed.onednn is not None and (packed.mkl is not None) == fp32_arithmetic
-    first = PackedWeight.FP32_FROM_ROWS
+    first = 8
+    packed = PackedWeight(weight, batch_hint=64, plan=CpuGemmPlan(library, first))
+    assert packed.onednn is not None and packed.fp32.library == library
     for rows in (1, first - 1, first, 65):
         x = torch.randn(rows, 200, generator=gen).to(torch.bfloat16)
         exact = F.linear(x.double(), weight.double(), bias.double())
         got = packed(x, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
-        if fp32_arithmetic and rows >= first:  # float32 sums: the bf16 rounding of the exact
+        if rows >= first:  # float32 sums: the bf16 rounding of the exact result, nearly always
             torch.testing.assert_close(got, exact.to(torch.bfloat16), rtol=0, atol=0.07)
             assert (got != exact.to(torch.bfloat16)).float().mean() < 0.02
         else:
             torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=0.15)
 
 
-def test_bf16_fp32_arithmetic_choice(monkeypatch):
-    """By default float32 arithmetic where the CPU has no AMX; the env knob overrides."""
-    choose = linear.bf16_in_fp32_arithmetic.__wrapped__
-    if not linear.mkl_packing_is_batch_independent():
-        pytest.skip("float32 arithmetic needs MKL's packed sgemm")
-    for units, expected in (("AMX", False), ("AVX512-BF16", True), (None, True)):
-        monkeypatch.setattr(linear, "cpu_bf16_units", lambda units=units: units)
-        monkeypatch.delenv("PAGELLM_CPU_BF16_FP32_GEMM", raising=False)
-        assert choose() is expected
-        for value, forced in (("0", False), ("1", True)):
-            monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", value)
-            assert choose() is forced
+# timings (us) of three machines of our pool, 2 cores each (docs/benchmarks.md)
+_AMX = {("mkl", 1): 40, ("onednn", 1): 45, ("mkl", 8): 60, ("onednn", 8): 66, ("mkl", 32): 300,
+        ("onednn", 32): 310, ("bf16", 8): 30, ("bf16_in_fp32", 8): 60, ("bf16", 32): 90,
+        ("bf16_in_fp32", 32): 300}  # fmt: skip
+_INTEL_NO_AMX = {**_AMX, ("bf16", 8): 294, ("bf16_in_fp32", 8): 242, ("bf16", 32): 1356,
+                 ("bf16_in_fp32", 32): 819}  # fmt: skip
+_AMD = {("mkl", 1): 417, ("onednn", 1): 154, ("mkl", 8): 1087, ("onednn", 8): 209,
+        ("mkl", 32): 2202, ("onednn", 32): 756, ("bf16", 8): 168, ("bf16_in_fp32", 8): 220,
+        ("bf16", 32): 352, ("bf16_in_fp32", 32): 754}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "times, library, from_rows",
+    [(_AMX, "mkl", None), (_INTEL_NO_AMX, "mkl", 8), (_AMD, "onednn", None),
+     ({**_INTEL_NO_AMX, ("bf16", 8): 250}, "mkl", 32),  # a tie at 8 rows: from 32
+     ({**_AMD, ("mkl", 32): 800, ("mkl", 8): 215, ("mkl", 1): 160}, "mkl", None)],  # a tie
+)  # fmt: skip
+def test_cpu_gemm_plan_from_timings(times, library, from_rows):
+    """The library that is clearly faster on the machine's timings; ties keep the default."""
+    plan = cpu_gemm.choose_plan(times, "mkl", bf16_fp32=None)
+    assert (plan.fp32_library, plan.bf16_fp32_from_rows) == (library, from_rows)
+    assert "timed" in plan.describe(torch.bfloat16)
+
+
+def test_cpu_gemm_plan_env(monkeypatch):
+    """The env knobs override the timing; the plan measured here names usable libraries."""
+    plan = cpu_gemm.cpu_gemm_plan.__wrapped__
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
+    monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "1")
+    assert plan() == CpuGemmPlan("onednn", cpu_gemm.FP32_FROM_ROWS, "set by PAGELLM_CPU_*_GEMM")
+    monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "0")
+    assert plan().bf16_fp32_from_rows is None
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "openblas")
+    with pytest.raises(ValueError, match="PAGELLM_CPU_FP32_GEMM"):
+        plan()
+    if not cpu_prepack_supported(torch.device("cpu"), torch.bfloat16):
+        return
+    monkeypatch.delenv("PAGELLM_CPU_FP32_GEMM")
+    monkeypatch.delenv("PAGELLM_CPU_BF16_FP32_GEMM")
+    measured = plan()
+    assert measured.fp32_library in cpu_gemm.FP32_LIBRARIES
+    assert measured.bf16_fp32_from_rows in (None, *cpu_gemm.BF16_ROWS)
+    weight = torch.randn(64, 32).bfloat16()
+    x = torch.randn(40, 32).bfloat16()
+    got = PackedWeight(weight, 16, measured)(x)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float()), rtol=2e-2,
+                               atol=5e-2)  # fmt: skip
 
 
 def test_registry():

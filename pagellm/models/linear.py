@@ -11,18 +11,13 @@ a checkpoint tensor it holds (`checkpoint_slice`) and the full shape it was cut 
 (`full_shape`, for random weights that are the same whatever the number of ranks). With one
 rank every class is a plain `Linear`.
 
-On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`,
-`PackedWeight`: MKL's packed sgemm for float32, else oneDNN's blocked layout): a plain weight
-is re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes (see
-docs/benchmarks.md). The plain weight is then freed. Where the CPU has no AMX (AVX512-BF16
-only, or none), a bfloat16 weight is also held in float32 for MKL: there the bf16
-dot-product instruction does fewer flops a cycle than float32 FMA, so GEMMs of 8 or more rows
-run faster in float32 arithmetic on the same (exactly widened) values.
+On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`) for the
+GEMM library that is fastest on this machine (`pagellm/models/cpu_gemm.py`: MKL or oneDNN,
+bf16 or float32 arithmetic, timed at start-up); the plain weight is then freed.
 """
 
 from __future__ import annotations
 
-import functools
 import platform
 
 import torch
@@ -31,9 +26,9 @@ from torch import nn
 
 from pagellm import envs
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
+from pagellm.models.cpu_gemm import PackedWeight
 from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
 from pagellm.quantization.base import LinearMethod, QuantizedWeight
-from pagellm.utils import cpu_bf16_units
 
 
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -45,90 +40,6 @@ def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and envs.cpu_prepack()
     )
-
-
-class PackedWeight:
-    """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
-    `F.linear(x, weight, bias)`.
-
-    float32 goes to MKL's packed sgemm (`cblas_sgemm_pack` / `_compute`, reached through
-    `torch.ops.mkl`), 8-14% faster than oneDNN at decode batch sizes and no slower on
-    prefill chunks; other dtypes, or a build without MKL, use oneDNN's blocked layout.
-    `batch_hint` is the typical number of rows the weight will multiply.
-
-    A bfloat16 weight on a CPU without AMX (`bf16_in_fp32_arithmetic`) is held both ways:
-    oneDNN's bf16 layout for GEMMs of fewer than `FP32_FROM_ROWS` rows, which stream the
-    weight (half the bytes of float32), and MKL's float32 one for larger ones, which are
-    bound by arithmetic: the activations are widened, the products of bf16 values are exact
-    in float32, the sums float32 as in oneDNN's bf16 kernel, the result rounded to bf16.
-    (On one such machine, 2 cores, 48 rows x 576 x 3072: 1.36 ms in oneDNN bf16, 0.82 ms
-    this way; 1 row: 0.16 vs 0.20 ms; docs/benchmarks.md.) That costs float32 memory for
-    the weight on top of bf16's.
-    """
-
-    FP32_FROM_ROWS = 8  # where float32 arithmetic starts to win (measured, 1..512 rows)
-
-    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
-        weight = weight.detach()
-        self.mkl: torch.Tensor | None = None
-        self.onednn: torch.Tensor | None = None
-        if weight.dtype == torch.bfloat16 and bf16_in_fp32_arithmetic():
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            weight = weight.float()
-        if weight.dtype == torch.float32 and mkl_packing_is_batch_independent():
-            self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint)
-            # the op reads only sizes and dtype from this: a zero-stride stand-in, no memory
-            self.sizes = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
-        elif self.onednn is None:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        rows = x.numel() // x.shape[-1]
-        if self.onednn is not None and (self.mkl is None or rows < self.FP32_FROM_ROWS):
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
-        if x.dtype != torch.float32:  # a bf16 weight held in float32 (see the class doc)
-            bias = None if bias is None else bias.float()
-            return self._mkl(x.float(), bias, rows).to(x.dtype)
-        return self._mkl(x, bias, rows)
-
-    def _mkl(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-        # told that the batch is the packed one, the op always takes the packed path
-        return torch.ops.mkl._mkl_linear(x, self.mkl, self.sizes, bias, rows)
-
-
-@functools.cache
-def bf16_in_fp32_arithmetic() -> bool:
-    """Whether bfloat16 GEMMs of `PackedWeight.FP32_FROM_ROWS` rows or more run in float32
-    arithmetic here: by default where the CPU's bf16 units are AVX512-BF16 without AMX
-    (PAGELLM_CPU_BF16_FP32_GEMM overrides), and only with MKL's batch-independent packing."""
-    choice = envs.cpu_bf16_fp32_gemm()
-    if choice is None:
-        choice = cpu_bf16_units() != "AMX"
-    return choice and mkl_packing_is_batch_independent()
-
-
-@functools.cache
-def mkl_packing_is_batch_independent() -> bool:
-    """Whether MKL's packed weights serve any batch size here (checked once per process).
-
-    MKL packs a weight for a given row count, but its packed layout does not depend on it:
-    one packed copy serves every batch. That is observed, not documented, so it is checked
-    against F.linear on a few shapes and batch sizes; if it ever fails, oneDNN is used.
-    """
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
-        return False
-    gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((96, 64), (200, 72)):
-        weight = torch.randn(out_features, in_features, generator=gen)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 16)
-        sizes = torch.zeros(()).expand(weight.shape)
-        for rows in (1, 3, 16, 77):
-            x = torch.randn(rows, in_features, generator=gen)
-            got = torch.ops.mkl._mkl_linear(x, packed, sizes, None, rows)
-            if not torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-4):
-                return False
-    return True
 
 
 class Linear(nn.Linear):

@@ -34,13 +34,9 @@ from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
+from pagellm.models.cpu_gemm import cpu_gemm_plan
 from pagellm.models.layers import Attention
-from pagellm.models.linear import (
-    PackedWeight,
-    bf16_in_fp32_arithmetic,
-    cpu_prepack_supported,
-    heads_per_rank,
-)
+from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler
@@ -478,13 +474,12 @@ class ModelRunner:
 
 def _cpu_note(device: torch.device, dtype: torch.dtype) -> str:
     """What a CPU offers bf16 (dtype="auto" picks bf16 where it has AMX or AVX512-BF16), and
-    whether bf16 GEMMs run in float32 arithmetic here (`PackedWeight`)."""
+    which library runs the GEMMs here (`cpu_gemm_plan`)."""
     if device.type != "cpu":
         return ""
     note = f"; CPU bf16 units: {cpu_bf16_units() or 'none'}"
-    packed_bf16 = dtype == torch.bfloat16 and cpu_prepack_supported(device, dtype)
-    if packed_bf16 and bf16_in_fp32_arithmetic():
-        note += f" (bf16 GEMMs of >= {PackedWeight.FP32_FROM_ROWS} rows in float32 arithmetic)"
+    if cpu_prepack_supported(device, dtype):
+        note += f"; {cpu_gemm_plan().describe(dtype)}"
     return note
 
 

@@ -1,0 +1,229 @@
+"""CPU GEMMs: each Linear weight packed once for the library that runs it fastest here.
+
+Which library is fastest differs between x86 machines by up to 4x, and the CPU's flags do
+not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
+
+    Intel with AMX               float32: MKL            bf16: oneDNN (AMX tiles)
+    Intel, AVX512-BF16, no AMX   float32: MKL            bf16: oneDNN below 8 rows, then
+                                                         float32 arithmetic (1.2-1.7x)
+    AMD EPYC, AVX512-BF16        float32: oneDNN (MKL    bf16: oneDNN (3-6x the float32
+                                 is 2-4x slower)         arithmetic)
+
+So `cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
+and `PackedWeight` holds each weight in the layouts the plan names. A plain weight would be
+re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagellm import envs
+
+FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN"}  # name -> how the log writes it
+
+
+@dataclass(frozen=True)
+class CpuGemmPlan:
+    """Which library runs the CPU GEMMs.
+
+    fp32_library: "mkl" (its packed sgemm) or "onednn", for float32 weights and for bf16
+        weights held in float32 (below).
+    bf16_fp32_from_rows: bf16 GEMMs of this many rows or more run in float32 arithmetic on
+        the weight widened to float32 (exact products, float32 sums as in oneDNN's bf16
+        kernel, one rounding to bf16); fewer rows stay in oneDNN's bf16 kernel, which
+        streams half the bytes. None: always oneDNN bf16.
+    note: how it was chosen, for the start-up log.
+    """
+
+    fp32_library: str = "mkl"
+    bf16_fp32_from_rows: int | None = None
+    note: str = ""
+
+    def describe(self, dtype: torch.dtype) -> str:
+        library = FP32_LIBRARIES[self.fp32_library]
+        if dtype != torch.bfloat16:
+            what = f"float32 GEMMs in {library}"
+        elif self.bf16_fp32_from_rows is None:
+            what = "bf16 GEMMs in oneDNN"
+        else:
+            rows = self.bf16_fp32_from_rows
+            what = f"bf16 GEMMs of >= {rows} rows in float32 arithmetic ({library}), fewer oneDNN"
+        return f"{what} ({self.note})" if self.note else what
+
+
+class PackedWeight:
+    """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
+    `F.linear(x, weight, bias)`. `batch_hint` is the typical number of rows it multiplies.
+
+    float32: one copy for the plan's float32 library. bfloat16: oneDNN's bf16 layout, and,
+    where the plan says float32 arithmetic pays from some row count, also a float32 copy
+    (then the weight takes 3x its bf16 memory).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, batch_hint: int, plan: CpuGemmPlan | None = None
+    ) -> None:
+        plan = plan or cpu_gemm_plan()
+        weight = weight.detach()
+        self.onednn: torch.Tensor | None = None  # oneDNN's layout in the weight's own dtype
+        self.fp32: Fp32Gemm | None = None  # float32 arithmetic, from `fp32_from_rows` rows
+        self.fp32_from_rows = 0
+        if weight.dtype == torch.float32:
+            self.fp32 = Fp32Gemm(weight, plan.fp32_library, batch_hint)
+            return
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        if weight.dtype == torch.bfloat16 and plan.bf16_fp32_from_rows is not None:
+            self.fp32 = Fp32Gemm(weight.float(), plan.fp32_library, batch_hint)
+            self.fp32_from_rows = plan.bf16_fp32_from_rows
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        rows = x.numel() // x.shape[-1]
+        if self.fp32 is None or rows < self.fp32_from_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        if x.dtype != torch.float32:  # a bf16 weight held in float32 too (see the class doc)
+            bias = None if bias is None else bias.float()
+            return self.fp32(x.float(), bias, rows).to(x.dtype)
+        return self.fp32(x, bias, rows)
+
+
+class Fp32Gemm:
+    """A float32 weight packed for MKL's sgemm or oneDNN; `gemm(x, bias, rows)`."""
+
+    def __init__(self, weight: torch.Tensor, library: str, batch_hint: int) -> None:
+        self.library = library
+        if library == "mkl":
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint)
+            # the op reads only sizes and dtype from this: a zero-stride stand-in, no memory
+            self.sizes = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if self.library == "mkl":
+            # told that the batch is the packed one, the op always takes the packed path
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.sizes, bias, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+# -- choosing the plan ------------------------------------------------------------------------
+
+CALIBRATION_SHAPE = (2048, 1024)  # [out, in]: an MLP projection of a small model
+FP32_ROWS = (1, 8, 32)  # decode batch sizes: the library that wins over these
+BF16_ROWS = (8, 32)  # the row counts from which float32 arithmetic may start
+FP32_FROM_ROWS = BF16_ROWS[0]  # where PAGELLM_CPU_BF16_FP32_GEMM=1 starts float32 arithmetic
+MARGIN = 1.15  # leave the default only for a clear win (noise must not flip the choice)
+
+
+@functools.cache
+def cpu_gemm_plan() -> CpuGemmPlan:
+    """The plan for this process: PAGELLM_CPU_FP32_GEMM / PAGELLM_CPU_BF16_FP32_GEMM where
+    set, the rest timed here once (~50 ms)."""
+    library = envs.cpu_fp32_gemm()
+    bf16_fp32 = envs.cpu_bf16_fp32_gemm()
+    mkl_ok = mkl_packing_is_batch_independent()
+    if library == "mkl" and not mkl_ok:
+        library = "onednn"
+    times = time_candidates(
+        fp32=library is None and mkl_ok, bf16=bf16_fp32 is None, library=library
+    )
+    return choose_plan(times, library or ("mkl" if mkl_ok else "onednn"), bf16_fp32)
+
+
+def choose_plan(
+    times: dict[tuple[str, int], float], library: str, bf16_fp32: bool | None
+) -> CpuGemmPlan:
+    """The plan from `time_candidates`' timings (us; keys (candidate, rows)). `library` is the
+    float32 library when the timings have no ("onednn", rows) entries; `bf16_fp32` forces
+    float32 arithmetic for bf16 (from FP32_FROM_ROWS rows) or forbids it; None: timed."""
+    notes = []
+    if ("onednn", FP32_ROWS[0]) in times:  # MKL against oneDNN on float32
+        ratio = _geomean([times["mkl", r] / times["onednn", r] for r in FP32_ROWS])
+        library = "onednn" if ratio > MARGIN else "mkl"
+        notes.append(f"float32: MKL {ratio:.2f}x oneDNN's time")
+    from_rows = FP32_FROM_ROWS if bf16_fp32 else None
+    if bf16_fp32 is None:
+        wins = [times["bf16", r] > MARGIN * times["bf16_in_fp32", r] for r in BF16_ROWS]
+        for i, rows in enumerate(BF16_ROWS):  # the first row count from which it always wins
+            if all(wins[i:]):
+                from_rows = rows
+                break
+        ratio = times["bf16", BF16_ROWS[-1]] / times["bf16_in_fp32", BF16_ROWS[-1]]
+        notes.append(f"bf16 at {BF16_ROWS[-1]} rows: oneDNN bf16 {ratio:.2f}x float32's time")
+    note = "timed at start-up: " + "; ".join(notes) if notes else "set by PAGELLM_CPU_*_GEMM"
+    return CpuGemmPlan(library, from_rows, note)
+
+
+def time_candidates(fp32: bool, bf16: bool, library: str | None) -> dict[tuple[str, int], float]:
+    """Microseconds per GEMM on CALIBRATION_SHAPE: ("mkl" | "onednn", rows) for float32 when
+    `fp32`; ("bf16", rows) for oneDNN's bf16 kernel and ("bf16_in_fp32", rows) for the same
+    weight in float32 arithmetic (through `library`, or the float32 winner) when `bf16`."""
+    times: dict[tuple[str, int], float] = {}
+    if not (fp32 or bf16):
+        return times
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(*CALIBRATION_SHAPE, generator=gen) * 0.02
+    xs = {r: torch.randn(r, CALIBRATION_SHAPE[1], generator=gen) for r in (*FP32_ROWS, *BF16_ROWS)}
+    if fp32:
+        for lib in FP32_LIBRARIES:
+            gemm = Fp32Gemm(weight, lib, 32)
+            for r in FP32_ROWS:
+                times[lib, r] = _best_us(gemm, xs[r], None, r)
+        library = choose_plan(times, "mkl", False).fp32_library
+    if bf16:
+        library = library or "onednn"
+        plain = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library))
+        wide = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library, bf16_fp32_from_rows=1))
+        for r in BF16_ROWS:
+            x = xs[r].bfloat16()
+            times["bf16", r] = _best_us(plain, x)
+            times["bf16_in_fp32", r] = _best_us(wide, x)
+    return times
+
+
+def _best_us(fn, *args, warmup: int = 2, reps: int = 5) -> float:
+    """The fastest of `reps` calls `fn(*args)` (the least disturbed by other work), in us."""
+    for _ in range(warmup):
+        fn(*args)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+def _geomean(values: list[float]) -> float:
+    product = 1.0
+    for v in values:
+        product *= v
+    return product ** (1 / len(values))
+
+
+@functools.cache
+def mkl_packing_is_batch_independent() -> bool:
+    """Whether MKL's packed weights serve any batch size here (checked once per process).
+
+    MKL packs a weight for a given row count, but its packed layout does not depend on it:
+    one packed copy serves every batch. That is observed, not documented, so it is checked
+    against F.linear on a few shapes and batch sizes; if it ever fails, oneDNN is used.
+    """
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((96, 64), (200, 72)):
+        weight = torch.randn(out_features, in_features, generator=gen)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 16)
+        sizes = torch.zeros(()).expand(weight.shape)
+        for rows in (1, 3, 16, 77):
+            x = torch.randn(rows, in_features, generator=gen)
+            got = torch.ops.mkl._mkl_linear(x, packed, sizes, None, rows)
+            if not torch.allclose(got, F.linear(x, weight), rtol=1e-5, atol=1e-4):
+                return False
+    return True
