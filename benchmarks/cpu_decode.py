@@ -50,7 +50,7 @@ def decode_step(batch: int, context: int, block_size: int, seed: int) -> CommonA
 
 def time_step(backend, inputs, cache, common, layers: int, in_place: bool) -> float:
     """Seconds for `layers` forwards of one decode step on one path."""
-    TorchAttentionBackend.decode_in_place = in_place
+    TorchAttentionBackend.in_place = in_place
     metadata = TorchAttentionBackend.build_metadata(common)
     start = time.perf_counter()
     for _ in range(layers):

@@ -66,7 +66,7 @@ def cpu_fused_ops() -> bool:
 
 
 def cpu_decode_kernel() -> bool:
-    """PAGELLM_CPU_DECODE_KERNEL=0: CPU decodes gather their K/V and run SDPA instead of the
+    """PAGELLM_CPU_DECODE_KERNEL=0: CPU attention gathers its K/V and runs SDPA instead of the
     C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""
     return _bool("PAGELLM_CPU_DECODE_KERNEL", True)
 

@@ -60,7 +60,10 @@ def test_logits_match_hf_through_the_paged_cache(family):
     results = run_paged(ours, prompts, num_decode_steps=4, chunk_size=7, stagger=True, shuffle=True)
     for tokens, logits in results:
         expected = hf_logits(hf, tokens)
-        torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-5)
+        # logits up to ~17; float32 noise: on Mixtral's 30-token prompt 1.9e-4 from HF with
+        # SDPA's prefill (HF's own kernel), 2.9e-4 with the CPU paged kernel, which is the
+        # closer of the two to float64 attention (random prefills: 1.2e-6 vs 3e-6 off)
+        torch.testing.assert_close(logits, expected, atol=4e-4, rtol=1e-5)
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 

@@ -29,7 +29,7 @@ def decode_path(request, monkeypatch) -> str:
     in_place = request.param == "in_place"
     if in_place and cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
-    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place", in_place)
     return request.param
 
 
@@ -189,7 +189,7 @@ def test_decodes_in_groups(monkeypatch):
     """Decodes attended a few requests at a time (a small group budget) give the same output."""
     from pagellm.attention import torch_backend
 
-    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", False)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place", False)
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_TOKENS", 50)
     _check(_Case([(1, 7), (3, 0), (1, 30), (1, 39), (1, 0), (1, 12)], 4, 2, 8, 4, seed=9))
 
@@ -204,7 +204,7 @@ def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
         q, k, v, common = case.inputs()
         outs = []
         for in_place in (True, False):
-            monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+            monkeypatch.setattr(TorchAttentionBackend, "in_place", in_place)
             cache = case.cache.to(dtype)  # the NaN poison stays NaN
             backend = TorchAttentionBackend(12, 4, 64, 0.125)
             metadata = TorchAttentionBackend.build_metadata(common)
@@ -230,19 +230,33 @@ def test_vector_kernel_head_sizes(head_dim, heads, kv_heads, decode_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 5.0), (7, 2.0)])
 def test_vector_kernel_windows_soft_caps_and_caches(dtype, window, soft_cap, monkeypatch):
-    """head_dim 64 (the vector path) with sliding windows, soft-caps and every cache kind:
-    the kernel against the gather path on the same cache."""
+    """head_dim 64 (the vector path) with sliding windows, soft-caps and every cache kind,
+    decodes and prefill rows (with and without context): the kernel against the gather path
+    on the same cache."""
+    _kernel_against_gather(dtype, 64, [*_CHUNK_EDGES, (1, 57), (19, 0), (9, 24)], window,
+                           soft_cap, monkeypatch)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_vector_kernel_bf16_head_sizes(head_dim, monkeypatch):
+    """bf16 queries on a bf16 cache (vdpbf16ps where the CPU has AVX512-BF16: keys and values
+    two at a time, odd counts included) at every vector head size."""
+    _kernel_against_gather(torch.bfloat16, head_dim, [*_CHUNK_EDGES, (18, 0), (7, 16)], None,
+                           None, monkeypatch)  # fmt: skip
+
+
+def _kernel_against_gather(dtype, head_dim, reqs, window, soft_cap, monkeypatch) -> None:
     if cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
-    case = _Case([*_CHUNK_EDGES, (1, 57)], 12, 4, 64, 4, seed=11)
+    case = _Case(reqs, 12, 4, head_dim, 4, seed=11)
     q, k, v, common = case.inputs()
     q_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     q, k, v = q.to(q_dtype), k.to(q_dtype), v.to(q_dtype)
     outs = []
     for in_place in (True, False):
-        monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", in_place)
+        monkeypatch.setattr(TorchAttentionBackend, "in_place", in_place)
         backend = TorchAttentionBackend(
-            12, 4, 64, 0.125, sliding_window=window, logits_soft_cap=soft_cap
+            12, 4, head_dim, head_dim**-0.5, sliding_window=window, logits_soft_cap=soft_cap
         )
         metadata = TorchAttentionBackend.build_metadata(common)
         outs.append(backend.forward(q, k, v, case.cache.to(dtype), metadata))
@@ -253,7 +267,7 @@ def test_vector_kernel_windows_soft_caps_and_caches(dtype, window, soft_cap, mon
 
 def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, broken_compiler):
     """No C++ compiler on PATH, or one that fails: no kernel, and the backend still decodes."""
-    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", True)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place", True)
     cpu_decode.kernel.cache_clear()
     try:
         assert cpu_decode.kernel() is None
@@ -263,12 +277,12 @@ def test_without_a_working_compiler_decodes_take_the_gather_path(monkeypatch, br
 
 
 def test_every_cache_kind_decodes_in_place(monkeypatch):
-    """CPU decodes of float32 and bf16 queries read the cache in place, whatever its kind
-    (float32, bf16 and fp8 alike); `decode_in_place = False` sends them to the gather path."""
+    """CPU attention of float32 and bf16 queries reads the cache in place, whatever its kind
+    (float32, bf16 and fp8 alike); `in_place = False` sends it to the gather path."""
     if cpu_decode.kernel() is None:
         pytest.skip("no C++ compiler here: the in-place decode kernel was not built")
     backend = TorchAttentionBackend(4, 2, 8, 0.125)
     q32, q16 = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8, dtype=torch.bfloat16)
     assert backend._in_place(q32) and backend._in_place(q16)
-    monkeypatch.setattr(TorchAttentionBackend, "decode_in_place", False)
+    monkeypatch.setattr(TorchAttentionBackend, "in_place", False)
     assert not backend._in_place(q16)

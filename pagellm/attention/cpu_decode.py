@@ -1,16 +1,20 @@
-"""CPU decode attention that reads the paged KV cache in place (`pagellm/csrc/paged_decode.cpp`).
+"""CPU attention that reads the paged KV cache in place (`pagellm/csrc/paged_decode.cpp`).
 
-The torch backend's other decode path gathers every cached K/V row of a step's decodes into
-a contiguous copy, then runs SDPA: the copy is written and read again, every layer, every
-step. This kernel walks each request's block table and reads each key and value row once,
-for every query head of its KV head (GQA), in float32 from float32, bfloat16 or fp8 caches,
-with the sliding window and soft-cap of the layer.
+Made for decodes, it takes any query row that attends to a prefix of its request's keys:
+each decode, and each row of a prefill chunk (causal: the row at position t attends t + 1
+keys, this step's written to the cache first), so one call per layer serves the whole
+step. The torch backend's other path gathers every cached K/V row of a step's decodes into
+a contiguous copy, then runs SDPA, and one SDPA call per prefill chunk: the copy is written
+and read again, every layer, every step. This kernel walks each request's block table and
+reads each key and value row once per query row, for every query head of its KV head
+(GQA), in float32 from float32, bfloat16 or fp8 caches, with the sliding window and
+soft-cap of the layer.
 
 torch ships no paged CPU attention (its flash kernel wants contiguous K/V; flex attention
 needs Inductor's compiler at run time), so the kernel is ours: one C++ file that includes
 only ATen's thread pool, compiled on first use (`pagellm.cpp_build`) and called through
 ctypes. No compiler, a failed build or PAGELLM_CPU_DECODE_KERNEL=0: `kernel()` is None and
-decodes take the gather path.
+attention takes the gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def kernel():
     args = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     args += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float]
     return cpp_build.entry_point(
-        "paged_decode", "pagellm_paged_decode", args, None, "decodes gather their K/V"
+        "paged_decode", "pagellm_paged_decode", args, None, "attention gathers its K/V for SDPA"
     )
 
 
@@ -45,25 +49,25 @@ def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
-def paged_decode_attention(
+def paged_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim] float32 / bfloat16, rows written
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], q's dtype
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # the same shape, strides and dtype
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32
-    rows: torch.Tensor,  # [n] int64 the decodes' rows of q / out, longest first
+    rows: torch.Tensor,  # [n] int64 rows of q / out, most keys first
     reqs: torch.Tensor,  # [n] int64 their requests
+    lens: torch.Tensor,  # [n] int32 the keys each attends: its request's positions < lens[i]
     scale: float,  # on q.k (fp8: times k_scale)
     v_scale: float = 1.0,
     window: int | None = None,
     soft_cap: float | None = None,
 ) -> None:
-    """Attention of each decode row of q over its request's paged keys, into `out`."""
-    decode = kernel()
-    if decode is None:
-        raise RuntimeError("the CPU decode kernel is not available")
-    _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs)
+    """Attention of rows of q over their requests' paged keys, into the same rows of `out`."""
+    attend = kernel()
+    if attend is None:
+        raise RuntimeError("the CPU paged attention kernel is not available")
+    _check(out, q, key_cache, value_cache, block_table, rows, reqs, lens)
     fp8 = is_fp8(key_cache.dtype)
     table = _fp8_table(key_cache.dtype) if fp8 else None
     strides = torch.tensor(
@@ -77,15 +81,15 @@ def paged_decode_attention(
          c_kind],
         dtype=torch.int32,
     )  # fmt: skip
-    decode(
+    attend(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_table.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(), reqs.data_ptr(),
+        block_table.data_ptr(), rows.data_ptr(), reqs.data_ptr(), lens.data_ptr(),
         rows.numel(), strides.data_ptr(), dims.data_ptr(),
         None if table is None else table.data_ptr(), scale, v_scale, soft_cap or 0.0,
     )  # fmt: skip
 
 
-def _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs) -> None:
+def _check(out, q, key_cache, value_cache, block_table, rows, reqs, lens) -> None:
     if q.dtype not in _KINDS or out.dtype != q.dtype or out.shape != q.shape or q.dim() != 3:
         raise ValueError("q and out must be [num_tokens, num_heads, head_dim], float32 or bf16")
     if key_cache.dtype not in _KINDS and not is_fp8(key_cache.dtype):
@@ -97,13 +101,13 @@ def _check(out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs) ->
         raise ValueError("q and the caches disagree on head_dim or the head grouping")
     if q.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
         raise ValueError("head_dim must be contiguous in q, out and the caches")
-    ints = (block_table.dtype, seq_lens.dtype, rows.dtype, reqs.dtype)
-    if ints != (torch.int32, torch.int32, torch.int64, torch.int64):
-        raise ValueError("block_table and seq_lens must be int32, rows and reqs int64")
-    if block_table.stride(1) != 1 or not (seq_lens.is_contiguous() and rows.is_contiguous()):
-        raise ValueError("block_table rows, seq_lens and rows must be contiguous")
-    if not reqs.is_contiguous() or rows.shape != reqs.shape:
-        raise ValueError("rows and reqs must be contiguous and of one length")
-    tensors = (out, q, key_cache, value_cache, block_table, seq_lens, rows, reqs)
+    ints = (block_table.dtype, rows.dtype, reqs.dtype, lens.dtype)
+    if ints != (torch.int32, torch.int64, torch.int64, torch.int32):
+        raise ValueError("block_table and lens must be int32, rows and reqs int64")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous")
+    if not all(t.is_contiguous() and t.shape == rows.shape for t in (rows, reqs, lens)):
+        raise ValueError("rows, reqs and lens must be contiguous and of one length")
+    tensors = (out, q, key_cache, value_cache, block_table, rows, reqs, lens)
     if any(t.device.type != "cpu" for t in tensors):
-        raise ValueError("the CPU decode kernel takes CPU tensors")
+        raise ValueError("the CPU paged attention kernel takes CPU tensors")

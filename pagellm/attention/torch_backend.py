@@ -2,9 +2,11 @@
 
 `build_metadata` runs once per step and turns the flat batch into two kinds of work:
 
-- decodes (query length 1), wherever they sit in the flat batch. On the CPU they go, longest
-  first, to a C++ kernel that reads the paged cache in place (`cpu_decode`: no copy of the
-  keys); elsewhere, or without a compiler, they are sorted by length and cut into
+- on the CPU, every query row of the step, decodes and prefill chunks alike, most keys first,
+  to one call of a C++ kernel per layer that reads the paged cache in place (`cpu_decode`:
+  no copy of the keys; a prefill row attends causally to its request's keys, this step's
+  written first). Elsewhere, or without a compiler, the work splits in two:
+- decodes (query length 1), wherever they sit in the flat batch, sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
   padding repeats the request's last slot (so a gather never reads a slot the request does
@@ -77,11 +79,12 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeBatch:
-    """Every query-length-1 request of the step, longest first: the in-place kernel's work."""
+class KernelRows:
+    """Every query row of the step, most keys first: the in-place kernel's work."""
 
-    rows: torch.Tensor  # [n] int64 their rows in the flat batch
+    rows: torch.Tensor  # [n] int64 rows of the flat batch
     reqs: torch.Tensor  # [n] int64 their requests
+    lens: torch.Tensor  # [n] int32 the keys each attends (its position + 1)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class TorchAttentionMetadata:
     window: int | None = None  # the window this work was built for
     _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict, repr=False)
     _decodes: list[DecodeGroup] | None = field(default=None, repr=False)
-    _decode_batch: DecodeBatch | None = field(default=None, repr=False)
+    _kernel_rows: KernelRows | None = field(default=None, repr=False)
 
     @property
     def decodes(self) -> list[DecodeGroup]:
@@ -107,17 +110,24 @@ class TorchAttentionMetadata:
         return self._decodes
 
     @property
-    def decode_batch(self) -> DecodeBatch:
-        """The in-place kernel's decodes, longest first, built on first use."""
-        if self._decode_batch is None:
-            lens = self.common.seq_lens_cpu[self.decode_reqs]
-            reqs = self.decode_reqs[np.argsort(-lens, kind="stable")].astype(np.int64)
-            rows = self.common.query_start_loc_cpu[reqs].astype(np.int64)
-            device = self.common.block_table.device
-            self._decode_batch = DecodeBatch(
-                torch.from_numpy(rows).to(device), torch.from_numpy(reqs).to(device)
+    def kernel_rows(self) -> KernelRows:
+        """The in-place kernel's rows, most keys first, built on first use."""
+        if self._kernel_rows is None:
+            common = self.common
+            n = common.num_actual_tokens
+            starts = common.query_start_loc_cpu
+            query_lens = np.diff(starts)
+            reqs = np.repeat(np.arange(len(query_lens)), query_lens)  # [n] request of each row
+            # a row's position + 1: its request's seq_len minus the rows after it in the request
+            lens = common.seq_lens_cpu[reqs] - (starts[reqs + 1] - 1 - np.arange(n))
+            order = np.argsort(-lens, kind="stable")
+            device = common.block_table.device
+            self._kernel_rows = KernelRows(
+                torch.from_numpy(order.astype(np.int64)).to(device),
+                torch.from_numpy(reqs[order].astype(np.int64)).to(device),
+                torch.from_numpy(lens[order].astype(np.int32)).to(device),
             )
-        return self._decode_batch
+        return self._kernel_rows
 
     def windowed(self, window: int | None) -> TorchAttentionMetadata:
         """This step's work for layers whose queries see only their last `window` keys."""
@@ -130,10 +140,10 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    # False: CPU decodes take the gather path too (A/B benchmarks). Every cache kind reads in
-    # place: float32, fp8 and, since the kernel's AVX-512 path, bf16 (workload W, bf16: 1.09x
+    # False: CPU attention takes the gather + SDPA path too (A/B benchmarks). Every cache kind
+    # reads in place: float32, fp8 and bf16 (workload W, bf16, decodes only in place: 1.09x
     # end to end against gathering for SDPA, interleaved in one run; docs/benchmarks.md)
-    decode_in_place = True
+    in_place = True
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
@@ -157,28 +167,29 @@ class TorchAttentionBackend(AttentionBackend):
         scale = self.scale * k_scale  # fp8: q . stored * k_scale is q . k
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
-        work = metadata.windowed(self.sliding_window)
-        if len(work.decode_reqs) and self._in_place(q):
-            self._decode_in_place(q, kv_cache, metadata.common, work.decode_batch, scale, out)
+        if self._in_place(q):  # every row through the kernel, windows included
+            self._attend_in_place(q, kv_cache, metadata, scale, out)
         else:
+            work = metadata.windowed(self.sliding_window)
             for group in work.decodes:
                 decoded = self._decode(q, key_cache, value_cache, group, scale)
                 out.index_copy_(0, group.rows, decoded)
-        for chunk in work.prefills:
-            attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
-            out[chunk.start : chunk.end] = attended
+            for chunk in work.prefills:
+                attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
+                out[chunk.start : chunk.end] = attended
         if v_scale != 1.0:
             out[:n] *= v_scale
         return out
 
     def _in_place(self, q: torch.Tensor) -> bool:
         supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-        return supported and self.decode_in_place and cpu_decode.kernel() is not None
+        return supported and self.in_place and cpu_decode.kernel() is not None
 
-    def _decode_in_place(self, q, kv_cache, common, batch: DecodeBatch, scale, out) -> None:
-        cpu_decode.paged_decode_attention(
-            out, q, kv_cache[0], kv_cache[1], common.block_table, common.seq_lens,
-            batch.rows, batch.reqs, scale, window=self.sliding_window,
+    def _attend_in_place(self, q, kv_cache, metadata: TorchAttentionMetadata, scale, out) -> None:
+        rows = metadata.kernel_rows
+        cpu_decode.paged_attention(
+            out, q, kv_cache[0], kv_cache[1], metadata.common.block_table, rows.rows,
+            rows.reqs, rows.lens, scale, window=self.sliding_window,
             soft_cap=self.logits_soft_cap,
         )  # fmt: skip
 

@@ -1,16 +1,19 @@
-// Decode attention on the CPU that reads the paged KV cache in place.
+// Paged attention on the CPU that reads the KV cache in place, one query row at a time.
 //
-// One query token per request (a decode) attends to its request's cached keys through the
-// block table: no gathered copy of the keys and values is made. Work item = (request, KV
-// head): the query heads sharing that KV head (GQA) are scored against each key row as it
-// is read, then the values are mixed with the softmax weights.
+// Each query row attends to the first lens[i] keys of its request through the block table:
+// a decode to all of them, the rows of a prefill chunk causally (row at position t: t + 1
+// keys; this step's keys are written to the cache first). No gathered copy of the keys and
+// values is made. Work item = (row, KV head): the query heads sharing that KV head (GQA)
+// are scored against each key row as it is read, then the values are mixed with the
+// softmax weights.
 //
 //   key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 //                           float32, bfloat16 or float8 (read through a 256-entry table)
 //   q, out:                 [num_tokens, num_heads, head_dim] float32 or bfloat16
-//   rows [n] int64:         the decodes' rows of q / out
-//   reqs [n] int64:         their requests (rows of block_table, seq_lens)
-//   block_table [R, max_blocks] int32, seq_lens [R] int32
+//   rows [n] int64:         the query rows of q / out
+//   reqs [n] int64:         their requests (rows of block_table)
+//   lens [n] int32:         the keys each row attends: its request's positions < lens[i]
+//   block_table [R, max_blocks] int32
 //
 // scale multiplies q.k (an fp8 cache: times k_scale), v_scale the output; window W > 0:
 // only the last W keys are read; soft_cap c > 0: scores become c * tanh(score / c).
@@ -48,9 +51,9 @@ struct Problem {
   const char* k_cache;
   const char* v_cache;
   const int32_t* block_table;
-  const int32_t* seq_lens;
   const int64_t* rows;
   const int64_t* reqs;
+  const int32_t* lens;
   const float* fp8_table;  // FP8: the cache's 256 byte values as float
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;  // elements
   int64_t c_stride_b, c_stride_s, c_stride_h;  // elements of the cache
@@ -96,13 +99,13 @@ inline void axpy(float w, const float* x, float* y, int d) {
   for (int i = 0; i < d; ++i) y[i] += w * x[i];
 }
 
-// decode `i`'s query heads on KV head `h`, one element at a time (any head_dim, any CPU);
+// row `i`'s query heads on KV head `h`, one element at a time (any head_dim, any CPU);
 // buf: the thread's scratch
 void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
   const int d = p.head_dim;
   const int g = p.num_heads / p.num_kv_heads;  // query heads of this KV head
   const int64_t req = p.reqs[i], row = p.rows[i];
-  const int len = p.seq_lens[req];
+  const int len = p.lens[i];
   const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
   const int n = len - first;  // keys attended
   buf.resize(size_t(g) * (2 * d + n + 2) + d);
@@ -167,7 +170,8 @@ void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
 // scores the tile (16 FMA chains, summed across lanes by one transpose), the exponentials
 // are computed 16 lanes at a time, and values are accumulated in float32. Same arithmetic
 // as attend_scalar up to the order of the sums (and exp_ps's last bits); head_dim 64, 128
-// or 256 (`attend` picks the path).
+// or 256 (`attend` picks the path). With AVX512-BF16, bf16 queries on a bf16 cache take
+// bf16 dot products instead (`score_bf16`, `mix_values_bf16`).
 
 // 16 rows (keys) of up to 16 elements each -> lane t holds the sum of a[t]
 inline __m512 sum_rows16(const __m512* a) {
@@ -222,43 +226,98 @@ void mix_values(const Problem& p, const int64_t* offs, int n, const float* weigh
     for (int e = 0; e < DV; ++e) acc[jj][e] = a[jj][e];
 }
 
-// DV = head_dim / 16 vectors a row, CK the cache's element kind. Accumulators stay in
-// registers: 16 score chains a query head, and the values of up to 16 / DV query heads at a
-// time (more heads re-read the values, from cache).
-template <int DV, int CK>
-void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
-  constexpr int d = DV * 16;
-  constexpr int HB = DV >= 16 ? 1 : 16 / DV < 4 ? 16 / DV : 4;
-  const int g = p.num_heads / p.num_kv_heads;
-  const int64_t req = p.reqs[i], row = p.rows[i];
-  const int len = p.seq_lens[req];
-  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
-  const int n = len - first;
-  const int n16 = (n + 15) / 16 * 16;
-  const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
-  buf.resize(size_t(g) * (d + n16 + 1) + 16 * size_t(d) + 2 * size_t(n) + 2);
-  float* qf = buf.data();  // [g, d] queries times scale
-  float* tile = qf + size_t(g) * d;  // [16, d] K rows as float32
-  float* scores = tile + 16 * size_t(d);  // [g, n16], then the softmax weights
-  float* sums = scores + size_t(g) * n16;  // [g] of the weights
-  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
+#if defined(__AVX512BF16__)
+// bf16 queries and a bf16 cache (a bf16 model): vdpbf16ps multiplies 32 bf16 pairs into 16
+// float32 lanes, so neither keys nor values are widened. Products are exact and summed in
+// float32, as above; the softmax weights are rounded to bf16 for the values, as torch's
+// bf16 attention kernels round them, and their sum is of the rounded weights.
+constexpr bool kBf16Dots = true;
+
+// scores of g query heads against n keys, straight from the cache rows (no float32 tile)
+template <int DV>
+void score_bf16(const Problem& p, const int64_t* offs, int n, int64_t row, int h, int g,
+                float* scores, int n16) {
+  constexpr int DB = DV / 2;  // 32-element bf16 vectors a row
+  const __m512 scale = _mm512_set1_ps(p.scale);
   for (int j = 0; j < g; ++j) {
-    const int64_t off = (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * q_elem;
-    for (int e = 0; e < DV; ++e) {
-      const __m512 x = load16(p.q + off + e * 16 * q_elem, p.q_kind, nullptr);
-      _mm512_storeu_ps(qf + size_t(j) * d + e * 16, _mm512_mul_ps(x, _mm512_set1_ps(p.scale)));
+    const char* qrow = p.q + (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * 2;
+    __m512bh qv[DB];
+    for (int e = 0; e < DB; ++e) qv[e] = (__m512bh)_mm512_loadu_si512(qrow + e * 64);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+      const int m = std::min(16, n - t0);  // lanes past m re-read key n - 1: discarded
+      __m512 a[16];
+      for (int t = 0; t < 16; ++t) {
+        const char* k = p.k_cache + offs[t0 + std::min(t, m - 1)];
+        a[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k));
+        for (int e = 1; e < DB; ++e) {
+          a[t] = _mm512_dpbf16_ps(a[t], qv[e], (__m512bh)_mm512_loadu_si512(k + e * 64));
+        }
+      }
+      _mm512_storeu_ps(scores + size_t(j) * n16 + t0, _mm512_mul_ps(sum_rows16(a), scale));
     }
   }
-  {  // byte offset of key t's row in the K (and V) cache, walking the block table
-    const int32_t* table = p.block_table + req * p.bt_stride;
-    int b = first / p.block_size, slot = first % p.block_size;
-    for (int t = 0; t < n; ++t) {
-      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
-      if (++slot == p.block_size) slot = 0, ++b;
+}
+
+inline __m512 round_bf16(__m512 x) {  // to the nearest bf16, as float32
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the weighted values of NB query heads, two keys per vdpbf16ps: rows t and t + 1
+// interleaved element by element (unpacklo / unpackhi of each 128-bit lane), which permutes
+// the output elements; the permutation is undone once at the end
+template <int DV, int NB>
+void mix_values_bf16(const Problem& p, const int64_t* offs, int n, const float* weights,
+                     int n16, __m512 (*acc)[DV]) {
+  constexpr int DB = DV / 2;
+  __m512 lo[NB][DB], hi[NB][DB];
+  for (int jj = 0; jj < NB; ++jj)
+    for (int e = 0; e < DB; ++e) lo[jj][e] = hi[jj][e] = _mm512_setzero_ps();
+  for (int t = 0; t < n; t += 2) {
+    const bool pair = t + 1 < n;  // an odd last key pairs with itself at weight 0
+    const char* v0 = p.v_cache + offs[t];
+    const char* v1 = p.v_cache + offs[pair ? t + 1 : t];
+    __m512i x[DB], y[DB];
+    for (int e = 0; e < DB; ++e) {
+      const __m512i r0 = _mm512_loadu_si512(v0 + e * 64), r1 = _mm512_loadu_si512(v1 + e * 64);
+      x[e] = _mm512_unpacklo_epi16(r0, r1);
+      y[e] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int jj = 0; jj < NB; ++jj) {
+      const float* w = weights + size_t(jj) * n16 + t;  // already bf16 values
+      uint32_t w0, w1 = 0;
+      std::memcpy(&w0, w, 4);
+      if (pair) std::memcpy(&w1, w + 1, 4);
+      const __m512bh wp = (__m512bh)_mm512_set1_epi32(int((w0 >> 16) | (w1 & 0xffff0000u)));
+      for (int e = 0; e < DB; ++e) {
+        lo[jj][e] = _mm512_dpbf16_ps(lo[jj][e], wp, (__m512bh)x[e]);
+        hi[jj][e] = _mm512_dpbf16_ps(hi[jj][e], wp, (__m512bh)y[e]);
+      }
     }
   }
-  const int v_bytes = 16 * int(c_elem);  // of one vector's elements
-  for (int t0 = 0; t0 < n; t0 += 16) {  // scores, 16 keys at a time
+  // lo holds elements 8l + 0..3 of each 128-bit lane l, hi 8l + 4..7 (of each 32)
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+  for (int jj = 0; jj < NB; ++jj) {
+    for (int e = 0; e < DB; ++e) {
+      acc[jj][2 * e] = _mm512_permutex2var_ps(lo[jj][e], first, hi[jj][e]);
+      acc[jj][2 * e + 1] = _mm512_permutex2var_ps(lo[jj][e], second, hi[jj][e]);
+    }
+  }
+}
+#else
+constexpr bool kBf16Dots = false;
+#endif
+
+// scores of g query heads against n keys: K rows become float32 in a [16, d] tile, 16 keys
+// at a time, and each query head scores the tile (16 FMA chains, one transpose to sum)
+template <int DV, int CK>
+void score_tile(const Problem& p, const int64_t* offs, int n, const float* qf, int g,
+                float* tile, float* scores, int n16) {
+  constexpr int d = DV * 16;
+  const int v_bytes = 16 * int(elem_size(CK));  // of one vector's elements
+  for (int t0 = 0; t0 < n; t0 += 16) {
     const int m = std::min(16, n - t0);  // rows past m keep stale values: lanes discarded
     for (int t = 0; t < m; ++t) {
       const char* k = p.k_cache + offs[t0 + t];
@@ -278,6 +337,50 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
       _mm512_storeu_ps(scores + size_t(j) * n16 + t0, sum_rows16(a));
     }
   }
+}
+
+// DV = head_dim / 16 vectors a row, CK the cache's element kind. Accumulators stay in
+// registers: 16 score chains a query head, and the values of up to 16 / DV query heads at a
+// time (more heads re-read the values, from cache).
+template <int DV, int CK>
+void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
+  constexpr int d = DV * 16;
+  constexpr int HB = DV >= 16 ? 1 : 16 / DV < 4 ? 16 / DV : 4;
+  const bool bf16_dots = kBf16Dots && CK == BF16 && p.q_kind == BF16 && DV % 2 == 0;
+  const int g = p.num_heads / p.num_kv_heads;
+  const int64_t req = p.reqs[i], row = p.rows[i];
+  const int len = p.lens[i];
+  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
+  const int n = len - first;
+  const int n16 = (n + 15) / 16 * 16;
+  const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
+  buf.resize(size_t(g) * (d + n16 + 1) + 16 * size_t(d) + 2 * size_t(n) + 2);
+  float* qf = buf.data();  // [g, d] queries times scale
+  float* tile = qf + size_t(g) * d;  // [16, d] K rows as float32
+  float* scores = tile + 16 * size_t(d);  // [g, n16], then the softmax weights
+  float* sums = scores + size_t(g) * n16;  // [g] of the weights
+  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
+  {  // byte offset of key t's row in the K (and V) cache, walking the block table
+    const int32_t* table = p.block_table + req * p.bt_stride;
+    int b = first / p.block_size, slot = first % p.block_size;
+    for (int t = 0; t < n; ++t) {
+      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
+      if (++slot == p.block_size) slot = 0, ++b;
+    }
+  }
+#if defined(__AVX512BF16__)
+  if (bf16_dots) score_bf16<DV>(p, offs, n, row, h, g, scores, n16);
+#endif
+  if (!bf16_dots) {
+    for (int j = 0; j < g; ++j) {
+      const int64_t off = (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * q_elem;
+      for (int e = 0; e < DV; ++e) {
+        const __m512 x = load16(p.q + off + e * 16 * q_elem, p.q_kind, nullptr);
+        _mm512_storeu_ps(qf + size_t(j) * d + e * 16, _mm512_mul_ps(x, _mm512_set1_ps(p.scale)));
+      }
+    }
+    score_tile<DV, CK>(p, offs, n, qf, g, tile, scores, n16);
+  }
   for (int j = 0; j < g; ++j) {  // softmax weights (unnormalized), 16 at a time
     float* s = scores + size_t(j) * n16;
     if (p.soft_cap > 0.f) {
@@ -289,7 +392,10 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
     const __m512 max_s = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < n16; t += 16) {
-      const __m512 w = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_s));  // 0 past n
+      __m512 w = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_s));  // 0 past n
+#if defined(__AVX512BF16__)
+      if (bf16_dots) w = round_bf16(w);
+#endif
       _mm512_storeu_ps(s + t, w);
       sum = _mm512_add_ps(sum, w);
     }
@@ -299,11 +405,24 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
     const int hb = std::min(HB, g - j0);
     __m512 acc[HB][DV];
     const float* w = scores + size_t(j0) * n16;
-    switch (hb) {
-      case 1: mix_values<DV, CK, 1>(p, offs, n, w, n16, acc); break;
-      case 2: if constexpr (HB >= 2) mix_values<DV, CK, 2>(p, offs, n, w, n16, acc); break;
-      case 3: if constexpr (HB >= 3) mix_values<DV, CK, 3>(p, offs, n, w, n16, acc); break;
-      default: if constexpr (HB >= 4) mix_values<DV, CK, 4>(p, offs, n, w, n16, acc);
+    if (bf16_dots) {
+#if defined(__AVX512BF16__)
+      if constexpr (DV % 2 == 0) {
+        switch (hb) {
+          case 1: mix_values_bf16<DV, 1>(p, offs, n, w, n16, acc); break;
+          case 2: if constexpr (HB >= 2) mix_values_bf16<DV, 2>(p, offs, n, w, n16, acc); break;
+          case 3: if constexpr (HB >= 3) mix_values_bf16<DV, 3>(p, offs, n, w, n16, acc); break;
+          default: if constexpr (HB >= 4) mix_values_bf16<DV, 4>(p, offs, n, w, n16, acc);
+        }
+      }
+#endif
+    } else {
+      switch (hb) {
+        case 1: mix_values<DV, CK, 1>(p, offs, n, w, n16, acc); break;
+        case 2: if constexpr (HB >= 2) mix_values<DV, CK, 2>(p, offs, n, w, n16, acc); break;
+        case 3: if constexpr (HB >= 3) mix_values<DV, CK, 3>(p, offs, n, w, n16, acc); break;
+        default: if constexpr (HB >= 4) mix_values<DV, CK, 4>(p, offs, n, w, n16, acc);
+      }
     }
     for (int jj = 0; jj < hb; ++jj) {
       const int j = j0 + jj;
@@ -345,19 +464,19 @@ void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
 
 extern "C" void pagellm_paged_decode(
     void* out, const void* q, const void* k_cache, const void* v_cache,
-    const int32_t* block_table, const int32_t* seq_lens, const int64_t* rows,
-    const int64_t* reqs, int64_t num_decodes,
+    const int32_t* block_table, const int64_t* rows, const int64_t* reqs,
+    const int32_t* lens, int64_t num_rows,
     const int64_t* strides,  // q: token, head; out: token, head; cache: block, slot, head; table
     const int32_t* dims,  // num_heads, num_kv_heads, head_dim, block_size, window, q/c kinds
     const float* fp8_table, float scale, float v_scale, float soft_cap) {
   Problem p{static_cast<const char*>(q), static_cast<char*>(out),
             static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
-            block_table, seq_lens, rows, reqs, fp8_table,
+            block_table, rows, reqs, lens, fp8_table,
             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6],
             strides[7],
             dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
             scale, v_scale, soft_cap};
-  const int64_t items = num_decodes * p.num_kv_heads;  // (decode, KV head), longest first
+  const int64_t items = num_rows * p.num_kv_heads;  // (row, KV head), longest first
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
