@@ -1,11 +1,12 @@
 """PyTorch attention over the paged KV cache: the CPU path and the reference for GPU kernels.
 
-`build_metadata` runs once per step and turns the flat batch into two kinds of work:
+`build_metadata` runs once per step; the work it describes is built on first use, once per
+step, in one of two forms:
 
 - on the CPU, every query row of the step, decodes and prefill chunks alike, most keys first,
   to one call of a C++ kernel per layer that reads the paged cache in place (`cpu_decode`:
   no copy of the keys; a prefill row attends causally to its request's keys, this step's
-  written first). Elsewhere, or without a compiler, the work splits in two:
+  written first: `kernel_rows`). Elsewhere, or without a compiler, two kinds of work:
 - decodes (query length 1), wherever they sit in the flat batch, sorted by length and cut into
   groups of similar lengths (`DecodeGroup`, at most about DECODE_GROUP_TOKENS padded keys
   each): a group gathers its keys through `slots [n, max_seq_len]`, flat cache slots where
@@ -93,10 +94,11 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64, where this step's K/V are written
     common: CommonAttentionMetadata
     decode_reqs: np.ndarray  # [n] requests with query length 1
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_reqs: np.ndarray  # [m] requests with query length > 1
     window: int | None = None  # the window this work was built for
     _windowed: dict[int, TorchAttentionMetadata] = field(default_factory=dict, repr=False)
     _decodes: list[DecodeGroup] | None = field(default=None, repr=False)
+    _prefills: list[PrefillChunk] | None = field(default=None, repr=False)
     _kernel_rows: KernelRows | None = field(default=None, repr=False)
 
     @property
@@ -108,6 +110,18 @@ class TorchAttentionMetadata:
                 _build_decode_groups(self.common, reqs, self.window) if len(reqs) else []
             )
         return self._decodes
+
+    @property
+    def prefills(self) -> list[PrefillChunk]:
+        """The gather path's prefill chunks, built on first use."""
+        if self._prefills is None:
+            common = self.common
+            context_lens = common.seq_lens_cpu - np.diff(common.query_start_loc_cpu)
+            self._prefills = [
+                _build_prefill(common, int(r), int(context_lens[r]), self.window)
+                for r in self.prefill_reqs
+            ]
+        return self._prefills
 
     @property
     def kernel_rows(self) -> KernelRows:
@@ -286,16 +300,12 @@ def _soft_capped_attention(
 
 def _build_metadata(common: CommonAttentionMetadata, window: int | None) -> TorchAttentionMetadata:
     query_lens = np.diff(common.query_start_loc_cpu)
-    context_lens = common.seq_lens_cpu - query_lens
-    decode_reqs = np.flatnonzero(query_lens == 1)
-    prefill_reqs = np.flatnonzero(query_lens > 1)
-    prefills = [_build_prefill(common, int(r), int(context_lens[r]), window) for r in prefill_reqs]
     return TorchAttentionMetadata(
         num_actual_tokens=common.num_actual_tokens,
         slot_mapping=common.slot_mapping[: common.num_actual_tokens],
         common=common,
-        decode_reqs=decode_reqs,
-        prefills=prefills,
+        decode_reqs=np.flatnonzero(query_lens == 1),
+        prefill_reqs=np.flatnonzero(query_lens > 1),
         window=window,
     )
 
