@@ -42,10 +42,19 @@ def cpu_prepack() -> bool:
 
 def cpu_bf16_fp32_gemm() -> bool | None:
     """PAGELLM_CPU_BF16_FP32_GEMM=1 / 0: bfloat16 GEMMs of 8 or more rows on the CPU run in
-    float32 arithmetic (a float32 copy of the weight) / in oneDNN's bf16 kernels. Unset:
-    whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
+    float32 arithmetic (a float32 copy of the weight) / in bf16 kernels (oneDNN's or ours,
+    PAGELLM_CPU_BF16_KERNEL). Unset: whichever is faster here, timed at start-up
+    (`pagellm.models.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_BF16_FP32_GEMM")
     return None if value is None else _bool("PAGELLM_CPU_BF16_FP32_GEMM", False)
+
+
+def cpu_bf16_kernel() -> bool | None:
+    """PAGELLM_CPU_BF16_KERNEL=1 / 0: bfloat16 GEMMs on the CPU run in our AVX512-BF16 kernel
+    (`pagellm.kernels.bf16_gemm`, where the CPU has it) / never. Unset: where it is not
+    clearly slower than oneDNN, timed at start-up (`pagellm.models.cpu_gemm`)."""
+    value = os.environ.get("PAGELLM_CPU_BF16_KERNEL")
+    return None if value is None else _bool("PAGELLM_CPU_BF16_KERNEL", False)
 
 
 def cpu_fp32_gemm() -> str | None:

@@ -19,6 +19,7 @@ from model_utils import (
 )
 from transformers import AutoModelForCausalLM
 
+from pagellm.kernels import bf16_gemm
 from pagellm.models import cpu_gemm, get_model_cls
 from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
 from pagellm.models.linear import cpu_prepack_supported
@@ -211,6 +212,50 @@ def test_bf16_weight_in_fp32_arithmetic(library):
             torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=0.15)
 
 
+@pytest.mark.skipif(not bf16_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
+def test_bf16_kernel_against_exact_products():
+    """Our bf16 GEMM: exact products summed in float32, one rounding to bf16, for any row
+    count (tiles of 8 rows, passes of 64), output sizes off the 32-row panels, a bias, a
+    strided x and a 3-D x; it is the nearest bf16 of the exact result nearly always."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((300, 72), (33, 130), (64, 2)):
+        weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+        panels = bf16_gemm.Bf16Panels(weight)
+        for rows in (1, 2, 7, 8, 9, 64, 65, 150):
+            wide = torch.randn(rows, k + 6, generator=gen).to(torch.bfloat16)
+            x = wide[:, 3 : 3 + k]  # rows k + 6 apart
+            for b in (None, bias):
+                exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+                got = panels(x, b)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2)
+                assert (got != exact.to(torch.bfloat16)).float().mean() < 0.02
+        x3 = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(panels(x3), panels(x3.reshape(6, k)).view(2, 3, n))
+    with pytest.raises(ValueError, match="even K"):
+        bf16_gemm.Bf16Panels(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="Bf16Panels"):
+        panels(torch.zeros(1, 3, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not bf16_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
+def test_packed_weight_bf16_kernel():
+    """A plan with our bf16 kernel keeps one copy of the weight, the kernel's panels (an odd
+    input size keeps oneDNN's), and answers as F.linear does."""
+    gen = torch.Generator().manual_seed(0)
+    plan = CpuGemmPlan("onednn", bf16_kernel=True)
+    weight = torch.randn(96, 40, generator=gen).to(torch.bfloat16)
+    packed = PackedWeight(weight, 16, plan)
+    assert packed.panels is not None and packed.onednn is None and packed.fp32 is None
+    x = torch.randn(5, 40, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(packed(x).float(), F.linear(x.float(), weight.float()),
+                               rtol=2e-2, atol=5e-2)  # fmt: skip
+    odd = PackedWeight(torch.randn(8, 7).to(torch.bfloat16), 16, plan)
+    assert odd.panels is None and odd.onednn is not None
+    assert "AVX512-BF16 kernel" in plan.describe(torch.bfloat16)
+
+
 # timings (us) of three machines of our pool, 2 cores each (docs/benchmarks.md)
 _AMX = {("mkl", 1): 40, ("onednn", 1): 45, ("mkl", 8): 60, ("onednn", 8): 66, ("mkl", 32): 300,
         ("onednn", 32): 310, ("bf16", 8): 30, ("bf16_in_fp32", 8): 60, ("bf16", 32): 90,
@@ -232,7 +277,37 @@ def test_cpu_gemm_plan_from_timings(times, library, from_rows):
     """The library that is clearly faster on the machine's timings; ties keep the default."""
     plan = cpu_gemm.choose_plan(times, "mkl", bf16_fp32=None)
     assert (plan.fp32_library, plan.bf16_fp32_from_rows) == (library, from_rows)
-    assert "timed" in plan.describe(torch.bfloat16)
+    assert not plan.bf16_kernel and "timed" in plan.describe(torch.bfloat16)
+
+
+@pytest.mark.parametrize("times", [_AMX, _INTEL_NO_AMX, _AMD])
+def test_cpu_gemm_plan_bf16_kernel(times):
+    """Our bf16 kernel, timed beside oneDNN's paths: taken unless clearly slower than the
+    best of them (the AMD EPYC's own timings: 0.62x / 0.98x), and then it replaces both;
+    the float32 choice is made as before; forced or forbidden by its env knob."""
+    best = {r: min(times["bf16", r], times["bf16_in_fp32", r]) for r in cpu_gemm.BF16_ROWS}
+    library = cpu_gemm.choose_plan(times, "mkl", bf16_fp32=None).fp32_library
+    for factor, taken in ((0.6, True), (1.1, True), (1.3, False)):
+        timed = {**times, **{("bf16_kernel", r): factor * b for r, b in best.items()}}
+        plan = cpu_gemm.choose_plan(timed, "mkl", bf16_fp32=None, bf16_kernel=None)
+        assert plan.bf16_kernel == taken and plan.fp32_library == library
+        if taken:
+            assert plan.bf16_fp32_from_rows is None and "our kernel" in plan.note
+    assert cpu_gemm.choose_plan({}, "mkl", bf16_fp32=None, bf16_kernel=True).bf16_kernel
+
+
+def test_cpu_gemm_plan_bf16_kernel_env(monkeypatch):
+    """PAGELLM_CPU_BF16_KERNEL=0 forbids our kernel, =1 takes it untimed where the CPU has
+    it; float32 arithmetic forced for bf16 rules it out."""
+    plan = cpu_gemm.cpu_gemm_plan.__wrapped__
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
+    monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "0")
+    monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "0")
+    assert plan() == CpuGemmPlan("onednn", note="set by PAGELLM_CPU_*")
+    monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "1")
+    assert plan().bf16_kernel == bf16_gemm.supported()
+    monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "1")
+    assert not plan().bf16_kernel
 
 
 def test_cpu_gemm_plan_env(monkeypatch):
@@ -240,7 +315,7 @@ def test_cpu_gemm_plan_env(monkeypatch):
     plan = cpu_gemm.cpu_gemm_plan.__wrapped__
     monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
     monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "1")
-    assert plan() == CpuGemmPlan("onednn", cpu_gemm.FP32_FROM_ROWS, "set by PAGELLM_CPU_*_GEMM")
+    assert plan() == CpuGemmPlan("onednn", cpu_gemm.FP32_FROM_ROWS, note="set by PAGELLM_CPU_*")
     monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "0")
     assert plan().bf16_fp32_from_rows is None
     monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "openblas")

@@ -67,7 +67,29 @@ def paged_attention(
     attend = kernel()
     if attend is None:
         raise RuntimeError("the CPU paged attention kernel is not available")
-    _check(out, q, key_cache, value_cache, block_table, rows, reqs, lens)
+    layout = (q.dtype, q.shape[1:], q.stride(), out.dtype, out.shape[1:], out.stride(),
+              key_cache.dtype, key_cache.shape, key_cache.stride(), value_cache.dtype,
+              value_cache.shape, value_cache.stride(), block_table.dtype, block_table.stride(),
+              window or 0, q.device, out.device, key_cache.device)  # fmt: skip
+    args = _LAYOUTS.get(layout)  # per layer the same every step: checked once
+    if args is None:
+        _check(out, q, key_cache, value_cache, block_table)
+        args = _LAYOUTS[layout] = _layout_args(q, out, key_cache, block_table, window)
+    _check_rows(out, q, block_table, rows, reqs, lens)
+    strides, dims, table = args
+    attend(
+        out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_table.data_ptr(), rows.data_ptr(), reqs.data_ptr(), lens.data_ptr(),
+        rows.numel(), strides.data_ptr(), dims.data_ptr(),
+        None if table is None else table.data_ptr(), scale, v_scale, soft_cap or 0.0,
+    )  # fmt: skip
+
+
+# the kernel's stride and dimension arguments per checked layout of the tensors
+_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _layout_args(q, out, key_cache, block_table, window):
     fp8 = is_fp8(key_cache.dtype)
     table = _fp8_table(key_cache.dtype) if fp8 else None
     strides = torch.tensor(
@@ -81,16 +103,13 @@ def paged_attention(
          c_kind],
         dtype=torch.int32,
     )  # fmt: skip
-    attend(
-        out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_table.data_ptr(), rows.data_ptr(), reqs.data_ptr(), lens.data_ptr(),
-        rows.numel(), strides.data_ptr(), dims.data_ptr(),
-        None if table is None else table.data_ptr(), scale, v_scale, soft_cap or 0.0,
-    )  # fmt: skip
+    return strides, dims, table
 
 
-def _check(out, q, key_cache, value_cache, block_table, rows, reqs, lens) -> None:
-    if q.dtype not in _KINDS or out.dtype != q.dtype or out.shape != q.shape or q.dim() != 3:
+def _check(out, q, key_cache, value_cache, block_table) -> None:
+    if q.dtype not in _KINDS or out.dtype != q.dtype or q.dim() != 3 or out.dim() != 3:
+        raise ValueError("q and out must be [num_tokens, num_heads, head_dim], float32 or bf16")
+    if out.shape[1:] != q.shape[1:]:
         raise ValueError("q and out must be [num_tokens, num_heads, head_dim], float32 or bf16")
     if key_cache.dtype not in _KINDS and not is_fp8(key_cache.dtype):
         raise ValueError(f"unsupported KV cache dtype {key_cache.dtype}")
@@ -101,13 +120,23 @@ def _check(out, q, key_cache, value_cache, block_table, rows, reqs, lens) -> Non
         raise ValueError("q and the caches disagree on head_dim or the head grouping")
     if q.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
         raise ValueError("head_dim must be contiguous in q, out and the caches")
-    ints = (block_table.dtype, rows.dtype, reqs.dtype, lens.dtype)
-    if ints != (torch.int32, torch.int64, torch.int64, torch.int32):
-        raise ValueError("block_table and lens must be int32, rows and reqs int64")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table rows must be contiguous")
-    if not all(t.is_contiguous() and t.shape == rows.shape for t in (rows, reqs, lens)):
-        raise ValueError("rows, reqs and lens must be contiguous and of one length")
-    tensors = (out, q, key_cache, value_cache, block_table, rows, reqs, lens)
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be int32 with contiguous rows")
+    tensors = (out, q, key_cache, value_cache, block_table)
     if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the CPU paged attention kernel takes CPU tensors")
+
+
+def _check_rows(out, q, block_table, rows, reqs, lens) -> None:
+    """What changes every step: the row lists (their values are the caller's contract)."""
+    if out.shape[0] != q.shape[0] or block_table.device.type != "cpu":
+        raise ValueError("q and out must have the same rows; block_table must be on the CPU")
+    if (rows.dtype, reqs.dtype, lens.dtype) != (torch.int64, torch.int64, torch.int32):
+        raise ValueError("rows and reqs must be int64, lens int32")
+    n = rows.shape
+    if not (rows.is_contiguous() and reqs.is_contiguous() and lens.is_contiguous()):
+        raise ValueError("rows, reqs and lens must be contiguous and of one length")
+    if reqs.shape != n or lens.shape != n or rows.dim() != 1:
+        raise ValueError("rows, reqs and lens must be contiguous and of one length")
+    if rows.device.type != "cpu" or reqs.device.type != "cpu" or lens.device.type != "cpu":
         raise ValueError("the CPU paged attention kernel takes CPU tensors")

@@ -9,7 +9,10 @@ not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
     AMD EPYC, AVX512-BF16        float32: oneDNN (MKL    bf16: oneDNN (3-6x the float32
                                  is 2-4x slower)         arithmetic)
 
-So `cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
+and on CPUs with AVX512-BF16 our own bf16 kernel (`pagellm/kernels/bf16_gemm.py`) streams
+a decode step's weights at about twice oneDNN's rate (the AMD EPYC: 1.6-2x at 1-8 rows,
+weights read from memory; level with it or ahead up to 512 rows from cache). So
+`cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
 and `PackedWeight` holds each weight in the layouts the plan names. A plain weight would be
 re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes.
 """
@@ -24,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
+from pagellm.kernels import bf16_gemm
+from pagellm.kernels.bf16_gemm import Bf16Panels
 
 FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN"}  # name -> how the log writes it
 
@@ -38,17 +43,22 @@ class CpuGemmPlan:
         the weight widened to float32 (exact products, float32 sums as in oneDNN's bf16
         kernel, one rounding to bf16); fewer rows stay in oneDNN's bf16 kernel, which
         streams half the bytes. None: always oneDNN bf16.
+    bf16_kernel: bf16 GEMMs of every size run in our AVX512-BF16 kernel (`Bf16Panels`, one
+        copy of the weight) instead of the two above.
     note: how it was chosen, for the start-up log.
     """
 
     fp32_library: str = "mkl"
     bf16_fp32_from_rows: int | None = None
+    bf16_kernel: bool = False
     note: str = ""
 
     def describe(self, dtype: torch.dtype) -> str:
         library = FP32_LIBRARIES[self.fp32_library]
         if dtype != torch.bfloat16:
             what = f"float32 GEMMs in {library}"
+        elif self.bf16_kernel:
+            what = "bf16 GEMMs in pagellm's AVX512-BF16 kernel"
         elif self.bf16_fp32_from_rows is None:
             what = "bf16 GEMMs in oneDNN"
         else:
@@ -61,9 +71,10 @@ class PackedWeight:
     """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
     `F.linear(x, weight, bias)`. `batch_hint` is the typical number of rows it multiplies.
 
-    float32: one copy for the plan's float32 library. bfloat16: oneDNN's bf16 layout, and,
-    where the plan says float32 arithmetic pays from some row count, also a float32 copy
-    (then the weight takes 3x its bf16 memory).
+    float32: one copy for the plan's float32 library. bfloat16: our kernel's panels where the
+    plan says so (and the input size is even); else oneDNN's bf16 layout, and, where the plan
+    says float32 arithmetic pays from some row count, also a float32 copy (then the weight
+    takes 3x its bf16 memory).
     """
 
     def __init__(
@@ -74,8 +85,12 @@ class PackedWeight:
         self.onednn: torch.Tensor | None = None  # oneDNN's layout in the weight's own dtype
         self.fp32: Fp32Gemm | None = None  # float32 arithmetic, from `fp32_from_rows` rows
         self.fp32_from_rows = 0
+        self.panels: Bf16Panels | None = None  # our bf16 kernel's layout
         if weight.dtype == torch.float32:
             self.fp32 = Fp32Gemm(weight, plan.fp32_library, batch_hint)
+            return
+        if plan.bf16_kernel and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+            self.panels = Bf16Panels(weight)
             return
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         if weight.dtype == torch.bfloat16 and plan.bf16_fp32_from_rows is not None:
@@ -84,6 +99,8 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
+        if self.panels is not None:
+            return self.panels(x, bias)
         rows = x.numel() // x.shape[-1]
         if self.fp32 is None or rows < self.fp32_from_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
@@ -123,32 +140,48 @@ MARGIN = 1.15  # leave the default only for a clear win (noise must not flip the
 
 @functools.cache
 def cpu_gemm_plan() -> CpuGemmPlan:
-    """The plan for this process: PAGELLM_CPU_FP32_GEMM / PAGELLM_CPU_BF16_FP32_GEMM where
-    set, the rest timed here once (~50 ms)."""
+    """The plan for this process: PAGELLM_CPU_FP32_GEMM / PAGELLM_CPU_BF16_FP32_GEMM /
+    PAGELLM_CPU_BF16_KERNEL where set, the rest timed here once (~50 ms)."""
     library = envs.cpu_fp32_gemm()
     bf16_fp32 = envs.cpu_bf16_fp32_gemm()
+    kernel = envs.cpu_bf16_kernel()
+    if kernel is not False and (bf16_fp32 or not bf16_gemm.supported()):
+        kernel = False
     mkl_ok = mkl_packing_is_batch_independent()
     if library == "mkl" and not mkl_ok:
         library = "onednn"
     times = time_candidates(
-        fp32=library is None and mkl_ok, bf16=bf16_fp32 is None, library=library
-    )
-    return choose_plan(times, library or ("mkl" if mkl_ok else "onednn"), bf16_fp32)
+        fp32=library is None and mkl_ok, bf16=bf16_fp32 is None or kernel is None,
+        library=library, kernel=kernel is None,
+    )  # fmt: skip
+    return choose_plan(times, library or ("mkl" if mkl_ok else "onednn"), bf16_fp32, kernel)
 
 
 def choose_plan(
-    times: dict[tuple[str, int], float], library: str, bf16_fp32: bool | None
+    times: dict[tuple[str, int], float],
+    library: str,
+    bf16_fp32: bool | None,
+    bf16_kernel: bool | None = False,
 ) -> CpuGemmPlan:
     """The plan from `time_candidates`' timings (us; keys (candidate, rows)). `library` is the
     float32 library when the timings have no ("onednn", rows) entries; `bf16_fp32` forces
-    float32 arithmetic for bf16 (from FP32_FROM_ROWS rows) or forbids it; None: timed."""
+    float32 arithmetic for bf16 (from FP32_FROM_ROWS rows) or forbids it; `bf16_kernel`
+    forces our bf16 kernel or forbids it; None (either): timed.
+
+    Our kernel is taken unless it is clearly slower on the timing weight, which stays in
+    cache: at decode sizes the weights come from memory, which it reads faster."""
     notes = []
     if ("onednn", FP32_ROWS[0]) in times:  # MKL against oneDNN on float32
         ratio = _geomean([times["mkl", r] / times["onednn", r] for r in FP32_ROWS])
         library = "onednn" if ratio > MARGIN else "mkl"
         notes.append(f"float32: MKL {ratio:.2f}x oneDNN's time")
+    if bf16_kernel is None and ("bf16_kernel", BF16_ROWS[0]) in times:
+        best = [min(times["bf16", r], times["bf16_in_fp32", r]) for r in BF16_ROWS]
+        ratio = _geomean([times["bf16_kernel", r] / b for r, b in zip(BF16_ROWS, best)])
+        bf16_kernel = ratio <= MARGIN
+        notes.append(f"bf16: our kernel {ratio:.2f}x the best oneDNN path's time")
     from_rows = FP32_FROM_ROWS if bf16_fp32 else None
-    if bf16_fp32 is None:
+    if bf16_fp32 is None and not bf16_kernel:
         wins = [times["bf16", r] > MARGIN * times["bf16_in_fp32", r] for r in BF16_ROWS]
         for i, rows in enumerate(BF16_ROWS):  # the first row count from which it always wins
             if all(wins[i:]):
@@ -156,14 +189,19 @@ def choose_plan(
                 break
         ratio = times["bf16", BF16_ROWS[-1]] / times["bf16_in_fp32", BF16_ROWS[-1]]
         notes.append(f"bf16 at {BF16_ROWS[-1]} rows: oneDNN bf16 {ratio:.2f}x float32's time")
-    note = "timed at start-up: " + "; ".join(notes) if notes else "set by PAGELLM_CPU_*_GEMM"
-    return CpuGemmPlan(library, from_rows, note)
+    if bf16_kernel:
+        from_rows = None
+    note = "timed at start-up: " + "; ".join(notes) if notes else "set by PAGELLM_CPU_*"
+    return CpuGemmPlan(library, from_rows, bool(bf16_kernel), note)
 
 
-def time_candidates(fp32: bool, bf16: bool, library: str | None) -> dict[tuple[str, int], float]:
+def time_candidates(
+    fp32: bool, bf16: bool, library: str | None, kernel: bool = False
+) -> dict[tuple[str, int], float]:
     """Microseconds per GEMM on CALIBRATION_SHAPE: ("mkl" | "onednn", rows) for float32 when
     `fp32`; ("bf16", rows) for oneDNN's bf16 kernel and ("bf16_in_fp32", rows) for the same
-    weight in float32 arithmetic (through `library`, or the float32 winner) when `bf16`."""
+    weight in float32 arithmetic (through `library`, or the float32 winner) when `bf16`;
+    ("bf16_kernel", rows) for ours when `kernel` too."""
     times: dict[tuple[str, int], float] = {}
     if not (fp32 or bf16):
         return times
@@ -180,10 +218,13 @@ def time_candidates(fp32: bool, bf16: bool, library: str | None) -> dict[tuple[s
         library = library or "onednn"
         plain = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library))
         wide = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library, bf16_fp32_from_rows=1))
+        ours = Bf16Panels(weight.bfloat16()) if kernel else None
         for r in BF16_ROWS:
             x = xs[r].bfloat16()
             times["bf16", r] = _best_us(plain, x)
             times["bf16_in_fp32", r] = _best_us(wide, x)
+            if kernel:
+                times["bf16_kernel", r] = _best_us(ours, x)
     return times
 
 

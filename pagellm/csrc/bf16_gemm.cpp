@@ -1,0 +1,111 @@
+// y = x @ W^T (+ bias) for bf16 x and W on CPUs with AVX512-BF16: the decode-sized GEMMs of a
+// bf16 model, which stream every weight byte from memory once per step.
+//
+// At a few rows a decode step's GEMMs are bound by the weight bytes, not the arithmetic;
+// oneDNN's bf16 kernel reads them at about half of what the memory delivers on the 2-core
+// machines measured (docs/benchmarks.md). This kernel reads W in the order it is stored,
+// one pass per call:
+//
+//   W packed [ceil(N / 32), K / 2, 32, 2] bf16: panel p holds output rows 32 p .. 32 p + 31,
+//   and for each pair of input columns (2 j, 2 j + 1) the 32 rows' two weights side by side,
+//   so one 64-byte load is the 16-row x 2-column operand of `vdpbf16ps` (two of them a
+//   panel's pair). Rows past N are zero. (cpu_bf16_gemm.py packs it.)
+//   x [M, K] bf16 (rows x_row elements apart), K even; y [M, N] bf16 (rows y_row apart);
+//   bias [N] float32 or null.
+//
+// Every product of two bf16 values is exact in float32 and each output sums them in float32
+// (pairwise inside the instruction, then along K), then rounds once to bf16: oneDNN's bf16
+// kernel does the same up to summation order. Up to 8 rows of x share a panel's loads (the
+// panel stays in L2 for the next 8 rows of a larger x). Panels are split over ATen's thread
+// pool (torch's OpenMP threads). A plain C entry point for ctypes.
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output rows per panel
+constexpr int kTileRows = 8;    // rows of x per pass over a panel
+constexpr int64_t kChunkRows = 64;  // rows of x per pass over W
+
+#if defined(__AVX512BF16__)
+
+inline __m512i broadcast_pair(const uint16_t* p) {  // x[2 j], x[2 j + 1] in every lane
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return _mm512_set1_epi32(pair);
+}
+
+// rows R of x (from x0) against one panel: y[r, 32 p .. 32 p + 31]
+template <int R>
+void panel_tile(const uint16_t* x0, int64_t x_row, int64_t pairs, const uint16_t* panel,
+                const float* bias, uint16_t* y0, int64_t y_row, int64_t n0, int64_t N) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512i w0 = _mm512_loadu_si512(panel + j * 2 * kPanel);
+    const __m512i w1 = _mm512_loadu_si512(panel + j * 2 * kPanel + kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xj = (__m512bh)broadcast_pair(x0 + r * x_row + 2 * j);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)w0, xj);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)w1, xj);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t start = n0 + 16 * h;
+    if (start >= N) break;
+    const int64_t valid = N - start < 16 ? N - start : 16;
+    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + start) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][h], b));
+      _mm256_mask_storeu_epi16(y0 + r * y_row + start, mask, (__m256i)out);
+    }
+  }
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*,
+                        uint16_t*, int64_t, int64_t, int64_t);
+constexpr TileFn kTiles[kTileRows + 1] = {
+    nullptr,          panel_tile<1>, panel_tile<2>, panel_tile<3>, panel_tile<4>,
+    panel_tile<5>, panel_tile<6>, panel_tile<7>, panel_tile<8>};
+
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 0: done; 1: bad arguments; 2: compiled without AVX512-BF16
+int pagellm_bf16_gemm(const uint16_t* x, int64_t x_row, int64_t M, int64_t K,
+                      const uint16_t* w, int64_t N, const float* bias, uint16_t* y,
+                      int64_t y_row) {
+#if defined(__AVX512BF16__)
+  if (M < 1 || N < 1 || K < 2 || K % 2 || x_row < K || y_row < N) return 1;
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2;
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {  // each chunk of x stays in L2
+    const int64_t m1 = M - m0 < kChunkRows ? M : m0 + kChunkRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint16_t* panel = w + p * pairs * 2 * kPanel;
+        for (int64_t m = m0; m < m1; m += kTileRows) {
+          const int rows = m1 - m < kTileRows ? int(m1 - m) : kTileRows;
+          kTiles[rows](x + m * x_row, x_row, pairs, panel, bias, y + m * y_row, y_row,
+                       p * kPanel, N);
+        }
+      }
+    });
+  }
+  return 0;
+#else
+  return 2;
+#endif
+}
+
+}  // extern "C"
