@@ -74,6 +74,12 @@ def cpu_fused_ops() -> bool:
     return _bool("PAGELLM_CPU_FUSED_OPS", True)
 
 
+def cpu_decoder_loop() -> bool:
+    """PAGELLM_CPU_DECODER_LOOP=0: a Llama-family model's layers run one by one in Python on
+    the CPU instead of one C++ call a step (`pagellm.models.cpu_decoder`; bf16 models)."""
+    return _bool("PAGELLM_CPU_DECODER_LOOP", True)
+
+
 def cpu_decode_kernel() -> bool:
     """PAGELLM_CPU_DECODE_KERNEL=0: CPU attention gathers its K/V and runs SDPA instead of the
     C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.models.cpu_decoder import CpuDecoder
 from pagellm.models.layers import (
     Attention,
     GatedMLP,
@@ -178,6 +179,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary_embedding(config)
+        self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
+        self._cpu_decoder_built = False
 
     def forward(
         self,
@@ -188,9 +191,15 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_metadata)
+        if hidden.device.type == "cpu" and not self._cpu_decoder_built:
+            self.cpu_decoder = CpuDecoder.build(self)  # the weights are packed by now
+            self._cpu_decoder_built = True
+        if self.cpu_decoder is not None and self.cpu_decoder.runs(hidden, kv_caches, attn_metadata):
+            hidden, residual = self.cpu_decoder(hidden, cos_sin, kv_caches, attn_metadata)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_metadata)
         hidden, _ = self.norm.forward_with_residual(hidden, residual)
         return hidden
 
