@@ -51,20 +51,23 @@ def cpu_bf16_fp32_gemm() -> bool | None:
 
 def cpu_bf16_kernel() -> bool | None:
     """PAGELLM_CPU_BF16_KERNEL=1 / 0: bfloat16 GEMMs on the CPU run in our AVX512-BF16 kernel
-    (`pagellm.kernels.bf16_gemm`, where the CPU has it) / never. Unset: where it is not
+    (`pagellm.kernels.panel_gemm`, where the CPU has it) / never. Unset: where it is not
     clearly slower than oneDNN, timed at start-up (`pagellm.models.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_BF16_KERNEL")
     return None if value is None else _bool("PAGELLM_CPU_BF16_KERNEL", False)
 
 
 def cpu_fp32_gemm() -> str | None:
-    """PAGELLM_CPU_FP32_GEMM=mkl | onednn: the library of float32 GEMMs on the CPU. Unset:
+    """PAGELLM_CPU_FP32_GEMM=mkl | onednn | pagellm: the library of float32 GEMMs on the CPU
+    (pagellm: our AVX-512 kernel, `pagellm.kernels.panel_gemm`). Unset:
     whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_FP32_GEMM", "").strip().lower()
     if value in ("", "auto"):
         return None
-    if value not in ("mkl", "onednn"):
-        raise ValueError(f"PAGELLM_CPU_FP32_GEMM must be mkl, onednn or auto, got {value!r}")
+    if value not in ("mkl", "onednn", "pagellm"):
+        raise ValueError(
+            f"PAGELLM_CPU_FP32_GEMM must be mkl, onednn, pagellm or auto, got {value!r}"
+        )
     return value
 
 

@@ -1,8 +1,8 @@
 """The decoder layers in one C++ call a step (`pagellm.models.cpu_decoder`) give the Python
 layers' logits bit for bit: the same kernels in the same order. Mixed batches of prefill
-chunks and decodes in random order, over the variants the loop serves (biases, Qwen3's
-q/k norms, sliding windows, GGUF blocks and bf16 panels on either side of a layer's row
-limit), and the cases it leaves to the Python layers."""
+chunks and decodes in random order, over the variants the loop serves (bf16 and float32
+panels, biases, Qwen3's q/k norms, sliding windows, GGUF blocks and panels on either side
+of a layer's row limit), and the cases it leaves to the Python layers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_utils import load_our_model, make_tiny_hf_model, run_paged, write_tiny_gguf
 
-from pagellm.kernels import bf16_gemm
+from pagellm.kernels import panel_gemm
 from pagellm.models import cpu_decoder, cpu_gemm
 from pagellm.quantization import gguf_kernel
 
@@ -18,14 +18,18 @@ pytestmark = pytest.mark.skipif(
     cpu_decoder._entry() is None, reason="the C++ decoder loop needs a compiler (x86)"
 )
 needs_bf16_kernel = pytest.mark.skipif(
-    not bf16_gemm.supported(), reason="bf16 panels need AVX512-BF16"
+    not panel_gemm.supported(), reason="bf16 panels need AVX512-BF16"
+)
+needs_f32_kernel = pytest.mark.skipif(
+    not panel_gemm.supported(torch.float32), reason="float32 panels need AVX-512"
 )
 
 
 @pytest.fixture
 def bf16_kernel_plan(monkeypatch):
-    """The GEMM plan with our bf16 kernel (the loop's bf16 GEMMs), restored afterwards."""
+    """The GEMM plan with our kernels (the loop's GEMMs), restored afterwards."""
     monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "1")
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "pagellm")
     cpu_gemm.cpu_gemm_plan.cache_clear()
     yield
     cpu_gemm.cpu_gemm_plan.cache_clear()
@@ -77,6 +81,13 @@ def test_loop_equals_the_layers_bf16(tmp_path, bf16_kernel_plan, arch, overrides
     assert steps > 5
 
 
+@needs_f32_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_loop_equals_the_layers_float32(tmp_path, bf16_kernel_plan, arch):
+    model = _packed(make_tiny_hf_model(arch, tmp_path, std=0.3), torch.float32)
+    assert _both_ways(model, PROMPTS, num_decode_steps=4, chunk_size=9, shuffle=True) > 4
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
@@ -86,10 +97,15 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.mark.skipif(not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512")
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_loop_equals_the_layers_gguf_float32(tiny_gguf, qtype):
+def test_loop_equals_the_layers_gguf_float32(tiny_gguf, qtype, monkeypatch):
     """float32: GGUF blocks up to their 8 rows in the loop; larger steps (the prefill of
-    every prompt at once) take the Python layers and the dense copy."""
-    model = _packed(tiny_gguf[qtype], torch.float32, quantization="gguf")
+    every prompt at once) take the Python layers and the dense copy (in MKL / oneDNN)."""
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
+    cpu_gemm.cpu_gemm_plan.cache_clear()
+    try:
+        model = _packed(tiny_gguf[qtype], torch.float32, quantization="gguf")
+    finally:
+        cpu_gemm.cpu_gemm_plan.cache_clear()
     decoder = cpu_decoder.CpuDecoder.build(model.model)
     assert decoder.block_rows == 8 and decoder.panel_rows_limit == 8
     steps = _both_ways(model, PROMPTS, num_decode_steps=4, chunk_size=2)
@@ -111,13 +127,19 @@ def test_loop_equals_the_layers_gguf_bf16(tiny_gguf, bf16_kernel_plan, monkeypat
 
 
 def test_what_the_loop_leaves_to_the_layers(tmp_path, monkeypatch):
-    """float32 without GGUF blocks (MKL / oneDNN GEMMs), Gemma's own layers, fp8 caches and
+    """float32 GEMMs in MKL / oneDNN, Gemma's own layers, fp8 caches and
     PAGELLM_CPU_DECODER_LOOP=0 take the Python layers."""
-    model = _packed(make_tiny_hf_model("llama", tmp_path), torch.float32)
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
+    cpu_gemm.cpu_gemm_plan.cache_clear()
+    try:
+        model = _packed(make_tiny_hf_model("llama", tmp_path), torch.float32)
+    finally:
+        monkeypatch.delenv("PAGELLM_CPU_FP32_GEMM")
+        cpu_gemm.cpu_gemm_plan.cache_clear()
     assert cpu_decoder.CpuDecoder.build(model.model) is None
     gemma = load_our_model(make_tiny_hf_model("gemma2", tmp_path), dtype=torch.bfloat16)
     assert not hasattr(gemma.model, "cpu_decoder") or gemma.model.cpu_decoder is None
-    if bf16_gemm.supported():
+    if panel_gemm.supported():
         monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "1")
         cpu_gemm.cpu_gemm_plan.cache_clear()
         try:

@@ -19,7 +19,7 @@ from model_utils import (
 )
 from transformers import AutoModelForCausalLM
 
-from pagellm.kernels import bf16_gemm
+from pagellm.kernels import panel_gemm
 from pagellm.models import cpu_gemm, get_model_cls
 from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
 from pagellm.models.linear import cpu_prepack_supported
@@ -212,7 +212,25 @@ def test_bf16_weight_in_fp32_arithmetic(library):
             torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=0.15)
 
 
-@pytest.mark.skipif(not bf16_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
+@pytest.mark.skipif(not panel_gemm.supported(torch.float32), reason="needs AVX-512")
+def test_float32_panels_against_float64():
+    """Our float32 GEMM: float32 FMAs along K, any row count, sizes off the panels, a bias,
+    a strided x; within float32 rounding of the float64 result; a plan naming it keeps one
+    copy of the weight in its panels."""
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((300, 72), (33, 131), (64, 1)):
+        weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        panels = panel_gemm.Panels(weight)
+        for rows in (1, 8, 9, 65, 150):
+            x = torch.randn(rows, k + 4, generator=gen)[:, 2 : 2 + k]
+            exact = F.linear(x.double(), weight.double(), bias.double())
+            torch.testing.assert_close(panels(x, bias).double(), exact, rtol=1e-5, atol=1e-4)
+    packed = PackedWeight(weight, 16, CpuGemmPlan("pagellm"))
+    assert packed.fp32.panels is not None and packed.onednn is None
+    assert "pagellm" in CpuGemmPlan("pagellm").describe(torch.float32)
+
+
+@pytest.mark.skipif(not panel_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
 def test_bf16_kernel_against_exact_products():
     """Our bf16 GEMM: exact products summed in float32, one rounding to bf16, for any row
     count (tiles of 8 rows, passes of 64), output sizes off the 32-row panels, a bias, a
@@ -221,7 +239,7 @@ def test_bf16_kernel_against_exact_products():
     for n, k in ((300, 72), (33, 130), (64, 2)):
         weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-        panels = bf16_gemm.Bf16Panels(weight)
+        panels = panel_gemm.Panels(weight)
         for rows in (1, 2, 7, 8, 9, 64, 65, 150):
             wide = torch.randn(rows, k + 6, generator=gen).to(torch.bfloat16)
             x = wide[:, 3 : 3 + k]  # rows k + 6 apart
@@ -234,12 +252,14 @@ def test_bf16_kernel_against_exact_products():
         x3 = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
         torch.testing.assert_close(panels(x3), panels(x3.reshape(6, k)).view(2, 3, n))
     with pytest.raises(ValueError, match="even K"):
-        bf16_gemm.Bf16Panels(torch.zeros(4, 3, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="Bf16Panels"):
+        panel_gemm.Panels(torch.zeros(4, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 weight"):
+        panel_gemm.Panels(torch.zeros(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="Panels"):
         panels(torch.zeros(1, 3, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not bf16_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
+@pytest.mark.skipif(not panel_gemm.supported(), reason="our bf16 kernel needs AVX512-BF16")
 def test_packed_weight_bf16_kernel():
     """A plan with our bf16 kernel keeps one copy of the weight, the kernel's panels (an odd
     input size keeps oneDNN's), and answers as F.linear does."""
@@ -296,6 +316,15 @@ def test_cpu_gemm_plan_bf16_kernel(times):
     assert cpu_gemm.choose_plan({}, "mkl", bf16_fp32=None, bf16_kernel=True).bf16_kernel
 
 
+def test_cpu_gemm_plan_float32_kernel():
+    """Our float32 kernel, timed beside MKL and oneDNN: taken unless clearly slower than the
+    faster of the two."""
+    for factor, library in ((0.5, "pagellm"), (1.1, "pagellm"), (1.3, "onednn")):
+        timed = {**_AMD, **{("pagellm", r): factor * _AMD["onednn", r] for r in (1, 8, 32)}}
+        plan = cpu_gemm.choose_plan(timed, "mkl", bf16_fp32=None)
+        assert plan.fp32_library == library and "our kernel" in plan.note
+
+
 def test_cpu_gemm_plan_bf16_kernel_env(monkeypatch):
     """PAGELLM_CPU_BF16_KERNEL=0 forbids our kernel, =1 takes it untimed where the CPU has
     it; float32 arithmetic forced for bf16 rules it out."""
@@ -305,7 +334,7 @@ def test_cpu_gemm_plan_bf16_kernel_env(monkeypatch):
     monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "0")
     assert plan() == CpuGemmPlan("onednn", note="set by PAGELLM_CPU_*")
     monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "1")
-    assert plan().bf16_kernel == bf16_gemm.supported()
+    assert plan().bf16_kernel == panel_gemm.supported()
     monkeypatch.setenv("PAGELLM_CPU_BF16_FP32_GEMM", "1")
     assert not plan().bf16_kernel
 

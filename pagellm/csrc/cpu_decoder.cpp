@@ -1,5 +1,5 @@
 // A Llama-family decoder's layers for one step on the CPU, in one call: the same kernels the
-// Python layers call one by one (pagellm/csrc/cpu_fused.cpp, bf16_gemm.cpp,
+// Python layers call one by one (pagellm/csrc/cpu_fused.cpp, panel_gemm.cpp,
 // paged_decode.cpp), in the same order on the same buffers, so the results are bit for bit
 // the layer-by-layer path's. What it saves is the ~10 Python-level calls a layer (module
 // calls, argument checks, tensor allocations, ctypes): at a decode step of a small model
@@ -8,7 +8,7 @@
 // The kernels are reached through the function pointers the caller passes (their C entry
 // points in their own libraries), so no kernel is compiled twice. Activations and the KV
 // cache in bf16 or float32; each GEMM through GGUF blocks (gguf_gemm.cpp) for steps of up to
-// the rows its layer reads them for, else through bf16 panels (bf16_gemm.cpp, bf16 only):
+// the rows its layer reads them for, else through our panels (panel_gemm.cpp, either dtype):
 // the rule of the Python layers (pagellm/quantization/gguf_cpu.py). Every query row goes
 // through the in-place paged attention.
 //
@@ -36,8 +36,8 @@ using RmsNormFn = void (*)(void*, void*, const void*, const void*, const void*, 
 using RotaryFn = void (*)(void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t,
                           const int64_t*, int);
 using SiluMulFn = void (*)(void*, const void*, int64_t, int64_t, const int64_t*, int);
-using GemmFn = int (*)(const uint16_t*, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
-                       const float*, uint16_t*, int64_t);
+using GemmFn = int (*)(const void*, int64_t, int64_t, int64_t, const void*, int64_t,
+                       const float*, void*, int64_t);  // bf16 or float32 panels
 using BlockGemmFn = int (*)(const void*, int64_t, int64_t, int, int, const void*, const void*,
                             const void*, int64_t, void*, const float*);
 using AttentionFn = void (*)(void*, const void*, const void*, const void*, const int32_t*,
@@ -52,13 +52,14 @@ struct PagellmDecoderFns {
   RmsNormFn rms_norm;
   RotaryFn rotary;
   SiluMulFn silu_and_mul;
-  GemmFn gemm;  // bf16 panels
+  GemmFn gemm;  // bf16 panels (null where not built)
+  GemmFn gemm_f32;  // float32 panels
   BlockGemmFn block_gemm;  // GGUF blocks (null where not built)
   AttentionFn attention;
 };
 
 struct PagellmDecoderGemm {  // one projection's weight: panels, GGUF blocks, or both
-  const uint16_t* panels;  // [ceil(N / 32), K / 2, 32, 2] bf16, or null
+  const void* panels;  // bf16 [ceil(N / 32), K / 2, 32, 2] / float32 [.., K, 32], or null
   const void* qs;  // GGUF planes (gguf_gemm.cpp), or null
   const void* d;
   const void* m;
@@ -122,9 +123,9 @@ int project(const PagellmDecoderFns* f, const PagellmDecoderGemm& g, const char*
     }
     return 0;
   }
-  if (!g.panels || kind != 1) return 1;
-  return f->gemm(reinterpret_cast<const uint16_t*>(x), K, T, K, g.panels, N, g.bias,
-                 reinterpret_cast<uint16_t*>(y), N) ? 1 : 0;
+  const GemmFn gemm = kind == 1 ? f->gemm : f->gemm_f32;
+  if (!g.panels || !gemm) return 1;
+  return gemm(x, K, T, K, g.panels, N, g.bias, y, N) ? 1 : 0;
 }
 
 }  // namespace

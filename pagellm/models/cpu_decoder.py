@@ -8,7 +8,7 @@ same buffers from C++ (the C++ loop calls their entry points through pointers), 
 results are the layer-by-layer path's bit for bit; the tests hold it to that.
 
 It serves what those kernels cover, checked once per model (`CpuDecoder.build`): bf16
-weights in our bf16 kernel's panels (`pagellm.kernels.bf16_gemm`), RMSNorms, SiLU-and-mul,
+weights in our bf16 kernel's panels (`pagellm.kernels.panel_gemm`), RMSNorms, SiLU-and-mul,
 full rotary, optional q/k norms (Qwen3), biases, sliding windows, one tensor-parallel rank;
 and per step (`runs`): a bf16 KV cache read in place by the paged kernel. Anything else
 (float32, fp8 caches, quantized layers, soft-caps, other layer classes) takes the Python
@@ -27,7 +27,7 @@ import torch
 from pagellm import cpp_build, envs
 from pagellm.attention import cpu_decode
 from pagellm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from pagellm.kernels import bf16_gemm, cpu_fused
+from pagellm.kernels import cpu_fused, panel_gemm
 from pagellm.models.cpu_gemm import PackedWeight
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.gguf_cpu import GGUFBlockWeight
@@ -39,8 +39,8 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Fns(ctypes.Structure):
-    _fields_ = [(n, _P) for n in ("rms_norm", "rotary", "silu_and_mul", "gemm", "block_gemm",
-                                    "attention")]  # fmt: skip
+    _fields_ = [(n, _P) for n in ("rms_norm", "rotary", "silu_and_mul", "gemm", "gemm_f32",
+                                    "block_gemm", "attention")]  # fmt: skip
 
 
 class _Dims(ctypes.Structure):
@@ -91,9 +91,11 @@ def _entry():
     if run is None:
         return None
     lib = cpu_fused._library()
-    gemm = bf16_gemm.kernel() if bf16_gemm.supported() else None
+    gemm = panel_gemm.kernel() if panel_gemm.supported() else None
+    gemm_f32 = panel_gemm.kernel(torch.float32) if panel_gemm.supported(torch.float32) else None
     blocks = gguf_kernel.kernel() if gguf_kernel.supported() else None
-    ptrs = [lib.pagellm_rms_norm, lib.pagellm_rotary, lib.pagellm_silu_and_mul, gemm, blocks]
+    ptrs = [lib.pagellm_rms_norm, lib.pagellm_rotary, lib.pagellm_silu_and_mul, gemm, gemm_f32]
+    ptrs.append(blocks)
     ptrs.append(attention)
     return run, _Fns(*(None if p is None else ctypes.cast(p, _P).value for p in ptrs))
 
@@ -120,11 +122,11 @@ class CpuDecoder:
         self.dtype = first.input_layernorm.weight.dtype
         linears = [lin for layer in model.layers for lin in _linears(layer)]
         # a step of T rows runs here if every projection has a layout for it: GGUF blocks up
-        # to their row limit, bf16 panels beyond (bf16 only)
+        # to their row limit, our kernels' panels beyond
         blocks = [_blocks(lin, self.dtype) for lin in linears]
         self.block_rows = min((rows for _, rows in blocks), default=0)  # all through blocks
         without_panels = [rows for (_, rows), lin in zip(blocks, linears, strict=True)
-                          if _panels(lin) is None]  # fmt: skip
+                          if _panels(lin, self.dtype) is None]  # fmt: skip
         self.panel_rows_limit = min(without_panels, default=_UNLIMITED)
         self._float_biases: list[torch.Tensor] = []  # kept alive: the layers point at them
         self._layers: ctypes.Array | None = None
@@ -148,6 +150,7 @@ class CpuDecoder:
             return None  # OLMo 2's layers, MoE blocks, or another model's own layers
         first = layers[0]
         eps, dtype = first.input_layernorm.eps, first.input_layernorm.weight.dtype
+        gemm = fns.gemm if dtype == torch.bfloat16 else fns.gemm_f32
         head_dim = first.self_attn.head_dim
         if model.rotary_emb.cos_sin.shape[-1] != head_dim or dtype not in _KINDS:
             return None  # partial rotary, or a dtype the kernels do not take
@@ -156,8 +159,9 @@ class CpuDecoder:
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             norms += [attn.q_norm, attn.k_norm] if attn.qk_norm else []
             impl = attn.attn.impl
+            blocks = fns.block_gemm
             layouts = [
-                (_panels(lin) is not None and fns.gemm, _blocks(lin, dtype)[1] and fns.block_gemm)
+                (_panels(lin, dtype) is not None and gemm, _blocks(lin, dtype)[1] and blocks)
                 for lin in _linears(layer)
             ]
             if (
@@ -180,11 +184,11 @@ class CpuDecoder:
         """Which GEMMs the loop runs, for the start-up log."""
         kind = "float32" if self.dtype == torch.float32 else "bf16"
         if self.block_rows and self.panel_rows_limit >= _UNLIMITED:
-            gemms = f"GGUF blocks up to {self.block_rows} rows, bf16 panels beyond"
+            gemms = f"GGUF blocks up to {self.block_rows} rows, our kernel's panels beyond"
         elif self.block_rows:
             gemms = f"GGUF blocks; steps of more than {self.block_rows} rows take the layers"
         else:
-            gemms = "bf16 panels"
+            gemms = "our kernel's panels"
         return f"{kind}, {gemms}"
 
     def runs(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: Any) -> bool:
@@ -192,12 +196,8 @@ class CpuDecoder:
         it, every row of the flat batch a real token, a GEMM layout for its rows in every
         projection, no KV scales to compute."""
         t = hidden.shape[0]
-        if self.dtype == torch.bfloat16:
-            fits = t <= self.panel_rows_limit
-        else:
-            fits = t <= self.block_rows
         return (
-            fits
+            t <= self.panel_rows_limit
             and hidden.dtype == self.dtype
             and hidden.device.type == "cpu"
             and isinstance(metadata, TorchAttentionMetadata)
@@ -269,7 +269,7 @@ class CpuDecoder:
         return self._layers
 
     def _gemm(self, linear) -> _Gemm:
-        panels = _panels(linear)
+        panels = _panels(linear, self.dtype)
         planes, rows = _blocks(linear, self.dtype)
         bias = None
         if linear.bias is not None:
@@ -288,12 +288,16 @@ def _linears(layer) -> tuple:
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
-def _panels(linear) -> bf16_gemm.Bf16Panels | None:
-    """The layer's weight as our bf16 kernel's panels (a GGUF layer's dense copy's), or None."""
+def _panels(linear, dtype: torch.dtype) -> panel_gemm.Panels | None:
+    """The layer's weight as our kernels' panels in `dtype` (a GGUF layer's dense copy's), or
+    None."""
     packed = linear.packed_weight
     if isinstance(packed, GGUFBlockWeight):  # the blocks serve up to its max_rows rows
         packed = packed.dense
-    return packed.panels if isinstance(packed, PackedWeight) else None
+    if not isinstance(packed, PackedWeight):
+        return None
+    panels = packed.panels if packed.fp32 is None else packed.fp32.panels  # bf16 | float32
+    return panels if panels is not None and panels.dtype == dtype else None
 
 
 def _blocks(linear, dtype: torch.dtype) -> tuple[BlockPlanes | None, int]:

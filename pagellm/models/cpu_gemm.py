@@ -9,9 +9,10 @@ not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
     AMD EPYC, AVX512-BF16        float32: oneDNN (MKL    bf16: oneDNN (3-6x the float32
                                  is 2-4x slower)         arithmetic)
 
-and on CPUs with AVX512-BF16 our own bf16 kernel (`pagellm/kernels/bf16_gemm.py`) streams
-a decode step's weights at about twice oneDNN's rate (the AMD EPYC: 1.6-2x at 1-8 rows,
-weights read from memory; level with it or ahead up to 512 rows from cache). So
+and our own kernels (`pagellm/kernels/panel_gemm.py`: bf16 with AVX512-BF16, float32 with
+AVX-512) stream a decode step's weights at about twice oneDNN's rate (the AMD EPYC, bf16:
+1.6-2x at 1-8 rows, weights read from memory; level with it or ahead up to 512 rows from
+cache; float32 faster still). So
 `cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
 and `PackedWeight` holds each weight in the layouts the plan names. A plain weight would be
 re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes.
@@ -27,23 +28,25 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
-from pagellm.kernels import bf16_gemm
-from pagellm.kernels.bf16_gemm import Bf16Panels
+from pagellm.kernels import panel_gemm
+from pagellm.kernels.panel_gemm import Panels
 
-FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN"}  # name -> how the log writes it
+# name -> how the log writes it ("pagellm": our AVX-512 panels, `pagellm.kernels.panel_gemm`)
+FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN", "pagellm": "pagellm's AVX-512 kernel"}
 
 
 @dataclass(frozen=True)
 class CpuGemmPlan:
     """Which library runs the CPU GEMMs.
 
-    fp32_library: "mkl" (its packed sgemm) or "onednn", for float32 weights and for bf16
+    fp32_library: "mkl" (its packed sgemm), "onednn" or "pagellm" (our panels), for float32
+        weights and for bf16
         weights held in float32 (below).
     bf16_fp32_from_rows: bf16 GEMMs of this many rows or more run in float32 arithmetic on
         the weight widened to float32 (exact products, float32 sums as in oneDNN's bf16
         kernel, one rounding to bf16); fewer rows stay in oneDNN's bf16 kernel, which
         streams half the bytes. None: always oneDNN bf16.
-    bf16_kernel: bf16 GEMMs of every size run in our AVX512-BF16 kernel (`Bf16Panels`, one
+    bf16_kernel: bf16 GEMMs of every size run in our AVX512-BF16 kernel (`Panels`, one
         copy of the weight) instead of the two above.
     note: how it was chosen, for the start-up log.
     """
@@ -85,12 +88,12 @@ class PackedWeight:
         self.onednn: torch.Tensor | None = None  # oneDNN's layout in the weight's own dtype
         self.fp32: Fp32Gemm | None = None  # float32 arithmetic, from `fp32_from_rows` rows
         self.fp32_from_rows = 0
-        self.panels: Bf16Panels | None = None  # our bf16 kernel's layout
+        self.panels: Panels | None = None  # our bf16 kernel's layout
         if weight.dtype == torch.float32:
             self.fp32 = Fp32Gemm(weight, plan.fp32_library, batch_hint)
             return
         if plan.bf16_kernel and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
-            self.panels = Bf16Panels(weight)
+            self.panels = Panels(weight)
             return
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         if weight.dtype == torch.bfloat16 and plan.bf16_fp32_from_rows is not None:
@@ -115,7 +118,10 @@ class Fp32Gemm:
 
     def __init__(self, weight: torch.Tensor, library: str, batch_hint: int) -> None:
         self.library = library
-        if library == "mkl":
+        self.panels: Panels | None = None
+        if library == "pagellm":
+            self.panels = Panels(weight)
+        elif library == "mkl":
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, batch_hint)
             # the op reads only sizes and dtype from this: a zero-stride stand-in, no memory
             self.sizes = torch.zeros((), dtype=weight.dtype).expand(weight.shape)
@@ -123,6 +129,8 @@ class Fp32Gemm:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        if self.panels is not None:
+            return self.panels(x, bias)
         if self.library == "mkl":
             # told that the batch is the packed one, the op always takes the packed path
             return torch.ops.mkl._mkl_linear(x, self.packed, self.sizes, bias, rows)
@@ -145,10 +153,12 @@ def cpu_gemm_plan() -> CpuGemmPlan:
     library = envs.cpu_fp32_gemm()
     bf16_fp32 = envs.cpu_bf16_fp32_gemm()
     kernel = envs.cpu_bf16_kernel()
-    if kernel is not False and (bf16_fp32 or not bf16_gemm.supported()):
+    if kernel is not False and (bf16_fp32 or not panel_gemm.supported()):
         kernel = False
     mkl_ok = mkl_packing_is_batch_independent()
     if library == "mkl" and not mkl_ok:
+        library = "onednn"
+    if library == "pagellm" and not panel_gemm.supported(torch.float32):
         library = "onednn"
     times = time_candidates(
         fp32=library is None and mkl_ok, bf16=bf16_fp32 is None or kernel is None,
@@ -175,6 +185,10 @@ def choose_plan(
         ratio = _geomean([times["mkl", r] / times["onednn", r] for r in FP32_ROWS])
         library = "onednn" if ratio > MARGIN else "mkl"
         notes.append(f"float32: MKL {ratio:.2f}x oneDNN's time")
+        if ("pagellm", FP32_ROWS[0]) in times:  # ours, unless clearly slower (see above)
+            ours = _geomean([times["pagellm", r] / times[library, r] for r in FP32_ROWS])
+            notes.append(f"our kernel {ours:.2f}x {FP32_LIBRARIES[library]}'s")
+            library = "pagellm" if ours <= MARGIN else library
     if bf16_kernel is None and ("bf16_kernel", BF16_ROWS[0]) in times:
         best = [min(times["bf16", r], times["bf16_in_fp32", r]) for r in BF16_ROWS]
         ratio = _geomean([times["bf16_kernel", r] / b for r, b in zip(BF16_ROWS, best)])
@@ -210,6 +224,8 @@ def time_candidates(
     xs = {r: torch.randn(r, CALIBRATION_SHAPE[1], generator=gen) for r in (*FP32_ROWS, *BF16_ROWS)}
     if fp32:
         for lib in FP32_LIBRARIES:
+            if lib == "pagellm" and not panel_gemm.supported(torch.float32):
+                continue
             gemm = Fp32Gemm(weight, lib, 32)
             for r in FP32_ROWS:
                 times[lib, r] = _best_us(gemm, xs[r], None, r)
@@ -218,7 +234,7 @@ def time_candidates(
         library = library or "onednn"
         plain = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library))
         wide = PackedWeight(weight.bfloat16(), 32, CpuGemmPlan(library, bf16_fp32_from_rows=1))
-        ours = Bf16Panels(weight.bfloat16()) if kernel else None
+        ours = Panels(weight.bfloat16()) if kernel else None
         for r in BF16_ROWS:
             x = xs[r].bfloat16()
             times["bf16", r] = _best_us(plain, x)

@@ -1,5 +1,6 @@
-// y = x @ W^T (+ bias) for bf16 x and W on CPUs with AVX512-BF16: the decode-sized GEMMs of a
-// bf16 model, which stream every weight byte from memory once per step.
+// y = x @ W^T (+ bias) for bf16 x and W on CPUs with AVX512-BF16 (and the same for float32 x
+// and W with AVX-512 FMAs): the decode-sized GEMMs of a model, which stream every weight
+// byte from memory once per step.
 //
 // At a few rows a decode step's GEMMs are bound by the weight bytes, not the arithmetic;
 // oneDNN's bf16 kernel reads them at about half of what the memory delivers on the 2-core
@@ -9,13 +10,15 @@
 //   W packed [ceil(N / 32), K / 2, 32, 2] bf16: panel p holds output rows 32 p .. 32 p + 31,
 //   and for each pair of input columns (2 j, 2 j + 1) the 32 rows' two weights side by side,
 //   so one 64-byte load is the 16-row x 2-column operand of `vdpbf16ps` (two of them a
-//   panel's pair). Rows past N are zero. (cpu_bf16_gemm.py packs it.)
+//   panel's pair). Rows past N are zero. (cpu_panel_gemm.py packs it.)
 //   x [M, K] bf16 (rows x_row elements apart), K even; y [M, N] bf16 (rows y_row apart);
 //   bias [N] float32 or null.
 //
 // Every product of two bf16 values is exact in float32 and each output sums them in float32
 // (pairwise inside the instruction, then along K), then rounds once to bf16: oneDNN's bf16
-// kernel does the same up to summation order. Up to 8 rows of x share a panel's loads (the
+// kernel does the same up to summation order. float32: W packed [ceil(N / 32), K, 32], one
+// FMA per weight and row of x, float32 sums (MKL's and oneDNN's arithmetic, another order).
+// Up to 8 rows of x share a panel's loads (the
 // panel stays in L2 for the next 8 rows of a larger x). Panels are split over ATen's thread
 // pool (torch's OpenMP threads). A plain C entry point for ctypes.
 
@@ -24,7 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -78,9 +81,73 @@ constexpr TileFn kTiles[kTileRows + 1] = {
 
 #endif
 
+#if defined(__AVX512F__)
+
+// float32: rows R of x against one panel [K, 32]
+template <int R>
+void panel_tile_f32(const float* x0, int64_t x_row, int64_t K, const float* panel,
+                    const float* bias, float* y0, int64_t y_row, int64_t n0, int64_t N) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel);
+    const __m512 w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xk = _mm512_set1_ps(x0[r * x_row + k]);
+      acc[r][0] = _mm512_fmadd_ps(w0, xk, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, xk, acc[r][1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t start = n0 + 16 * h;
+    if (start >= N) break;
+    const int64_t valid = N - start < 16 ? N - start : 16;
+    const __mmask16 mask = valid == 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + start) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(y0 + r * y_row + start, mask, _mm512_add_ps(acc[r][h], b));
+    }
+  }
+}
+
+using TileF32Fn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*,
+                           int64_t, int64_t, int64_t);
+constexpr TileF32Fn kTilesF32[kTileRows + 1] = {
+    nullptr,              panel_tile_f32<1>, panel_tile_f32<2>, panel_tile_f32<3>,
+    panel_tile_f32<4>, panel_tile_f32<5>, panel_tile_f32<6>, panel_tile_f32<7>,
+    panel_tile_f32<8>};
+
+#endif
+
 }  // namespace
 
 extern "C" {
+
+// float32 x [M, K] against W packed [ceil(N / 32), K, 32]; 0: done; 1: bad arguments;
+// 2: compiled without AVX-512
+int pagellm_f32_gemm(const float* x, int64_t x_row, int64_t M, int64_t K, const float* w,
+                     int64_t N, const float* bias, float* y, int64_t y_row) {
+#if defined(__AVX512F__)
+  if (M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return 1;
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = M - m0 < kChunkRows ? M : m0 + kChunkRows;
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = w + p * K * kPanel;
+        for (int64_t m = m0; m < m1; m += kTileRows) {
+          const int rows = m1 - m < kTileRows ? int(m1 - m) : kTileRows;
+          kTilesF32[rows](x + m * x_row, x_row, K, panel, bias, y + m * y_row, y_row,
+                          p * kPanel, N);
+        }
+      }
+    });
+  }
+  return 0;
+#else
+  return 2;
+#endif
+}
 
 // 0: done; 1: bad arguments; 2: compiled without AVX512-BF16
 int pagellm_bf16_gemm(const uint16_t* x, int64_t x_row, int64_t M, int64_t K,
