@@ -174,6 +174,7 @@ int pagellm_decoder_layers(const PagellmDecoderFns* f, const PagellmDecoderDims*
     f->rotary(qk, qkv, s->cos_sin, T, heads + kv, D / 2, D, rot, kind);
     for (int64_t t = 0; t < T; ++t) {  // this step's keys and values into the cache
       const int64_t slot = s->slots[t];
+      if (slot < 0) continue;  // a padding row: nothing to store (as reshape_and_cache)
       std::memcpy(static_cast<char*>(L.k_cache) + slot * kv_row * es,
                   qk + (t * (heads + kv) + heads) * D * es, size_t(kv_row) * es);
       std::memcpy(static_cast<char*>(L.v_cache) + slot * kv_row * es,
