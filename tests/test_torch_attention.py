@@ -286,3 +286,29 @@ def test_every_cache_kind_decodes_in_place(monkeypatch):
     assert backend._in_place(q32) and backend._in_place(q16)
     monkeypatch.setattr(TorchAttentionBackend, "in_place", False)
     assert not backend._in_place(q16)
+
+
+def test_kernel_rejects_bad_arguments():
+    """The in-place kernel's wrapper: a wrong layout, dtype or row list is a ValueError, on
+    the first call of a layout and on later calls of one already checked."""
+    if cpu_decode.kernel() is None:
+        pytest.skip("no C++ compiler here")
+    q = torch.randn(3, 4, 16)
+    out = torch.empty_like(q)
+    cache = torch.zeros(4, 8, 2, 16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    rows, reqs = torch.arange(3), torch.zeros(3, dtype=torch.int64)
+    lens = torch.tensor([1, 2, 3], dtype=torch.int32)
+    args = (cache, cache, table, rows, reqs, lens, 0.25)
+    cpu_decode.paged_attention(out, q, *args)  # the layout, now checked
+    bad = [
+        ((out, q, cache, cache, table.long(), rows, reqs, lens, 0.25), "block_table"),
+        ((out, q, cache, cache[..., :8], table, rows, reqs, lens, 0.25), "alike"),
+        ((out.bfloat16(), q, *args), "q and out"),
+        ((out[:2], q, *args), "same rows"),
+        ((out, q, cache, cache, table, rows.int(), reqs, lens, 0.25), "int64"),
+        ((out, q, cache, cache, table, rows, reqs[:2], lens, 0.25), "one length"),
+    ]
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match):
+            cpu_decode.paged_attention(*call)
