@@ -7,9 +7,10 @@
     python benchmarks/cpu_gemm.py --rows 1 4 8 16 48 128 --threads 2    # bf16: where float32
                                                                         # arithmetic wins
 
-Formats: float32 through MKL's packed sgemm and through oneDNN's (the engine times the two
-at start-up and keeps the faster: `pagellm/models/cpu_gemm.py`), bfloat16 through oneDNN's
-packed layout, bfloat16 in float32 arithmetic (the weight widened to float32, the
+Formats: float32 through MKL's packed sgemm, through oneDNN's and through our panels (the
+engine times them at start-up and keeps the fastest: `pagellm/models/cpu_gemm.py`),
+bfloat16 through oneDNN's packed layout and through our panels (`pagellm/csrc/panel_gemm.cpp`,
+where the CPU has AVX512-BF16), bfloat16 in float32 arithmetic (the weight widened to float32, the
 activations widened and the result rounded: the engine's bf16 path from 8 or 32 rows where
 that start-up timing says it wins), int4 (groups of 32) and int8 (per row) through torch's
 weight-only CPU kernels with bfloat16 activations, int4 with float32 activations (the
@@ -31,6 +32,7 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from pagellm.kernels import panel_gemm
 from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
 from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
 from pagellm.quantization.gguf_kernel import MAX_ROWS, BlockPlanes, block_gemm
@@ -55,7 +57,10 @@ def formats(n: int, k: int) -> dict:
     s8 = s8.bfloat16()
     int4mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     blocks = {qt: gguf_blocks(w, qt) for qt in (Q.Q4_1, Q.Q8_0)}
+    panels = {dt: panel_gemm.Panels(w.to(dt)) for dt in (torch.float32, torch.bfloat16)
+              if panel_gemm.supported(dt)}  # fmt: skip
     return {
+        **{f"{str(dt)[6:]}_panels": (p, dt) for dt, p in panels.items()},
         "q4_1_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.float32),
         "q4_1_blocks_bf16": (lambda x: block_gemm(x, blocks[Q.Q4_1]), torch.bfloat16),
         "q8_0_blocks_fp32": (lambda x: block_gemm(x, blocks[Q.Q8_0]), torch.float32),

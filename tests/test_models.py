@@ -226,7 +226,7 @@ def test_float32_panels_against_float64():
             exact = F.linear(x.double(), weight.double(), bias.double())
             torch.testing.assert_close(panels(x, bias).double(), exact, rtol=1e-5, atol=1e-4)
     packed = PackedWeight(weight, 16, CpuGemmPlan("pagellm"))
-    assert packed.fp32.panels is not None and packed.onednn is None
+    assert packed.panels is not None and packed.onednn is None and packed.fp32 is None
     assert "pagellm" in CpuGemmPlan("pagellm").describe(torch.float32)
 
 

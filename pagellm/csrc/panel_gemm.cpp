@@ -119,56 +119,52 @@ constexpr TileF32Fn kTilesF32[kTileRows + 1] = {
 
 #endif
 
-}  // namespace
-
-extern "C" {
-
-// float32 x [M, K] against W packed [ceil(N / 32), K, 32]; 0: done; 1: bad arguments;
-// 2: compiled without AVX-512
-int pagellm_f32_gemm(const float* x, int64_t x_row, int64_t M, int64_t K, const float* w,
-                     int64_t N, const float* bias, float* y, int64_t y_row) {
-#if defined(__AVX512F__)
-  if (M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return 1;
+// tile(p, m, rows) for every panel p and tile of up to kTileRows rows from m: the panels split
+// over ATen's threads, x in passes of kChunkRows rows (each pass's rows stay in L2)
+template <typename Tile>
+void over_panels(int64_t M, int64_t N, const Tile& tile) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = M - m0 < kChunkRows ? M : m0 + kChunkRows;
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const float* panel = w + p * K * kPanel;
         for (int64_t m = m0; m < m1; m += kTileRows) {
-          const int rows = m1 - m < kTileRows ? int(m1 - m) : kTileRows;
-          kTilesF32[rows](x + m * x_row, x_row, K, panel, bias, y + m * y_row, y_row,
-                          p * kPanel, N);
+          tile(p, m, m1 - m < kTileRows ? int(m1 - m) : kTileRows);
         }
       }
     });
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: done; 1: bad arguments; 2: compiled without AVX-512 (float32) / AVX512-BF16 (bf16)
+int pagellm_f32_gemm(const float* x, int64_t x_row, int64_t M, int64_t K, const float* w,
+                     int64_t N, const float* bias, float* y, int64_t y_row) {
+#if defined(__AVX512F__)
+  if (M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return 1;
+  over_panels(M, N, [&](int64_t p, int64_t m, int rows) {
+    kTilesF32[rows](x + m * x_row, x_row, K, w + p * K * kPanel, bias, y + m * y_row, y_row,
+                    p * kPanel, N);
+  });
   return 0;
 #else
   return 2;
 #endif
 }
 
-// 0: done; 1: bad arguments; 2: compiled without AVX512-BF16
 int pagellm_bf16_gemm(const uint16_t* x, int64_t x_row, int64_t M, int64_t K,
                       const uint16_t* w, int64_t N, const float* bias, uint16_t* y,
                       int64_t y_row) {
 #if defined(__AVX512BF16__)
   if (M < 1 || N < 1 || K < 2 || K % 2 || x_row < K || y_row < N) return 1;
-  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2;
-  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {  // each chunk of x stays in L2
-    const int64_t m1 = M - m0 < kChunkRows ? M : m0 + kChunkRows;
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const uint16_t* panel = w + p * pairs * 2 * kPanel;
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          const int rows = m1 - m < kTileRows ? int(m1 - m) : kTileRows;
-          kTiles[rows](x + m * x_row, x_row, pairs, panel, bias, y + m * y_row, y_row,
-                       p * kPanel, N);
-        }
-      }
-    });
-  }
+  const int64_t pairs = K / 2;
+  over_panels(M, N, [&](int64_t p, int64_t m, int rows) {
+    kTiles[rows](x + m * x_row, x_row, pairs, w + p * pairs * 2 * kPanel, bias, y + m * y_row,
+                 y_row, p * kPanel, N);
+  });
   return 0;
 #else
   return 2;

@@ -193,8 +193,8 @@ class CpuDecoder:
 
     def runs(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor], metadata: Any) -> bool:
         """Whether this step can take the C++ loop: the model's dtype on the CPU, a cache of
-        it, every row of the flat batch a real token, a GEMM layout for its rows in every
-        projection, no KV scales to compute."""
+        it (never fp8, so no KV scales to compute), every row of the flat batch a real token,
+        a GEMM layout for its rows in every projection."""
         t = hidden.shape[0]
         return (
             t <= self.panel_rows_limit
@@ -203,7 +203,6 @@ class CpuDecoder:
             and isinstance(metadata, TorchAttentionMetadata)
             and metadata.num_actual_tokens == t
             and kv_caches[0].dtype == self.dtype
-            and not any(layer.self_attn.attn.calculate_kv_scales for layer in self.model.layers)
         )
 
     def __call__(
@@ -294,9 +293,7 @@ def _panels(linear, dtype: torch.dtype) -> panel_gemm.Panels | None:
     packed = linear.packed_weight
     if isinstance(packed, GGUFBlockWeight):  # the blocks serve up to its max_rows rows
         packed = packed.dense
-    if not isinstance(packed, PackedWeight):
-        return None
-    panels = packed.panels if packed.fp32 is None else packed.fp32.panels  # bf16 | float32
+    panels = packed.panels if isinstance(packed, PackedWeight) else None
     return panels if panels is not None and panels.dtype == dtype else None
 
 

@@ -40,8 +40,7 @@ class CpuGemmPlan:
     """Which library runs the CPU GEMMs.
 
     fp32_library: "mkl" (its packed sgemm), "onednn" or "pagellm" (our panels), for float32
-        weights and for bf16
-        weights held in float32 (below).
+        weights and for bf16 weights held in float32 (below).
     bf16_fp32_from_rows: bf16 GEMMs of this many rows or more run in float32 arithmetic on
         the weight widened to float32 (exact products, float32 sums as in oneDNN's bf16
         kernel, one rounding to bf16); fewer rows stay in oneDNN's bf16 kernel, which
@@ -74,10 +73,10 @@ class PackedWeight:
     """A Linear weight `[out, in]` re-laid once for a CPU GEMM library; `packed(x, bias)` is
     `F.linear(x, weight, bias)`. `batch_hint` is the typical number of rows it multiplies.
 
-    float32: one copy for the plan's float32 library. bfloat16: our kernel's panels where the
-    plan says so (and the input size is even); else oneDNN's bf16 layout, and, where the plan
-    says float32 arithmetic pays from some row count, also a float32 copy (then the weight
-    takes 3x its bf16 memory).
+    One copy in our kernels' panels where the plan names them for the weight's dtype (bf16:
+    with an even input size); else float32: one copy for the plan's float32 library;
+    bfloat16: oneDNN's bf16 layout, and, where the plan says float32 arithmetic pays from
+    some row count, also a float32 copy (then the weight takes 3x its bf16 memory).
     """
 
     def __init__(
@@ -88,9 +87,12 @@ class PackedWeight:
         self.onednn: torch.Tensor | None = None  # oneDNN's layout in the weight's own dtype
         self.fp32: Fp32Gemm | None = None  # float32 arithmetic, from `fp32_from_rows` rows
         self.fp32_from_rows = 0
-        self.panels: Panels | None = None  # our bf16 kernel's layout
+        self.panels: Panels | None = None  # our kernels' layout, in the weight's dtype
         if weight.dtype == torch.float32:
-            self.fp32 = Fp32Gemm(weight, plan.fp32_library, batch_hint)
+            if plan.fp32_library == "pagellm":
+                self.panels = Panels(weight)
+            else:
+                self.fp32 = Fp32Gemm(weight, plan.fp32_library, batch_hint)
             return
         if plan.bf16_kernel and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
             self.panels = Panels(weight)
