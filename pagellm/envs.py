@@ -79,7 +79,7 @@ def cpu_fused_ops() -> bool:
 
 def cpu_decoder_loop() -> bool:
     """PAGELLM_CPU_DECODER_LOOP=0: a Llama-family model's layers run one by one in Python on
-    the CPU instead of one C++ call a step (`pagellm.models.cpu_decoder`; bf16 models)."""
+    the CPU instead of one C++ call a step (`pagellm.models.cpu_decoder`)."""
     return _bool("PAGELLM_CPU_DECODER_LOOP", True)
 
 
