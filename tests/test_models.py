@@ -176,13 +176,45 @@ def test_packed_weight_any_batch_size(dtype, library):
     packed = PackedWeight(weight, batch_hint=64, plan=CpuGemmPlan(library))
     if dtype == torch.float32:
         assert packed.onednn is None and packed.fp32.library == library
-    else:
+    elif cpu_gemm.onednn_bf16_supported():
         assert packed.onednn is not None and packed.fp32 is None
+    else:  # no bf16 GEMM in oneDNN (AVX2): the weight in float32 for every row count
+        assert packed.onednn is None and packed.fp32.library == library
+        assert packed.fp32_from_rows == 0
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
     for rows in (1, 2, 63, 64, 65, 700):
         x = torch.randn(rows, 72, generator=gen).to(dtype)
         torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), **tol)
         torch.testing.assert_close(packed(x), F.linear(x, weight), **tol)
+
+
+def test_bf16_without_onednn_bf16_runs_in_float32(monkeypatch):
+    """On a CPU where oneDNN has no bf16 GEMM (AVX2 only: its weight reorder raises), the
+    plan times no bf16 path and every bf16 weight runs in float32 arithmetic."""
+    if not cpu_prepack_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("weight packing needs an x86 CPU")
+    monkeypatch.setattr(cpu_gemm, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setattr(cpu_gemm.torch.ops.mkldnn, "_reorder_linear_weight", _refuse_bf16)
+    monkeypatch.setenv("PAGELLM_CPU_BF16_KERNEL", "0")
+    plan = cpu_gemm.cpu_gemm_plan.__wrapped__()
+    assert "no bf16 GEMM on this CPU" in plan.describe(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    packed = PackedWeight(weight, batch_hint=8, plan=plan)
+    assert packed.onednn is None and packed.fp32_from_rows == 0
+    for rows in (1, 9):
+        x = torch.randn(rows, 48, generator=gen).to(torch.bfloat16)
+        want = F.linear(x.float(), weight.float()).to(torch.bfloat16)
+        torch.testing.assert_close(packed(x), want, rtol=0, atol=1e-2)
+
+
+_REORDER = torch.ops.mkldnn._reorder_linear_weight
+
+
+def _refuse_bf16(weight: torch.Tensor, *args):
+    if weight.dtype == torch.bfloat16:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...")
+    return _REORDER(weight, *args)
 
 
 @pytest.mark.parametrize("library", ["mkl", "onednn"])
@@ -198,9 +230,11 @@ def test_bf16_weight_in_fp32_arithmetic(library):
     weight = torch.randn(300, 200, generator=gen).to(torch.bfloat16)
     bias = torch.randn(300, generator=gen).to(torch.bfloat16)
     first = 8
-    packed = PackedWeight(weight, batch_hint=64, plan=CpuGemmPlan(library, first))
-    assert packed.onednn is not None and packed.fp32.library == library
-    for rows in (1, first - 1, first, 65):
+    if not cpu_gemm.onednn_bf16_supported():  # then float32 arithmetic from the first row
+        first = 0
+    packed = PackedWeight(weight, batch_hint=64, plan=CpuGemmPlan(library, first or 8))
+    assert (packed.onednn is not None) == (first > 0) and packed.fp32.library == library
+    for rows in (1, max(first - 1, 2), first or 3, 65):
         x = torch.randn(rows, 200, generator=gen).to(torch.bfloat16)
         exact = F.linear(x.double(), weight.double(), bias.double())
         got = packed(x, bias)

@@ -44,7 +44,8 @@ class CpuGemmPlan:
     bf16_fp32_from_rows: bf16 GEMMs of this many rows or more run in float32 arithmetic on
         the weight widened to float32 (exact products, float32 sums as in oneDNN's bf16
         kernel, one rounding to bf16); fewer rows stay in oneDNN's bf16 kernel, which
-        streams half the bytes. None: always oneDNN bf16.
+        streams half the bytes. None: always oneDNN bf16. Where oneDNN has no bf16 GEMM
+        (CPUs without AVX-512: `onednn_bf16_supported`), every bf16 GEMM runs in float32.
     bf16_kernel: bf16 GEMMs of every size run in our AVX512-BF16 kernel (`Panels`, one
         copy of the weight) instead of the two above.
     note: how it was chosen, for the start-up log.
@@ -61,6 +62,8 @@ class CpuGemmPlan:
             what = f"float32 GEMMs in {library}"
         elif self.bf16_kernel:
             what = "bf16 GEMMs in pagellm's AVX512-BF16 kernel"
+        elif not onednn_bf16_supported():
+            what = f"bf16 GEMMs in float32 arithmetic ({library}): no bf16 GEMM on this CPU"
         elif self.bf16_fp32_from_rows is None:
             what = "bf16 GEMMs in oneDNN"
         else:
@@ -97,10 +100,14 @@ class PackedWeight:
         if plan.bf16_kernel and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
             self.panels = Panels(weight)
             return
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        if weight.dtype == torch.bfloat16 and plan.bf16_fp32_from_rows is not None:
+        from_rows = plan.bf16_fp32_from_rows
+        if weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
+            from_rows = 0  # no bf16 GEMM in oneDNN here (AVX2): all in float32 arithmetic
+        if weight.dtype != torch.bfloat16 or from_rows != 0:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        if weight.dtype == torch.bfloat16 and from_rows is not None:
             self.fp32 = Fp32Gemm(weight.float(), plan.fp32_library, batch_hint)
-            self.fp32_from_rows = plan.bf16_fp32_from_rows
+            self.fp32_from_rows = from_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
@@ -162,6 +169,8 @@ def cpu_gemm_plan() -> CpuGemmPlan:
         library = "onednn"
     if library == "pagellm" and not panel_gemm.supported(torch.float32):
         library = "onednn"
+    if not onednn_bf16_supported():
+        bf16_fp32 = bf16_fp32 if bf16_fp32 is not None else True  # nothing to time it against
     times = time_candidates(
         fp32=library is None and mkl_ok, bf16=bf16_fp32 is None or kernel is None,
         library=library, kernel=kernel is None,
@@ -263,6 +272,14 @@ def _geomean(values: list[float]) -> float:
     for v in values:
         product *= v
     return product ** (1 / len(values))
+
+
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU (it needs AVX-512 BW/VL/DQ, AVX-NE-CONVERT
+    or AMX; on an AVX2-only CPU its weight reorder raises)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
 
 
 @functools.cache
