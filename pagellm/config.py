@@ -13,12 +13,12 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.loader.hf_config import HFConfigView
 from pagellm.quantization import resolve_quantization
 from pagellm.utils import cpu_bf16_units
 
@@ -141,16 +141,6 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
     return torch.device(name)
-
-
-class HFConfigView(SimpleNamespace):
-    """An HF config's attributes (its `to_dict()`) without transformers: the EngineCore
-    process builds its model from this, so it never imports transformers (whose config
-    classes pull in torchvision, torch._dynamo and sklearn on some machines: seconds)."""
-
-    def to_json_string(self, use_diff: bool = False) -> str:
-        """As the HF config's (the EngineCore process sends its config on to its workers)."""
-        return json.dumps(vars(self))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from pagellm.core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager, hash_block_tokens
 from pagellm.core.request import Request
@@ -205,3 +208,23 @@ def test_computed_blocks_only_on_first_allocation():
     manager.allocate_slots(b, 1, hits)
     with pytest.raises(ValueError):
         manager.allocate_slots(b, 1, hits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_kv_cache_is_zeroed_without_touching_its_memory(dtype):
+    """The CPU cache's pages come zeroed from the kernel on first touch: a 256 MiB layer
+    costs no resident memory (nor time) until its blocks are written."""
+    from pagellm.worker.model_runner import lazily_zeroed
+
+    def resident_bytes() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    shape = (256, 16, 4, (1 << 20) // 64 // dtype.itemsize)  # 256 MiB
+    before = resident_bytes()
+    cache = lazily_zeroed(shape, dtype)
+    assert resident_bytes() - before < 16 << 20
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    cache[3, 5] = 1.5
+    assert cache[3, 5].float().eq(1.5).all() and cache[::17].float().abs().sum() == 0
+    assert cache.float().abs().sum() == 1.5 * 4 * shape[-1]

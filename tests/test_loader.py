@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from pagellm import EngineArgs
 from pagellm.loader import (
     ModelSource,
+    gguf_loader,
     load_hf_config,
     load_tokenizer,
     resolve_model_source,
@@ -23,7 +24,13 @@ from pagellm.loader import (
 from pagellm.loader import source as source_module
 from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFTensor, read_gguf
-from pagellm.loader.gguf_loader import _llama3_scaling, _unpermute, gguf_weights, hf_name
+from pagellm.loader.gguf_loader import (
+    _llama3_scaling,
+    _unpermute,
+    config_from_gguf,
+    gguf_weights,
+    hf_name,
+)
 from pagellm.loader.tokenizer import tokenizer_cache_dir
 from pagellm.models.rope import default_inv_freq, llama3_inv_freq
 
@@ -193,6 +200,28 @@ def test_gguf_config_equals_hf_config(tiny_gguf):
         assert getattr(ours, key) == getattr(ref, key), key
     assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps)
     assert ours.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"]
+
+
+# what transformers' configs hold for its own use, not the model's: the GGUF view leaves them out
+_HF_BOOKKEEPING = {"transformers_version", "_name_or_path", "output_hidden_states",
+                   "output_attentions", "return_dict", "chunk_size_feed_forward",
+                   "is_encoder_decoder", "id2label", "label2id", "problem_type"}  # fmt: skip
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_gguf_config_is_what_transformers_builds(tiny_gguf, scaling, monkeypatch):
+    """The GGUF config is built without transformers; it holds every value (defaults
+    included) that transformers' config class of the architecture holds for the same file."""
+    if scaling is not None:
+        monkeypatch.setattr(gguf_loader, "_rope_scaling", lambda *args: dict(scaling))
+    gguf_file = read_gguf(tiny_gguf[1])
+    ours = vars(config_from_gguf(gguf_file))
+    arch = gguf_file.get("general.architecture")
+    kwargs = gguf_loader._config_kwargs(gguf_file, arch)
+    ref = AutoConfig.for_model(ours["model_type"], architectures=ours["architectures"], **kwargs)
+    expected = {k: v for k, v in ref.to_dict().items() if k not in _HF_BOOKKEEPING}
+    assert ours == expected
+    assert ours["rope_parameters"]["rope_type"] == (scaling or {}).get("rope_type", "default")
 
 
 def test_gguf_weights_are_hf_weights(tiny_gguf):

@@ -8,22 +8,29 @@ interleaved one (pairs); `_unpermute` restores HF's order. Qwen2/Qwen3 files are
 from __future__ import annotations
 
 from collections.abc import Container, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFFile
+from pagellm.loader.hf_config import HFConfigView
 
-if TYPE_CHECKING:  # the EngineCore process reads GGUF weights without importing transformers
-    from transformers import PretrainedConfig
-
-# GGUF general.architecture -> (transformers config class, HF architecture name)
+# GGUF general.architecture -> (HF model_type, HF architecture name)
 _ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
+# what transformers' config class of each adds to the file's values (its defaults, as its
+# `to_dict()` writes them); tests/test_loader.py checks them against transformers
+_COMMON_DEFAULTS = {"hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
+                    "attention_dropout": 0.0}  # fmt: skip
+_DEFAULTS = {
+    "llama": {"pretraining_tp": 1, "attention_bias": False, "mlp_bias": False},
+    "qwen2": {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 28},
+    "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+              "max_window_layers": 28},
+}  # fmt: skip
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -45,17 +52,26 @@ _BLOCK_NAMES = {  # blk.N.<gguf> -> model.layers.N.<hf>
 _NOT_WEIGHTS = ("rope_freqs.weight",)  # llama3 rope factors: become config.rope_scaling
 
 
-def config_from_gguf(gguf: GGUFFile) -> PretrainedConfig:
+def config_from_gguf(gguf: GGUFFile) -> HFConfigView:
+    """The HF config of a GGUF file, as transformers' config class of its architecture would
+    hold it, built without importing transformers (its Llama config module alone takes
+    1.5-2.5 s to import, most of a CPU start-up's budget)."""
     arch = gguf.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(_ARCHITECTURES)})"
         )
-    import transformers
-
-    config_cls, hf_arch = _ARCHITECTURES[arch]
-    return getattr(transformers, config_cls)(architectures=[hf_arch], **_config_kwargs(gguf, arch))
+    model_type, hf_arch = _ARCHITECTURES[arch]
+    values = _config_kwargs(gguf, arch)
+    theta, scaling = values.pop("rope_theta"), values.pop("rope_scaling")
+    values["rope_parameters"] = {"rope_theta": theta, "rope_type": "default", **(scaling or {})}
+    if arch != "llama":  # Qwen configs list each layer's attention kind
+        values["layer_types"] = ["full_attention"] * values["num_hidden_layers"]
+    return HFConfigView(
+        architectures=[hf_arch], model_type=model_type, dtype=None,
+        **_COMMON_DEFAULTS, **_DEFAULTS[arch], **values,
+    )  # fmt: skip
 
 
 def _config_kwargs(gguf: GGUFFile, arch: str) -> dict:
