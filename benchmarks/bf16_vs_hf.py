@@ -25,11 +25,11 @@ import os
 import platform
 import time
 
+import accuracy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import accuracy
 from pagellm import LLM, SamplingParams
 from pagellm.loader import resolve_model_source
 

@@ -95,7 +95,9 @@ def tiny_gguf(tmp_path_factory):
     return {qt: write_tiny_gguf(folder, str(tmp / f"{qt}.gguf"), qt) for qt in ("Q4_1", "Q8_0")}
 
 
-@pytest.mark.skipif(not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512")
+@pytest.mark.skipif(
+    not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512 or AVX2"
+)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_loop_equals_the_layers_gguf_float32(tiny_gguf, qtype, monkeypatch):
     """float32: GGUF blocks up to their 8 rows in the loop; larger steps (the prefill of
@@ -113,7 +115,9 @@ def test_loop_equals_the_layers_gguf_float32(tiny_gguf, qtype, monkeypatch):
 
 
 @needs_bf16_kernel
-@pytest.mark.skipif(not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512")
+@pytest.mark.skipif(
+    not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512 or AVX2"
+)
 def test_loop_equals_the_layers_gguf_bf16(tiny_gguf, bf16_kernel_plan, monkeypatch):
     """bf16: blocks for steps of up to their row limit (2 here), the dense copy's panels for
     larger ones, both inside the loop."""

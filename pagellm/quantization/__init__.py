@@ -4,13 +4,13 @@
 
     None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
                      `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
-                     AVX-512 where the block kernel builds, on one rank (its float32 results are the
-                     dequantized path's: 64 of 64 identical 32-token greedy continuations of
+                     AVX-512 or AVX2 where the block kernel builds, on one rank (its float32
+                     results are the dequantized path's: 64 of 64 identical 32-token greedy continuations of
                      the embedded model, docs/benchmarks.md); otherwise unquantized
     "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
     "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py): Q4_0 / Q4_1 /
-                     Q8_0 blocks read as they are (the block kernel, AVX-512), or without
-                     it torch's int4 / int8 kernels (AVX512-BF16)
+                     Q8_0 blocks read as they are (the block kernel, AVX-512 or AVX2), or
+                     without it torch's int4 / int8 kernels (AVX512-BF16)
     "int4", "int8"   weight-only int4 (groups of 32) / int8 (per row) on the CPU (cpu_int.py)
                      torch's int kernels need an x86 CPU with AVX512-BF16 (elsewhere they
                      run a scalar path slower than float32, for no memory saved: ValueError)

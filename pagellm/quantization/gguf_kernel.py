@@ -69,10 +69,12 @@ class BlockPlanes:
 
 
 def supported() -> bool:
-    """Whether GGUF blocks run fast here: an x86 CPU with AVX-512 (the kernel's vector path;
-    elsewhere it compiles to scalar code) where the kernel builds."""
+    """Whether GGUF blocks run fast here: an x86 CPU with AVX-512, or AVX2 with FMA (the
+    kernel's vector paths; elsewhere it compiles to scalar code), where the kernel builds."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and "avx512f" in cpuinfo_flags() and kernel() is not None
+    flags = cpuinfo_flags()
+    vectors = "avx512f" in flags or {"avx2", "fma"} <= flags
+    return x86 and vectors and kernel() is not None
 
 
 @functools.cache
