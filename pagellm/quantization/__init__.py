@@ -5,8 +5,9 @@
     None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
                      `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
                      AVX-512 or AVX2 where the block kernel builds, on one rank (its float32
-                     results are the dequantized path's: 64 of 64 identical 32-token greedy continuations of
-                     the embedded model, docs/benchmarks.md); otherwise unquantized
+                     results are the dequantized path's: 64 of 64 identical 32-token greedy
+                     continuations of the embedded model, docs/benchmarks.md); otherwise
+                     unquantized
     "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
     "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py): Q4_0 / Q4_1 /
                      Q8_0 blocks read as they are (the block kernel, AVX-512 or AVX2), or
