@@ -2,9 +2,9 @@
 file's quantized tensors stay quantized on the CPU.
 
 With the block kernel (`gguf_kernel.py`, x86 with AVX-512 or AVX2 + FMA): Q4_0 / Q4_1 / Q8_0
-tensors are read as they are, with float32 accumulation on the model dtype's activations, for GEMMs of up
-to 8 rows (float32 activations; 2 for bfloat16, whose dense oneDNN GEMM reads half the bytes
-of float32: `GGUFBlockWeight.MAX_ROWS`, PAGELLM_CPU_QUANT_MAX_ROWS); a dequantized copy
+tensors are read as they are, with float32 accumulation on the model dtype's activations, for
+GEMMs of up to 8 rows (float32 activations; 2 for bfloat16, whose dense oneDNN GEMM reads half
+the bytes of float32: `GGUFBlockWeight.MAX_ROWS`, PAGELLM_CPU_QUANT_MAX_ROWS); a dequantized copy
 serves larger ones (prefill chunks), so every path computes the file's exact weights.
 Other types (K-quants, fused projections whose parts differ) are dequantized at load. The
 tied LM head (SmolLM2's `token_embd`, Q8_0) reads the embedding's blocks the same way.
