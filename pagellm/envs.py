@@ -83,6 +83,12 @@ def cpu_decoder_loop() -> bool:
     return _bool("PAGELLM_CPU_DECODER_LOOP", True)
 
 
+def pdl() -> bool:
+    """PAGELLM_PDL=0: no programmatic dependent launch on Hopper GPUs (`pagellm.kernels.pdl`:
+    the batch-1 fp8 GEMVs start while the kernel before them finishes)."""
+    return _bool("PAGELLM_PDL", True)
+
+
 def cpu_decode_kernel() -> bool:
     """PAGELLM_CPU_DECODE_KERNEL=0: CPU attention gathers its K/V and runs SDPA instead of the
     C++ kernel that reads the paged cache in place (`pagellm.attention.cpu_decode`)."""

@@ -84,6 +84,24 @@ def test_quantize_fp8_activations(group):
 
 @needs_triton
 @pytest.mark.parametrize("block", [False, True])
+def test_fp8_gemv_over_several_k_steps(block):
+    """One row of x (the GEMV kernel), K of several BLOCK_K steps: each step's weight tile is
+    loaded one step ahead, the last step's look-ahead masked off."""
+    from pagellm.kernels.fp8_gemm import fp8_gemm, gemv_config
+
+    gen = torch.Generator().manual_seed(3)
+    n, k = 6, 3072
+    assert k // gemv_config(n, k, 128 if block else 0)["BLOCK_K"] >= 3
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q, scale = _block_quantize(w) if block else quantize_weight_per_row(w)
+    x = torch.randn(1, k, generator=gen)
+    got = fp8_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), out_dtype=torch.float32)
+    want = F.linear(x, dequantize_fp8(q, scale))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_fp8_gemm_matches_dequantized_matmul(block, w8a8, rows):

@@ -60,7 +60,7 @@ def compile_attention() -> None:
             QUERIES_PER_KV=2, HEAD_GROUPS=1, HEADS_PER_PROG=2, BLOCK_Q=16, BLOCK_N=32,
             HEAD_DIM=64, BLOCK_SIZE=16, HAS_TILE_MAP=True, SPLIT=split, FP32_DOT=False,
             WINDOW=window, SOFT_CAP_LOG2=soft_cap_log2, KV_FP8=kv_fp8, FP8_PAIRS=fp8_pairs,
-            PTX_CVT=bool(fp8_pairs),
+            PTX_CVT=bool(fp8_pairs), PDL=split,  # griddepcontrol through ptxas too
         )  # fmt: skip
         _compile(_paged_attention_kernel, types, constexprs)
 
@@ -78,8 +78,10 @@ def compile_fp8_gemm() -> None:
     for w_block, block_n, block_k in ((0, 2, 1024), (128, 32, 128)):
         types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "w_scale_ptr": "*fp32",
                  "bias_ptr": "*bf16"}  # fmt: skip
-        constexprs = dict(W_BLOCK=w_block, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k)
-        _compile(_fp8_gemv_kernel, types, constexprs)
+        for pdl in (False, True):
+            constexprs = dict(W_BLOCK=w_block, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k,
+                              PDL=pdl)  # fmt: skip
+            _compile(_fp8_gemv_kernel, types, constexprs)
 
 
 def _in_fresh_process(function: str) -> None:

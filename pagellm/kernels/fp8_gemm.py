@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels import fp8_convert
+from pagellm.kernels import fp8_convert, pdl
 from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
 
 FP8 = torch.float8_e4m3fn
@@ -160,10 +160,13 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched early (`pagellm.kernels.pdl`): x only after the wait
 ):
     # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step (16-byte loads,
     # fp8 -> f16x2 -> f32 in registers), on the CUDA cores: products summed per lane in a
-    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop.
+    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop. Each step's
+    # weight tile is loaded one step ahead, the first before waiting for the kernel that
+    # writes x: the weights are constant, so their first bytes travel during its tail.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -172,8 +175,12 @@ def _fp8_gemv_kernel(
     # values it multiplies (repeats hit L1), so no layout change through shared memory
     x_ptrs = x_ptr + rk[None, :] + 0 * rn[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_next = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+    pdl.wait_for_predecessor(PDL)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        w = w_next.to(tl.float32)
+        w_ptrs += BLOCK_K
+        w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + BLOCK_K < K), other=0.0)
         x = tl.load(x_ptrs).to(tl.float32)
         if W_BLOCK:  # BLOCK_K == W_BLOCK: one scale per row and step
             ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + k0 // W_BLOCK, mask=n_ok,
@@ -181,7 +188,6 @@ def _fp8_gemv_kernel(
             acc += (w * x) * ws[:, None]
         else:
             acc += w * x
-        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if not W_BLOCK:
@@ -246,9 +252,11 @@ def fp8_gemm(
     if cfg.pop("GEMV", False):  # one bf16 row: the CUDA-core kernel
         if a_fp8 or m != 1:
             raise ValueError("fp8_gemm: a GEMV config takes one bf16 / fp16 row of x")
+        use_pdl = pdl.enabled(x.device)
         _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, w, w_scale, bias if bias is not None else w_scale, out, n, k, w.stride(0),
-            w_scale.stride(0) if block else 0, W_BLOCK=block, HAS_BIAS=bias is not None, **cfg,
+            w_scale.stride(0) if block else 0, W_BLOCK=block, HAS_BIAS=bias is not None,
+            PDL=use_pdl, launch_pdl=use_pdl, **cfg,
         )  # fmt: skip
         return out
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -34,7 +36,9 @@ def _rms_norm_kernel(
     HEADS_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PDL: tl.constexpr = False,  # let the next kernel (a GEMV) launch now (`pagellm.kernels.pdl`)
 ):
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs = tl.arange(0, BLOCK)
@@ -134,7 +138,9 @@ def _silu_and_mul_kernel(
     n,
     stride_xt,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # as _rms_norm_kernel's
 ):
+    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -175,6 +181,7 @@ def rms_norm(
         HEADS_PAD=triton.next_power_of_2(heads),
         BLOCK=triton.next_power_of_2(n),
         HAS_RES=residual is not None,
+        PDL=pdl.enabled(x.device),
         num_warps=_num_warps(heads * n),
     )  # fmt: skip
     return out, res_out
@@ -234,8 +241,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(n), 2048)
     _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
-        x, out, n, x.stride(0), BLOCK=block, num_warps=_num_warps(block)
-    )
+        x, out, n, x.stride(0), BLOCK=block, PDL=pdl.enabled(x.device),
+        num_warps=_num_warps(block),
+    )  # fmt: skip
     return out
 
 

@@ -67,7 +67,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from pagellm.attention.kv_cache_dtype import is_fp8
-from pagellm.kernels import fp8_convert
+from pagellm.kernels import fp8_convert, pdl
 from pagellm.kernels.attention_plan import (
     MAX_SPLITS,
     AttentionPlan,
@@ -254,7 +254,9 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr = False,  # float8 cache with per-tensor scales
     FP8_PAIRS: tl.constexpr = 0,  # KV_FP8 as int16 pairs, fp16 dots: 1 e4m3fn, 2 e5m2
     PTX_CVT: tl.constexpr = False,  # FP8_PAIRS converted by PTX (compiled; not interpreted)
+    PDL: tl.constexpr = False,  # let the next kernel (o_proj's GEMV) launch now (`kernels.pdl`)
 ):
+    pdl.launch_dependents(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
     pid_head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -369,7 +371,9 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_TILE_MAP: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # >= num_splits: next_power_of_2(MAX_SPLITS), one variant
+    PDL: tl.constexpr = False,  # as _paged_attention_kernel's
 ):
+    pdl.launch_dependents(PDL)
     head = tl.program_id(0)
     row = tl.program_id(1)  # tile * BLOCK_Q + token in tile
     tile = row // BLOCK_Q
@@ -550,6 +554,8 @@ def _launch(
         if fp8_convert.ENABLED:  # K/V read as int16 pairs (`pagellm.kernels.fp8_convert`)
             constexprs["FP8_PAIRS"] = 1 if kv_cache.dtype == torch.float8_e4m3fn else 2
             constexprs["PTX_CVT"] = kv_cache.device.type == "cuda"  # the interpreter: no PTX
+    if pdl.enabled(q.device):
+        constexprs["PDL"] = True
     _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
@@ -559,6 +565,7 @@ def _launch(
             HEAD_DIM=plan.head_dim,
             HAS_TILE_MAP=has_map,
             SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
+            PDL=constexprs.get("PDL", False),
             num_warps=4,
         )  # fmt: skip
 
