@@ -146,6 +146,17 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
+def _gemv_step(acc, w, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK: tl.constexpr):
+    """acc + one K step of the GEMV: the fp8 weight tile `w` times x at `x_ptrs`."""
+    x = tl.load(x_ptrs).to(tl.float32)
+    if W_BLOCK:  # BLOCK_K == W_BLOCK: one scale per row and step
+        ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + k0 // W_BLOCK, mask=n_ok,
+                     other=0.0)  # fmt: skip
+        return acc + (w.to(tl.float32) * x) * ws[:, None]
+    return acc + w.to(tl.float32) * x
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,  # [K] bf16 / fp16 / fp32: one activation row
     w_ptr,  # [N, K] fp8
@@ -164,9 +175,12 @@ def _fp8_gemv_kernel(
 ):
     # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step (16-byte loads,
     # fp8 -> f16x2 -> f32 in registers), on the CUDA cores: products summed per lane in a
-    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop. Each step's
-    # weight tile is loaded one step ahead, the first before waiting for the kernel that
-    # writes x: the weights are constant, so their first bytes travel during its tail.
+    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop. The first
+    # step's weight tile is loaded before waiting for the kernel that writes x (the weights
+    # are constant, so their first bytes travel during its tail); that step is peeled off
+    # the loop, whose body stays the plain load-and-accumulate (a tile loaded one step ahead
+    # in the loop, with its last look-ahead masked, cost 16% at batch 1). Without PDL the
+    # loop is the whole kernel, as before PDL.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -175,19 +189,18 @@ def _fp8_gemv_kernel(
     # values it multiplies (repeats hit L1), so no layout change through shared memory
     x_ptrs = x_ptr + rk[None, :] + 0 * rn[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_next = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-    pdl.wait_for_predecessor(PDL)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
-        w = w_next.to(tl.float32)
+    k_start = 0
+    if PDL:  # the first step peeled off: its weights loaded before the wait
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        pdl.wait_for_predecessor(PDL)
+        acc = _gemv_step(acc, w, x_ptrs, w_scale_ptr, rn, n_ok, 0, stride_wsn, W_BLOCK)
         w_ptrs += BLOCK_K
-        w_next = tl.load(w_ptrs, mask=n_ok[:, None] & (k0 + BLOCK_K < K), other=0.0)
-        x = tl.load(x_ptrs).to(tl.float32)
-        if W_BLOCK:  # BLOCK_K == W_BLOCK: one scale per row and step
-            ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + k0 // W_BLOCK, mask=n_ok,
-                         other=0.0)  # fmt: skip
-            acc += (w * x) * ws[:, None]
-        else:
-            acc += w * x
+        x_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        acc = _gemv_step(acc, w, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK)
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if not W_BLOCK:

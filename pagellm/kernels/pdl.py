@@ -13,7 +13,7 @@ Who does what: the one-row fp8 GEMV (`fp8_gemm._fp8_gemv_kernel`) is launched wi
 loads its first weight step before waiting; the kernels that precede GEMVs in a layer
 (RMSNorm, SiLU-and-mul, paged attention and its split combine) call `launch_dependents` at
 their start. Both instructions are no-ops for kernels launched without PDL. `enabled` is
-False on the CPU (Triton's interpreter has no PTX), before Hopper, and with PAGELLM_PDL=0.
+False on the CPU (Triton's interpreter has no PTX), before Hopper, and unless PAGELLM_PDL=1.
 """
 
 from __future__ import annotations
