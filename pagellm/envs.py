@@ -84,10 +84,9 @@ def cpu_decoder_loop() -> bool:
 
 
 def pdl() -> bool:
-    """PAGELLM_PDL=1: programmatic dependent launch on Hopper GPUs (`pagellm.kernels.pdl`:
-    the batch-1 fp8 GEMVs start while the kernel before them finishes). Off by default until
-    the peeled GEMV it uses is measured (docs/benchmarks.md)."""
-    return _bool("PAGELLM_PDL", False)
+    """PAGELLM_PDL=0: no programmatic dependent launch on Hopper GPUs (`pagellm.kernels.pdl`:
+    by default the batch-1 fp8 GEMVs launch while the kernel before them finishes)."""
+    return _bool("PAGELLM_PDL", True)
 
 
 def cpu_decode_kernel() -> bool:

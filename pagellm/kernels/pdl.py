@@ -4,16 +4,17 @@ A decode step at batch 1 is ~330 small kernels in a CUDA graph; between two of t
 idles ~1.5 us while the next grid launches and its first loads travel to HBM and back
 (docs/benchmarks.md: ~0.5 ms of a 3.3 ms Llama-3.1-8B fp8 token). With PDL a kernel asks to
 launch its successor early (`launch_dependents`, here at its start), and the successor,
-launched with `launch_pdl=True`, starts at once: it may do work that needs nothing from its
-predecessor (load its first weight tile) and then waits in `gdc_wait` until the predecessor
-has finished and its writes are visible. So everything that reads the predecessor's output,
-or writes anything, comes after `gdc_wait`.
+launched with `launch_pdl=True`, starts at once: its launch overlaps the predecessor's
+tail, and it may do work that needs nothing from it before it waits in `gdc_wait` until
+the predecessor has finished and its writes are visible. So everything that reads the
+predecessor's output, or writes anything, comes after `gdc_wait`.
 
 Who does what: the one-row fp8 GEMV (`fp8_gemm._fp8_gemv_kernel`) is launched with PDL and
-loads its first weight step before waiting; the kernels that precede GEMVs in a layer
+waits for its predecessor before its loop (loading a first weight tile before the wait
+cost 7% at batch 1: docs/benchmarks.md); the kernels that precede GEMVs in a layer
 (RMSNorm, SiLU-and-mul, paged attention and its split combine) call `launch_dependents` at
 their start. Both instructions are no-ops for kernels launched without PDL. `enabled` is
-False on the CPU (Triton's interpreter has no PTX), before Hopper, and unless PAGELLM_PDL=1.
+False on the CPU (Triton's interpreter has no PTX), before Hopper, and with PAGELLM_PDL=0.
 """
 
 from __future__ import annotations
