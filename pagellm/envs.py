@@ -59,7 +59,7 @@ def cpu_bf16_kernel() -> bool | None:
 
 def cpu_fp32_gemm() -> str | None:
     """PAGELLM_CPU_FP32_GEMM=mkl | onednn | pagellm: the library of float32 GEMMs on the CPU
-    (pagellm: our AVX-512 kernel, `pagellm.kernels.panel_gemm`). Unset:
+    (pagellm: our AVX-512 / AVX2 kernel, `pagellm.kernels.panel_gemm`). Unset:
     whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_FP32_GEMM", "").strip().lower()
     if value in ("", "auto"):

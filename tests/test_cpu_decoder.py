@@ -21,7 +21,7 @@ needs_bf16_kernel = pytest.mark.skipif(
     not panel_gemm.supported(), reason="bf16 panels need AVX512-BF16"
 )
 needs_f32_kernel = pytest.mark.skipif(
-    not panel_gemm.supported(torch.float32), reason="float32 panels need AVX-512"
+    not panel_gemm.supported(torch.float32), reason="float32 panels need AVX-512 or AVX2 + FMA"
 )
 
 

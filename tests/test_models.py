@@ -246,16 +246,17 @@ def test_bf16_weight_in_fp32_arithmetic(library):
             torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=0.15)
 
 
-@pytest.mark.skipif(not panel_gemm.supported(torch.float32), reason="needs AVX-512")
+@pytest.mark.skipif(not panel_gemm.supported(torch.float32), reason="needs AVX-512 or AVX2 + FMA")
 def test_float32_panels_against_float64():
-    """Our float32 GEMM: float32 FMAs along K, any row count, sizes off the panels, a bias,
-    a strided x; within float32 rounding of the float64 result; a plan naming it keeps one
-    copy of the weight in its panels."""
+    """Our float32 GEMM: float32 FMAs along K, any row count (every pass size of the AVX-512
+    tiles of 8 and the AVX2 tiles of 12: passes of 1-3 rows over a panel, 1-6 over a half),
+    sizes off the panels, a bias, a strided x; within float32 rounding of the float64
+    result; a plan naming it keeps one copy of the weight in its panels."""
     gen = torch.Generator().manual_seed(0)
     for n, k in ((300, 72), (33, 131), (64, 1)):
         weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         panels = panel_gemm.Panels(weight)
-        for rows in (1, 8, 9, 65, 150):
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 65, 150):
             x = torch.randn(rows, k + 4, generator=gen)[:, 2 : 2 + k]
             exact = F.linear(x.double(), weight.double(), bias.double())
             torch.testing.assert_close(panels(x, bias).double(), exact, rtol=1e-5, atol=1e-4)

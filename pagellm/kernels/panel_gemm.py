@@ -1,4 +1,4 @@
-"""Our CPU GEMMs for bf16 (AVX512-BF16) and float32 (AVX-512) weights
+"""Our CPU GEMMs for bf16 (AVX512-BF16) and float32 (AVX-512, or AVX2 + FMA) weights
 (`pagellm/csrc/panel_gemm.cpp`).
 
 `Panels(weight)(x, bias)` is `F.linear(x, weight, bias)`, the weight re-laid once into panels
@@ -23,14 +23,17 @@ from pagellm import cpp_build
 from pagellm.utils import cpuinfo_flags
 
 PANEL = 32  # output rows per panel (the C++ kPanel)
-_FLAGS = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
+# the CPU flags each dtype's kernel needs: any one of the sets
+_FLAGS = {torch.bfloat16: [{"avx512_bf16"}], torch.float32: [{"avx512f"}, {"avx2", "fma"}]}
 _SYMBOLS = {torch.bfloat16: "pagellm_bf16_gemm", torch.float32: "pagellm_f32_gemm"}
 
 
 def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
     """An x86 CPU with the instructions for `dtype`'s kernel, where the kernel builds."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return x86 and _FLAGS.get(dtype) in cpuinfo_flags() and kernel(dtype) is not None
+    flags = cpuinfo_flags()
+    has = any(need <= flags for need in _FLAGS.get(dtype, []))
+    return x86 and has and kernel(dtype) is not None
 
 
 @functools.cache

@@ -10,7 +10,7 @@ not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
                                  is 2-4x slower)         arithmetic)
 
 and our own kernels (`pagellm/kernels/panel_gemm.py`: bf16 with AVX512-BF16, float32 with
-AVX-512) stream a decode step's weights at about twice oneDNN's rate (the AMD EPYC, bf16:
+AVX-512 or AVX2 + FMA) stream a decode step's weights at about twice oneDNN's rate (the AMD EPYC, bf16:
 1.6-2x at 1-8 rows, weights read from memory; level with it or ahead up to 512 rows from
 cache; float32 faster still). So
 `cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
@@ -31,8 +31,8 @@ from pagellm import envs
 from pagellm.kernels import panel_gemm
 from pagellm.kernels.panel_gemm import Panels
 
-# name -> how the log writes it ("pagellm": our AVX-512 panels, `pagellm.kernels.panel_gemm`)
-FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN", "pagellm": "pagellm's AVX-512 kernel"}
+# name -> how the log writes it ("pagellm": our panels, `pagellm.kernels.panel_gemm`)
+FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN", "pagellm": "pagellm's panel kernel"}
 
 
 @dataclass(frozen=True)
