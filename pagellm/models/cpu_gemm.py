@@ -10,9 +10,9 @@ not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
                                  is 2-4x slower)         arithmetic)
 
 and our own kernels (`pagellm/kernels/panel_gemm.py`: bf16 with AVX512-BF16, float32 with
-AVX-512 or AVX2 + FMA) stream a decode step's weights at about twice oneDNN's rate (the AMD EPYC, bf16:
-1.6-2x at 1-8 rows, weights read from memory; level with it or ahead up to 512 rows from
-cache; float32 faster still). So
+AVX-512 or AVX2 + FMA) stream a decode step's weights at about twice oneDNN's rate (the AMD
+EPYC, bf16: 1.6-2x at 1-8 rows, weights read from memory; level with it or ahead up to 512
+rows from cache; float32 faster still). So
 `cpu_gemm_plan` times the candidates once per process on one weight of a typical shape,
 and `PackedWeight` holds each weight in the layouts the plan names. A plain weight would be
 re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes.
