@@ -214,23 +214,25 @@ def test_in_place_decodes_read_no_slot_outside_their_blocks(monkeypatch):
         torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 
-# decodes whose key counts straddle the kernel's 16-key chunks (0, 15, 16, 17, 33, 100 + 1)
-_CHUNK_EDGES = [(1, 0), (1, 14), (1, 15), (1, 16), (1, 32), (1, 100)]
+# decodes whose key counts straddle the kernel's 16-key (AVX-512) and 8-key (AVX2) chunks
+# (0, 6, 7, 14, 15, 16, 32, 100 cached + 1)
+_CHUNK_EDGES = [(1, 0), (1, 6), (1, 7), (1, 14), (1, 15), (1, 16), (1, 32), (1, 100)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (9, 3), (16, 2), (10, 2)])
 def test_vector_kernel_head_sizes(head_dim, heads, kv_heads, decode_path):
-    """The kernel's AVX-512 path (head_dim 64 / 128 / 256; others run its scalar loop, which
-    the small cases above test) against the reference, float32: query heads a KV head of 1,
-    3, 8 and 5 (values accumulated a few heads at a time, with a remainder)."""
+    """The kernel's vector paths (AVX-512: head_dim 64 / 128 / 256; AVX2 + FMA: 32 too;
+    others run its scalar loop, which the small cases above test) against the reference,
+    float32: query heads a KV head of 1, 3, 8 and 5 (values accumulated a few heads at a
+    time, with a remainder)."""
     _check(_Case(list(_CHUNK_EDGES), heads, kv_heads, head_dim, 16, seed=head_dim + heads))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 5.0), (7, 2.0)])
 def test_vector_kernel_windows_soft_caps_and_caches(dtype, window, soft_cap, monkeypatch):
-    """head_dim 64 (the vector path) with sliding windows, soft-caps and every cache kind,
+    """head_dim 64 (the vector paths) with sliding windows, soft-caps and every cache kind,
     decodes and prefill rows (with and without context): the kernel against the gather path
     on the same cache."""
     _kernel_against_gather(dtype, 64, [*_CHUNK_EDGES, (1, 57), (19, 0), (9, 24)], window,

@@ -18,7 +18,8 @@
 // scale multiplies q.k (an fp8 cache: times k_scale), v_scale the output; window W > 0:
 // only the last W keys are read; soft_cap c > 0: scores become c * tanh(score / c).
 // Accumulation is float32 throughout; with AVX-512 (head_dim 64 / 128 / 256) the keys go 16
-// at a time through vector code, otherwise one at a time. Items are taken longest first
+// at a time through vector code, with AVX2 + FMA (head_dim 32 / 64 / 128 / 256) 8 at a time,
+// otherwise one at a time. Items are taken longest first
 // from a shared counter (the caller passes rows sorted by length), so threads finish
 // together.
 //
@@ -28,8 +29,11 @@
 // libgomp torch has loaded) with torch's thread count.
 
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGELLM_AVX2_ATTENTION 1
 #endif
 
 #include "vec_math.h"
@@ -444,6 +448,144 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
 }
 #endif
 
+#if defined(PAGELLM_AVX2_ATTENTION)
+// AVX2 + FMA: attend_avx512's steps on 8-float vectors, keys 8 at a time. K rows become
+// float32 in an [8, d] tile, each query head scores it (8 FMA chains, summed across lanes by
+// one transpose), the exponentials 8 lanes at a time, the values accumulated in registers.
+// Same arithmetic as attend_scalar up to the order of the sums (and exp_ps's last bits).
+#define PAGELLM_UNROLL _Pragma("GCC unroll 16")  // constant indices: accumulators in registers
+
+using pagellm::exp_ps;  // of the scores minus their max: x <= 0
+
+// 8 rows (keys) of 8 elements each -> lane t holds the sum of a[t]
+inline __m256 sum_rows8(const __m256* a) {
+  const __m256 c0 = _mm256_hadd_ps(a[0], a[1]), c1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 c2 = _mm256_hadd_ps(a[4], a[5]), c3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 d0 = _mm256_hadd_ps(c0, c1), d1 = _mm256_hadd_ps(c2, c3);  // 128-bit halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(d0, d1, 0x20), _mm256_permute2f128_ps(d0, d1, 0x31));
+}
+
+// 8 elements of a row (float32, bfloat16 or fp8 through `table`) as float32
+inline __m256 load8(const char* src, int kind, const float* table) {
+  if (kind == F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(src));
+  if (kind == BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(b), 4);
+}
+
+inline float reduce_add8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+inline float reduce_max8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// DV = head_dim / 8 vectors a row, CK the cache's element kind
+template <int DV, int CK>
+void attend_avx2(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
+  constexpr int d = DV * 8;
+  const int g = p.num_heads / p.num_kv_heads;
+  const int64_t req = p.reqs[i], row = p.rows[i];
+  const int len = p.lens[i];
+  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
+  const int n = len - first;
+  const int n8 = (n + 7) / 8 * 8;
+  const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
+  const int v_bytes = 8 * int(elem_size(CK));  // of one vector's elements
+  buf.resize(size_t(g) * (d + n8 + 1) + 8 * size_t(d) + 2 * size_t(n) + 2);
+  float* qf = buf.data();  // [g, d] queries times scale
+  float* tile = qf + size_t(g) * d;  // [8, d] K rows as float32
+  float* scores = tile + 8 * size_t(d);  // [g, n8], then the softmax weights
+  float* sums = scores + size_t(g) * n8;  // [g] of the weights
+  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
+  {  // byte offset of key t's row in the K (and V) cache, walking the block table
+    const int32_t* table = p.block_table + req * p.bt_stride;
+    int b = first / p.block_size, slot = first % p.block_size;
+    for (int t = 0; t < n; ++t) {
+      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
+      if (++slot == p.block_size) slot = 0, ++b;
+    }
+  }
+  for (int j = 0; j < g; ++j) {
+    const int64_t off = (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * q_elem;
+    for (int e = 0; e < DV; ++e) {
+      const __m256 x = load8(p.q + off + e * 8 * q_elem, p.q_kind, nullptr);
+      _mm256_storeu_ps(qf + size_t(j) * d + e * 8, _mm256_mul_ps(x, _mm256_set1_ps(p.scale)));
+    }
+  }
+  for (int t0 = 0; t0 < n; t0 += 8) {  // scores, 8 keys at a time
+    const int m = std::min(8, n - t0);  // rows past m keep stale values: lanes discarded
+    for (int t = 0; t < m; ++t) {
+      const char* k = p.k_cache + offs[t0 + t];
+      for (int e = 0; e < DV; ++e) {
+        _mm256_storeu_ps(tile + t * d + e * 8, load8(k + e * v_bytes, CK, p.fp8_table));
+      }
+    }
+    for (int j = 0; j < g; ++j) {
+      __m256 a[8];
+      PAGELLM_UNROLL for (int t = 0; t < 8; ++t) a[t] = _mm256_setzero_ps();
+      for (int e = 0; e < DV; ++e) {
+        const __m256 qv = _mm256_loadu_ps(qf + size_t(j) * d + e * 8);
+        PAGELLM_UNROLL for (int t = 0; t < 8; ++t) {
+          a[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tile + t * d + e * 8), a[t]);
+        }
+      }
+      _mm256_storeu_ps(scores + size_t(j) * n8 + t0, sum_rows8(a));
+    }
+  }
+  for (int j = 0; j < g; ++j) {  // softmax weights (unnormalized), 8 at a time
+    float* s = scores + size_t(j) * n8;
+    if (p.soft_cap > 0.f) {
+      for (int t = 0; t < n; ++t) s[t] = p.soft_cap * std::tanh(s[t] / p.soft_cap);
+    }
+    for (int t = n; t < n8; ++t) s[t] = -INFINITY;  // the last chunk's discarded lanes
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int t = 0; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+    const __m256 max_s = _mm256_set1_ps(reduce_max8(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) {
+      const __m256 w = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_s));  // 0 past n
+      _mm256_storeu_ps(s + t, w);
+      sum = _mm256_add_ps(sum, w);
+    }
+    sums[j] = reduce_add8(sum);
+  }
+  for (int j = 0; j < g; ++j) {  // values, weighted, one query head at a time
+    const float* w = scores + size_t(j) * n8;
+    __m256 acc[DV];
+    PAGELLM_UNROLL for (int e = 0; e < DV; ++e) acc[e] = _mm256_setzero_ps();
+    for (int t = 0; t < n; ++t) {
+      const char* v = p.v_cache + offs[t];
+      const __m256 wt = _mm256_set1_ps(w[t]);
+      PAGELLM_UNROLL for (int e = 0; e < DV; ++e) {
+        acc[e] = _mm256_fmadd_ps(wt, load8(v + e * v_bytes, CK, p.fp8_table), acc[e]);
+      }
+    }
+    const __m256 norm = _mm256_set1_ps(p.v_scale / sums[j]);
+    const int64_t off = row * p.o_stride_t + int64_t(h * g + j) * p.o_stride_h;
+    PAGELLM_UNROLL for (int e = 0; e < DV; ++e) {
+      const __m256 o = _mm256_mul_ps(acc[e], norm);
+      if (p.q_kind == F32) {
+        _mm256_storeu_ps(reinterpret_cast<float*>(p.out) + off + e * 8, o);
+      } else {
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, o);
+        uint16_t* dst = reinterpret_cast<uint16_t*>(p.out) + off + e * 8;
+        for (int x = 0; x < 8; ++x) dst[x] = to_bf16(tmp[x]);
+      }
+    }
+  }
+}
+#endif
+
 void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
 #if defined(__AVX512F__)
   // the usual head sizes; others take the scalar loop
@@ -456,6 +598,17 @@ void attend(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
   if (dv == 4) return by_kind.template operator()<4>();
   if (dv == 8) return by_kind.template operator()<8>();
   if (dv == 16) return by_kind.template operator()<16>();
+#elif defined(PAGELLM_AVX2_ATTENTION)
+  const int dv = p.head_dim % 8 == 0 ? p.head_dim / 8 : 0;
+  auto by_kind = [&]<int DV>() {
+    if (p.c_kind == F32) return attend_avx2<DV, F32>(p, i, h, buf);
+    if (p.c_kind == BF16) return attend_avx2<DV, BF16>(p, i, h, buf);
+    return attend_avx2<DV, FP8>(p, i, h, buf);
+  };
+  if (dv == 4) return by_kind.template operator()<4>();
+  if (dv == 8) return by_kind.template operator()<8>();
+  if (dv == 16) return by_kind.template operator()<16>();
+  if (dv == 32) return by_kind.template operator()<32>();
 #endif
   attend_scalar(p, i, h, buf);
 }

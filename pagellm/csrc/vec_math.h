@@ -1,4 +1,4 @@
-// Vector math shared by the CPU kernels of pagellm/csrc (AVX-512 only).
+// Vector math shared by the CPU kernels of pagellm/csrc (AVX-512; exp on AVX2 + FMA too).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -19,6 +19,32 @@ inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   }
   return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace pagellm
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace pagellm {
+
+// exp_ps on 8 lanes (AVX2 + FMA): the same series; 2^n built in the exponent field, so
+// x below -87.3 (where 2^n would be subnormal) gives 0 instead of e^x's tiny value
+inline __m256 exp_ps(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, split
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 }  // namespace pagellm
