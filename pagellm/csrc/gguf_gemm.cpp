@@ -113,6 +113,7 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define PAGELLM_AVX2_BLOCKS 1
+#define PAGELLM_UNROLL _Pragma("GCC unroll 16")  // constant indices: registers, not the stack
 // block b's 32 stored integers of row `qs` as four float vectors (weights 0..7, .., 24..31)
 template <int KIND>
 inline void unpack8(const uint8_t* qs, int64_t b, __m256* v) {
@@ -223,23 +224,32 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
       y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
     }
 #elif defined(PAGELLM_AVX2_BLOCKS)  // the same with 8-float vectors (no AVX-512)
-    __m256 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+    // even blocks into `even`, odd ones into `odd` (as acc[r][b & 1] above), the loop taking
+    // them in pairs so that every accumulator index is a constant: GCC then keeps them in
+    // registers (with b & 1 it kept them on the stack, each FMA waiting on a store)
+    __m256 even[MR], odd[MR];
+    PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    auto block = [&](int64_t b, __m256* acc) __attribute__((always_inline)) {
       __m256 v[4];
       unpack8<KIND>(qs, b, v);
       const __m256 vscale = _mm256_set1_ps(scale[b]);
-      for (int r = 0; r < MR; ++r) {
+      PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
         const float* xb = xf + r * K + b * kBlock;
         __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
         dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
         dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
         dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
-        acc[r][b & 1] = _mm256_fmadd_ps(dot, vscale, acc[r][b & 1]);
+        acc[r] = _mm256_fmadd_ps(dot, vscale, acc[r]);
       }
+    };
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+      block(b, even);
+      block(b + 1, odd);
     }
+    if (b < blocks) block(b, even);
     for (int r = 0; r < MR; ++r) {
-      float out = reduce_add8(_mm256_add_ps(acc[r][0], acc[r][1]));
+      float out = reduce_add8(_mm256_add_ps(even[r], odd[r]));
       if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
       y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
     }
