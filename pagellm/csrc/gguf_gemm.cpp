@@ -25,6 +25,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -114,6 +115,7 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define PAGELLM_AVX2_BLOCKS 1
 #define PAGELLM_UNROLL _Pragma("GCC unroll 16")  // constant indices: registers, not the stack
+
 // block b's 32 stored integers of row `qs` as four float vectors (weights 0..7, .., 24..31)
 template <int KIND>
 inline void unpack8(const uint8_t* qs, int64_t b, __m256* v) {
@@ -193,6 +195,32 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64
 }
 #endif
 
+#if defined(PAGELLM_AVX2_BLOCKS)
+// offset_dot 8 blocks at a time (8 partial sums, then theirs): the serial sum's chain of
+// dependent adds cost more than the block loop itself at K = 576
+inline float offset_dot8(const uint16_t* m, const float* xsum, int64_t blocks) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b)));
+    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b), acc);
+  }
+  float s = reduce_add8(acc);
+  for (; b < blocks; ++b) s = std::fma(half_to_float(m[b]), xsum[b], s);  // fused, always
+  return s;
+}
+
+// the fp16 block scales of one row as float32, 8 at a time
+inline void halves_to_floats(const uint16_t* d, int64_t blocks, float* out) {
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b));
+    _mm256_storeu_ps(out + b, _mm256_cvtph_ps(h));
+  }
+  for (; b < blocks; ++b) out[b] = half_to_float(d[b]);
+}
+#endif
+
 // rows n0 .. n1 of y for MR rows of x (xf: float32 [MR, K]; xsum: [MR, K / 32] block sums)
 template <int KIND, int MR>
 void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0, int64_t n1,
@@ -203,7 +231,11 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * row_bytes;
     const uint16_t* d = w.d + n * blocks;
+#if defined(PAGELLM_AVX2_BLOCKS)
+    halves_to_floats(d, blocks, scale.data());
+#else
     for (int64_t b = 0; b < blocks; ++b) scale[b] = half_to_float(d[b]);
+#endif
 #if defined(__AVX512F__)
     __m512 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -250,7 +282,7 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
     if (b < blocks) block(b, even);
     for (int r = 0; r < MR; ++r) {
       float out = reduce_add8(_mm256_add_ps(even[r], odd[r]));
-      if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+      if (KIND == Q4) out += offset_dot8(w.m + n * blocks, xsum + r * blocks, blocks);
       y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
     }
 #else
