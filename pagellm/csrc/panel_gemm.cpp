@@ -18,9 +18,10 @@
 // (pairwise inside the instruction, then along K), then rounds once to bf16: oneDNN's bf16
 // kernel does the same up to summation order. float32: W packed [ceil(N / 32), K, 32], one
 // FMA per weight and row of x, float32 sums (MKL's and oneDNN's arithmetic, another order).
-// Without AVX-512 the float32 kernel runs on AVX2 + FMA (8-float vectors, 16 registers): each
-// panel in two halves of 16 rows (one 64-byte line of a panel's column each), up to 4 rows of
-// x a pass; every output is the same sum in the same order as on AVX-512, bit for bit.
+// Without AVX-512 the float32 kernel runs on AVX2 + FMA (8-float vectors, 16 registers): up
+// to 3 rows of x a pass over a panel's full lines, more rows over each half of it (16 output
+// rows, one 64-byte line of each column) in passes of up to 6, tiles of 12 rows; every output
+// is the same sum in the same order as on AVX-512, bit for bit.
 // Up to 8 rows of x share a panel's loads (the
 // panel stays in L2 for the next 8 rows of a larger x). Panels are split over ATen's thread
 // pool (torch's OpenMP threads). A plain C entry point for ctypes.
