@@ -169,6 +169,46 @@ void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
   }
 }
 
+#if defined(__AVX512F__) || defined(PAGELLM_AVX2_ATTENTION)
+// One work item of the vector paths: the keys row i attends on KV head h (a window's last
+// ones), `buf` laid out for chunks of `lanes` keys, and the byte offset of each key's row in
+// the K (and V) cache, walking the block table
+struct Item {
+  int g, n, n_pad;  // query heads of this KV head; keys; keys rounded up to whole chunks
+  int64_t row;  // of q and out
+  float* qf;  // [g, d] queries times scale
+  float* tile;  // [lanes, d] K rows as float32
+  float* scores;  // [g, n_pad], then the softmax weights
+  float* sums;  // [g] of the weights
+  int64_t* offs;  // [n] rows' byte offsets
+};
+
+Item item(const Problem& p, int64_t i, int h, int d, int lanes, size_t c_elem,
+          std::vector<float>& buf) {
+  Item it;
+  it.g = p.num_heads / p.num_kv_heads;
+  it.row = p.rows[i];
+  const int len = p.lens[i];
+  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
+  it.n = len - first;
+  it.n_pad = (it.n + lanes - 1) / lanes * lanes;
+  const size_t g = it.g;
+  buf.resize(g * (d + it.n_pad + 1) + lanes * size_t(d) + 2 * size_t(it.n) + 2);
+  it.qf = buf.data();
+  it.tile = it.qf + g * d;
+  it.scores = it.tile + lanes * size_t(d);
+  it.sums = it.scores + g * it.n_pad;
+  it.offs = reinterpret_cast<int64_t*>(it.sums + g + (g & 1));  // 8-byte aligned
+  const int32_t* table = p.block_table + p.reqs[i] * p.bt_stride;
+  int b = first / p.block_size, slot = first % p.block_size;
+  for (int t = 0; t < it.n; ++t) {
+    it.offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
+    if (++slot == p.block_size) slot = 0, ++b;
+  }
+  return it;
+}
+#endif
+
 #if defined(__AVX512F__)
 // AVX-512: keys 16 at a time. K rows become float32 in a [16, d] tile, each query head
 // scores the tile (16 FMA chains, summed across lanes by one transpose), the exponentials
@@ -351,27 +391,12 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
   constexpr int d = DV * 16;
   constexpr int HB = DV >= 16 ? 1 : 16 / DV < 4 ? 16 / DV : 4;
   const bool bf16_dots = kBf16Dots && CK == BF16 && p.q_kind == BF16 && DV % 2 == 0;
-  const int g = p.num_heads / p.num_kv_heads;
-  const int64_t req = p.reqs[i], row = p.rows[i];
-  const int len = p.lens[i];
-  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
-  const int n = len - first;
-  const int n16 = (n + 15) / 16 * 16;
   const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
-  buf.resize(size_t(g) * (d + n16 + 1) + 16 * size_t(d) + 2 * size_t(n) + 2);
-  float* qf = buf.data();  // [g, d] queries times scale
-  float* tile = qf + size_t(g) * d;  // [16, d] K rows as float32
-  float* scores = tile + 16 * size_t(d);  // [g, n16], then the softmax weights
-  float* sums = scores + size_t(g) * n16;  // [g] of the weights
-  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
-  {  // byte offset of key t's row in the K (and V) cache, walking the block table
-    const int32_t* table = p.block_table + req * p.bt_stride;
-    int b = first / p.block_size, slot = first % p.block_size;
-    for (int t = 0; t < n; ++t) {
-      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
-      if (++slot == p.block_size) slot = 0, ++b;
-    }
-  }
+  const Item it = item(p, i, h, d, 16, c_elem, buf);
+  const int g = it.g, n = it.n, n16 = it.n_pad;
+  const int64_t row = it.row;
+  float *qf = it.qf, *tile = it.tile, *scores = it.scores, *sums = it.sums;
+  const int64_t* offs = it.offs;
 #if defined(__AVX512BF16__)
   if (bf16_dots) score_bf16<DV>(p, offs, n, row, h, g, scores, n16);
 #endif
@@ -492,28 +517,13 @@ inline float reduce_max8(__m256 v) {
 template <int DV, int CK>
 void attend_avx2(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
   constexpr int d = DV * 8;
-  const int g = p.num_heads / p.num_kv_heads;
-  const int64_t req = p.reqs[i], row = p.rows[i];
-  const int len = p.lens[i];
-  const int first = p.window > 0 ? std::max(0, len - p.window) : 0;
-  const int n = len - first;
-  const int n8 = (n + 7) / 8 * 8;
   const size_t q_elem = elem_size(p.q_kind), c_elem = elem_size(CK);
   const int v_bytes = 8 * int(elem_size(CK));  // of one vector's elements
-  buf.resize(size_t(g) * (d + n8 + 1) + 8 * size_t(d) + 2 * size_t(n) + 2);
-  float* qf = buf.data();  // [g, d] queries times scale
-  float* tile = qf + size_t(g) * d;  // [8, d] K rows as float32
-  float* scores = tile + 8 * size_t(d);  // [g, n8], then the softmax weights
-  float* sums = scores + size_t(g) * n8;  // [g] of the weights
-  int64_t* offs = reinterpret_cast<int64_t*>(sums + g + (g & 1));  // [n] rows' byte offsets
-  {  // byte offset of key t's row in the K (and V) cache, walking the block table
-    const int32_t* table = p.block_table + req * p.bt_stride;
-    int b = first / p.block_size, slot = first % p.block_size;
-    for (int t = 0; t < n; ++t) {
-      offs[t] = (table[b] * p.c_stride_b + slot * p.c_stride_s + h * p.c_stride_h) * c_elem;
-      if (++slot == p.block_size) slot = 0, ++b;
-    }
-  }
+  const Item it = item(p, i, h, d, 8, c_elem, buf);
+  const int g = it.g, n = it.n, n8 = it.n_pad;
+  const int64_t row = it.row;
+  float *qf = it.qf, *tile = it.tile, *scores = it.scores, *sums = it.sums;
+  const int64_t* offs = it.offs;
   for (int j = 0; j < g; ++j) {
     const int64_t off = (row * p.q_stride_t + int64_t(h * g + j) * p.q_stride_h) * q_elem;
     for (int e = 0; e < DV; ++e) {

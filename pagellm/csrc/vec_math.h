@@ -1,6 +1,13 @@
 // Vector math shared by the CPU kernels of pagellm/csrc (AVX-512; exp on AVX2 + FMA too).
 #pragma once
 
+namespace pagellm {
+
+// e^r for |r| <= ln2 / 2 by its Taylor series to r^7, Horner's order: 1/5040 first, then these
+constexpr float kExpSeries[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+
+}  // namespace pagellm
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -15,7 +22,7 @@ inline __m512 exp_ps(__m512 x) {
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, split
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
   __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+  for (float c : kExpSeries) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   }
   return _mm512_scalef_ps(p, n);
@@ -39,7 +46,7 @@ inline __m256 exp_ps(__m256 x) {
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2, split
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
   __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) {
+  for (float c : kExpSeries) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
   }
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
