@@ -134,11 +134,12 @@ def main_fp8_sweep(m: int) -> None:
               for _ in range(max(1, int(2e9 // (n * k))))]  # fmt: skip
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         configs = [gemm_config(m, n, k, 0)]
-        for bn, bk, warps, stages in itertools.product((2, 4, 8), (512, 1024, 2048), (2, 4, 8),
-                                                       (1, 3)):  # fmt: skip
-            if m == 1 and 16 <= bn * bk // (32 * warps) <= 64 and k % bk == 0:  # acc a lane
+        for bn, bk, warps, unroll in itertools.product((2, 4, 8), (256, 512, 1024, 2048, 4096),
+                                                       (1, 2, 4, 8), (False, True)):  # fmt: skip
+            lane = bn * bk // (32 * warps)  # weight bytes a lane loads a step
+            if m == 1 and 8 * bn <= lane <= 128 and k % bk == 0 and (not unroll or k // bk <= 8):
                 configs.append(dict(GEMV=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                    num_stages=stages))  # fmt: skip
+                                    num_stages=1, K_STEPS=k // bk if unroll else 0))  # fmt: skip
         for bn, bk, warps, stages in itertools.product((16, 32), (128, 256, 512), (2, 4), (3, 5)):
             if m > 1 and k % bk == 0:
                 configs.append(dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
@@ -160,6 +161,7 @@ def main_fp8_sweep(m: int) -> None:
                 + (" (default)" if cfg == default else "")
             )
         best[name] = {"TB/s": round(n * k / timings[0][0] / 1e9, 2), "config": timings[0][1]}
+
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                       f"fp8_sweep_m{m}": best}))  # fmt: skip
 

@@ -84,20 +84,52 @@ def test_quantize_fp8_activations(group):
 
 @needs_triton
 @pytest.mark.parametrize("block", [False, True])
-def test_fp8_gemv_over_several_k_steps(block):
-    """One row of x (the GEMV kernel), K of several BLOCK_K steps: each step's weight tile is
-    loaded one step ahead, the last step's look-ahead masked off."""
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_fp8_gemv_over_several_k_steps(block, unrolled):
+    """One row of x (the GEMV kernel), K of several BLOCK_K steps, in a runtime loop and
+    unrolled (the default config's K_STEPS), 3 rows (a program's second row masked off)."""
     from pagellm.kernels.fp8_gemm import fp8_gemm, gemv_config
 
     gen = torch.Generator().manual_seed(3)
-    n, k = 6, 3072
-    assert k // gemv_config(n, k, 128 if block else 0)["BLOCK_K"] >= 3
+    n, k = 3, 3072
+    cfg = gemv_config(n, k, 128 if block else 0)
+    assert k // cfg["BLOCK_K"] >= 3 and cfg["K_STEPS"] in (0, k // cfg["BLOCK_K"])
+    cfg["K_STEPS"] = k // cfg["BLOCK_K"] if unrolled else 0
     w = torch.randn(n, k, generator=gen) * 0.05
     q, scale = _block_quantize(w) if block else quantize_weight_per_row(w)
     x = torch.randn(1, k, generator=gen)
-    got = fp8_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), out_dtype=torch.float32)
+    args = (x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE))
+    got = fp8_gemm(*args, out_dtype=torch.float32, config=cfg)
     want = F.linear(x, dequantize_fp8(q, scale))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [False, True])
+def test_fp8_gemv_gated_is_silu_and_mul_of_the_gemv(block):
+    """gate | up with SiLU-and-mul in the GEMV's epilogue (batch-1 MLPs): the same bf16 values
+    as the GEMV followed by the SiLU-and-mul kernel, the unfused path (the interpreter rounds
+    to bf16 unlike torch, so that kernel is the reference), bias included; 7 outputs with
+    per-row scales (one gate and one up row a program), 256 with block scales; and close to
+    torch's F.silu(gate) * up."""
+    from pagellm.kernels import fused
+    from pagellm.kernels.fp8_gemm import fp8_gemm
+
+    gen = torch.Generator().manual_seed(5)
+    half, k = (128, 256) if block else (7, 2048)
+    w = torch.randn(2 * half, k, generator=gen) * 0.05
+    q, scale = _block_quantize(w) if block else quantize_weight_per_row(w)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(2 * half, generator=gen).to(torch.bfloat16)
+    args = (x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE))
+    got = fp8_gemm(*args, gated=True).cpu()
+    unfused = fp8_gemm(*args)
+    assert got.shape == (1, half) and got.dtype == torch.bfloat16
+    assert torch.equal(got, fused.silu_and_mul(unfused).cpu())
+    gate, up = unfused.cpu().float().chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="GEMV"):
+        fp8_gemm(x.repeat(2, 1).to(DEVICE), *args[1:], gated=True)
 
 
 @needs_triton

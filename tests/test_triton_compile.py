@@ -34,18 +34,23 @@ def _typed(fn, types: dict[str, str]) -> dict[str, str]:
     return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict) -> None:
+def _compile(fn, types: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = ()) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = _typed(fn, types)
-    # pointers 16-byte aligned, as torch's allocations are at run time (wide loads)
+    # pointers 16-byte aligned, as torch's allocations are at run time (wide loads), and the
+    # `divisible` integers multiples of 16, as Triton specializes them at run time
     aligned = {
-        (i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t[0] == "*"
+        (i,): [["tt.divisibility", 16]]
+        for i, (name, t) in enumerate(signature.items())
+        if t[0] == "*" or name in divisible
     }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]  # via ptxas
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]  # via ptxas
+    return compiled.asm["ptx"]
 
 
 def compile_attention() -> None:
@@ -75,13 +80,16 @@ def compile_fp8_gemm() -> None:
                           BLOCK_N=64, BLOCK_K=128)  # fmt: skip
         constexprs |= dict(W_PAIRS=not a_fp8, PTX_CVT=not a_fp8)
         _compile(_fp8_gemm_kernel, types, constexprs)
-    for w_block, block_n, block_k in ((0, 2, 1024), (128, 32, 128)):
+    for w_block, block_n, block_k in ((0, 2, 1024), (128, 2, 1024)):
         types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16", "w_scale_ptr": "*fp32",
                  "bias_ptr": "*bf16"}  # fmt: skip
-        for pdl in (False, True):
+        for pdl, gated, k_steps in ((False, False, 0), (True, False, 0), (True, True, 3)):
             constexprs = dict(W_BLOCK=w_block, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k,
-                              PDL=pdl)  # fmt: skip
-            _compile(_fp8_gemv_kernel, types, constexprs)
+                              PDL=pdl, GATED=gated, K_STEPS=k_steps, VEC=8)  # fmt: skip
+            ptx = _compile(_fp8_gemv_kernel, types, constexprs, ("N", "K", "stride_wn"))
+            if not w_block:  # the weight loaded in x's register layout: no shared memory
+                loop = ptx[ptx.index("Inner Loop Header") :] if not k_steps else ""
+                assert "shared" not in loop[: loop.find("bra")]
 
 
 def _in_fresh_process(function: str) -> None:

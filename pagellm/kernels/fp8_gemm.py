@@ -15,8 +15,10 @@ Each program computes a BLOCK_M x BLOCK_N tile of y, walking K; at decode sizes 
 small, one M tile) the grid is N / BLOCK_N programs, each streaming BLOCK_N weight rows.
 Weight-only, w is read as int16 pairs and converted to fp16 before the MMA layout change
 (`fp8_convert`: 1.2-1.3x over a plain `.to()` at 2-16 rows). One row of x (batch 1) takes
-`_fp8_gemv_kernel` instead: no tensor cores, two weight rows a program, 2.3-3.4 TB/s of
-weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/benchmarks.md).
+`_fp8_gemv_kernel` instead: no tensor cores, two weight rows a program, 2.85-4.1 TB/s of
+weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/benchmarks.md); with
+`gated=True` a gate | up weight's GEMV pairs gate row j with up row j in a program and
+returns silu(gate) * up, the SiLU-and-mul kernel fused into its epilogue.
 """
 
 from __future__ import annotations
@@ -146,14 +148,20 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _gemv_step(acc, w, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK: tl.constexpr):
-    """acc + one K step of the GEMV: the fp8 weight tile `w` times x at `x_ptrs`."""
+def _gemv_step(acc, w_ptrs, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK: tl.constexpr,
+               VEC: tl.constexpr):  # fmt: skip
+    """acc + one K step of the GEMV: the fp8 weight tile at `w_ptrs` [BLOCK_N, BLOCK_K] times
+    x at `x_ptrs` [1, BLOCK_K], each lane's VEC adjacent products summed in its registers."""
+    w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
     x = tl.load(x_ptrs).to(tl.float32)
-    if W_BLOCK:  # BLOCK_K == W_BLOCK: one scale per row and step
-        ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + k0 // W_BLOCK, mask=n_ok,
-                     other=0.0)  # fmt: skip
-        return acc + (w.to(tl.float32) * x) * ws[:, None]
-    return acc + w.to(tl.float32) * x
+    prod = w.to(tl.float32) * x
+    part = tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // VEC, VEC)), axis=2)
+    if W_BLOCK:  # the scale of each lane's VEC columns (VEC divides W_BLOCK)
+        cols = k0 + tl.arange(0, prod.shape[1] // VEC) * VEC
+        ws = tl.load(w_scale_ptr + (rn // W_BLOCK)[:, None] * stride_wsn
+                     + (cols // W_BLOCK)[None, :], mask=n_ok[:, None], other=0.0)  # fmt: skip
+        return acc + part * ws
+    return acc + part
 
 
 @triton.jit
@@ -162,7 +170,7 @@ def _fp8_gemv_kernel(
     w_ptr,  # [N, K] fp8
     w_scale_ptr,  # [N] or [N / 128, K / 128] float32
     bias_ptr,  # [N]
-    c_ptr,  # [N]
+    c_ptr,  # [N], or [N / 2] where GATED
     N,
     K,
     stride_wn,
@@ -172,46 +180,72 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,  # launched early (`pagellm.kernels.pdl`): x only after the wait
+    GATED: tl.constexpr = False,  # w is gate | up: c = silu(gate) * up (SiLU-and-mul fused)
+    VEC: tl.constexpr = 8,  # weight bytes a lane loads at once (x: 2 VEC bytes of bf16)
+    K_STEPS: tl.constexpr = 0,  # K / BLOCK_K where the loop is unrolled (0: a runtime loop)
 ):
-    # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step (16-byte loads,
-    # fp8 -> f16x2 -> f32 in registers), on the CUDA cores: products summed per lane in a
-    # [BLOCK_N, BLOCK_K] accumulator, reduced across lanes once, after the loop. With PDL the
-    # grid is launched while the kernel before it runs and waits for it before the loop:
-    # that hides the launch (+2.6% at batch 1). Loading the first weight tile before the
-    # wait, as a peeled first step, cost 7%; a one-step look-ahead in the loop cost 16%.
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
+    # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step, on the CUDA
+    # cores: fp8 -> f32 in registers, times x, each lane's products summed VEC at a time into
+    # a [BLOCK_N, BLOCK_K / VEC] accumulator, reduced across lanes once, after the loop. The
+    # weight is loaded VEC bytes at a time, the width of x's loads (VEC bf16 = 16 bytes), so
+    # both tiles have one register layout: loaded 16 bytes at a time, the weight tile took
+    # x's layout through shared memory, with a barrier, every step. With PDL the grid is
+    # launched while the kernel before it runs and waits for it before the loop: that hides
+    # the launch (+2.6% at batch 1); loading the first weight tile before the wait, as a
+    # peeled first step, cost 7%; a one-step look-ahead in the loop cost 16%.
+    pid = tl.program_id(0)
+    HALF: tl.constexpr = BLOCK_N // 2
+    if GATED:  # rows j of gate and j of up in one program: BLOCK_N / 2 outputs
+        j = pid * HALF + tl.arange(0, BLOCK_N) % HALF
+        n_ok = j < N // 2
+        rn = j + (tl.arange(0, BLOCK_N) // HALF) * (N // 2)
+    else:
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+    rk = tl.max_contiguous(tl.arange(0, BLOCK_K), VEC)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    # x through [BLOCK_N, BLOCK_K] pointers, the w tile's layout: each lane loads the x
-    # values it multiplies (repeats hit L1), so no layout change through shared memory
-    x_ptrs = x_ptr + rk[None, :] + 0 * rn[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_ptrs = x_ptr + rk[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
     pdl.wait_for_predecessor(PDL)  # x is the previous kernel's output
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
-        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        acc = _gemv_step(acc, w, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if K_STEPS:
+        for step in tl.static_range(K_STEPS):
+            k0 = step * BLOCK_K
+            acc = _gemv_step(acc, w_ptrs + k0, x_ptrs + k0, w_scale_ptr, rn, n_ok, k0, stride_wsn,
+                             W_BLOCK, VEC)  # fmt: skip
+    else:
+        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
+            acc = _gemv_step(acc, w_ptrs, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK,
+                             VEC)  # fmt: skip
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
     if not W_BLOCK:
         out = out * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(c_ptr + rn, out.to(c_ptr.dtype.element_ty), mask=n_ok)
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # rounded where the unfused path rounds: the GEMM's output, then F.silu's
+        gate, up = tl.split(tl.permute(tl.reshape(out.to(dtype).to(tl.float32), (2, HALF)), (1, 0)))
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        rj = pid * HALF + tl.arange(0, HALF)
+        tl.store(c_ptr + rj, (act * up).to(dtype), mask=rj < N // 2)
+    else:
+        tl.store(c_ptr + rn, out.to(dtype), mask=n_ok)
 
 
 def gemv_config(n: int, k: int, block: int) -> dict:
-    """Tiles of the one-row kernel: 2 weight rows a program (N / 2 programs: ~4 waves of
-    the SMs' slots even for N = 4096), 1024 bytes of each a step with 2 warps, 2048 with 4
-    where K >= 8192; block scales fix BLOCK_K at 128. From `benchmarks/gemm.py --fp8-sweep`
-    at Llama-3.1-8B shapes (H200): 2.3-3.4 TB/s of weight against 1.8-3.2 for 8-row tiles."""
-    if block:
-        return dict(GEMV=True, BLOCK_N=32, BLOCK_K=block, num_warps=4, num_stages=1)
-    block_k, warps = (2048, 4) if k >= 8192 else (1024, 2)
+    """Tiles of the one-row kernel: 2 weight rows a program, 512 bytes of each a step with
+    one warp (16 bytes a lane) up to K = 8192, 2048 with 2 warps beyond; the K loop unrolled
+    where it has at most 8 steps, so that a program's loads are all issued at once. From
+    `benchmarks/gemm.py --fp8-sweep` at Llama-3.1-8B shapes on an H200 (docs/benchmarks.md):
+    qkv 3.15, o 2.85, gate_up 4.09, down 3.67 TB/s of weight. Block scales alike: each
+    lane's 8 columns take their 128-block's scale."""
+    block_k, warps = (512, 1) if k <= 8192 else (2048, 2)
     while k % block_k:
         block_k //= 2
-    return dict(GEMV=True, BLOCK_N=2, BLOCK_K=block_k, num_warps=warps, num_stages=1)
+    steps = k // block_k
+    return dict(GEMV=True, BLOCK_N=2, BLOCK_K=block_k, num_warps=warps, num_stages=1,
+                K_STEPS=steps if steps <= 8 else 0)  # fmt: skip
 
 
 def gemm_config(m: int, n: int, k: int, block: int) -> dict:
@@ -241,6 +275,7 @@ def fp8_gemm(
     x_scale: torch.Tensor | None = None,  # fp8 x: [M, 1] (per-row w) or [M, K / 128] (block w)
     out_dtype: torch.dtype = torch.bfloat16,
     config: dict | None = None,
+    gated: bool = False,  # w is gate | up: returns silu(gate) * up [M, N / 2] (GEMV only)
 ) -> torch.Tensor:  # [M, N]
     m, k = x.shape
     n = w.shape[0]
@@ -251,18 +286,14 @@ def fp8_gemm(
     cfg = dict(config or gemm_config(m, n, k, block))
     if k % cfg["BLOCK_K"] or k % 16:
         raise ValueError(f"fp8_gemm: K={k} must be a multiple of 16 and of BLOCK_K")
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     a_fp8 = x_scale is not None
     if cfg.pop("GEMV", False):  # one bf16 row: the CUDA-core kernel
         if a_fp8 or m != 1:
             raise ValueError("fp8_gemm: a GEMV config takes one bf16 / fp16 row of x")
-        use_pdl = pdl.enabled(x.device)
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, w, w_scale, bias if bias is not None else w_scale, out, n, k, w.stride(0),
-            w_scale.stride(0) if block else 0, W_BLOCK=block, HAS_BIAS=bias is not None,
-            PDL=use_pdl, launch_pdl=use_pdl, **cfg,
-        )  # fmt: skip
-        return out
+        return _gemv(x, w, w_scale, bias, out_dtype, cfg, block, gated)
+    if gated:
+        raise ValueError("fp8_gemm: gate | up fused with SiLU-and-mul is a GEMV (one row) only")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
     if not a_fp8 and fp8_convert.ENABLED:
         cfg.update(W_PAIRS=True, PTX_CVT=w.device.type == "cuda")  # the interpreter: no PTX
@@ -271,6 +302,24 @@ def fp8_gemm(
         m, n, k, x.stride(0), x_scale.stride(0) if a_fp8 else 0, w.stride(0),
         w_scale.stride(0) if block else 0, out.stride(0),
         A_FP8=a_fp8, W_BLOCK=block, HAS_BIAS=bias is not None, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def _gemv(x, w, w_scale, bias, out_dtype, cfg: dict, block: int, gated: bool) -> torch.Tensor:
+    """Launch `_fp8_gemv_kernel` on one row of x."""
+    n, k = w.shape
+    if gated and n % 2:
+        raise ValueError(f"fp8_gemm: a gate | up weight needs an even N, got {n}")
+    if k % cfg["BLOCK_K"] or k % 16:
+        raise ValueError(f"fp8_gemm: K={k} must be a multiple of 16 and of BLOCK_K")
+    out = torch.empty((1, n // 2 if gated else n), dtype=out_dtype, device=x.device)
+    use_pdl = pdl.enabled(x.device)
+    rows = cfg["BLOCK_N"] // 2 if gated else cfg["BLOCK_N"]  # outputs a program
+    _fp8_gemv_kernel[(triton.cdiv(out.shape[1], rows),)](
+        x, w, w_scale, bias if bias is not None else w_scale, out, n, k, w.stride(0),
+        w_scale.stride(0) if block else 0, W_BLOCK=block, HAS_BIAS=bias is not None,
+        PDL=use_pdl, launch_pdl=use_pdl, GATED=gated, **cfg,
     )  # fmt: skip
     return out
 

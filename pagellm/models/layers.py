@@ -43,6 +43,7 @@ from pagellm.models.vocab_embedding import (  # noqa: F401  (re-exported for the
     VocabParallelEmbedding,
     gather_logits,
 )
+from pagellm.quantization.base import QuantizedWeight
 
 
 @functools.cache
@@ -202,6 +203,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
+        weight = self.gate_up_proj.packed_weight
+        if isinstance(self.act_fn, SiluAndMul) and isinstance(weight, QuantizedWeight):
+            # a quantized gate | up may fuse the activation into its GEMM (fp8 at batch 1)
+            h = weight.silu_and_mul(x, self.gate_up_proj.bias)
+            if h is not None:
+                return self.down_proj(h)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

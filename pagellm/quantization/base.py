@@ -38,6 +38,13 @@ class QuantizedWeight(ABC):
     @abstractmethod
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def silu_and_mul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """For a gate | up weight [2 I, in]: silu(gate) * up [T, I] in one kernel, where the
+        method has one for this x; None otherwise (the caller runs the GEMM, then the op)."""
+        return None
+
 
 class LinearMethod(ABC):
     """How one `Linear` is quantized. Stateless between layers; per-layer state lives on the

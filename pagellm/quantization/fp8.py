@@ -92,6 +92,16 @@ class Fp8Weight(QuantizedWeight):
             out_dtype=x.dtype,
         )  # fmt: skip
 
+    def silu_and_mul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        # one row (batch-1 decode): the GEMV's epilogue pairs gate row j with up row j
+        if x.shape[0] != 1:
+            return None
+        return self.kernels.fp8_gemm(
+            x, self.weight, self.scale, bias, out_dtype=x.dtype, gated=True
+        )
+
 
 class Fp8LinearMethod(LinearMethod):
     """fp8 weights for one Linear: quantized at load (`scheme` None) or loaded as stored
