@@ -161,7 +161,6 @@ def main_fp8_sweep(m: int) -> None:
                 + (" (default)" if cfg == default else "")
             )
         best[name] = {"TB/s": round(n * k / timings[0][0] / 1e9, 2), "config": timings[0][1]}
-
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
                       f"fp8_sweep_m{m}": best}))  # fmt: skip
 

@@ -87,8 +87,8 @@ def compile_fp8_gemm() -> None:
             constexprs = dict(W_BLOCK=w_block, HAS_BIAS=True, BLOCK_N=block_n, BLOCK_K=block_k,
                               PDL=pdl, GATED=gated, K_STEPS=k_steps, VEC=8)  # fmt: skip
             ptx = _compile(_fp8_gemv_kernel, types, constexprs, ("N", "K", "stride_wn"))
-            if not w_block:  # the weight loaded in x's register layout: no shared memory
-                loop = ptx[ptx.index("Inner Loop Header") :] if not k_steps else ""
+            if not w_block and not k_steps:  # the weight in x's register layout: the K loop
+                loop = ptx[ptx.index("Inner Loop Header") :]  # has no shared memory
                 assert "shared" not in loop[: loop.find("bra")]
 
 
