@@ -7,6 +7,8 @@
         --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --kernels
     python benchmarks/step_profile.py --workload fixed512 --model qwen3-0.6b \
         --load-format dummy --async-timeline                           # does the GPU wait?
+    python benchmarks/step_profile.py --workload batch1 --model llama-3.1-8b \
+        --load-format dummy --quantization fp8 --kv-cache-dtype fp8 --graph-timeline
 
 The engine runs in this process (`PAGELLM_ENABLE_MULTIPROCESSING=0`) with async scheduling
 off, and every `ModelRunner.execute_model` call is timed between two device syncs, so each
@@ -23,6 +25,11 @@ the engine runs with async scheduling (the default), unsynchronized, and a CUDA 
 recorded on the stream before and after each step's work is queued. Per step: the GPU span
 (first to last event of the step) and the gap before the next step's first event, which is
 time the GPU sat idle waiting for the host to queue that step.
+
+`--graph-timeline` (CUDA) looks inside a decode step as it runs: a few decode-only steps
+replayed from the CUDA graphs under torch.profiler, then per kernel name the device time a
+step and the launches a step, and the time between one kernel's end and the next one's start
+(the price of a kernel boundary in the graph, PDL overlap counted as negative).
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ def main() -> None:
     ap.add_argument(
         "--async-timeline", action="store_true", help="GPU busy / idle per step, async (CUDA)"
     )
+    ap.add_argument(
+        "--graph-timeline", action="store_true", help="kernels of graph-replayed steps (CUDA)"
+    )
     args = ap.parse_args()
     if args.async_timeline:
         return async_timeline(args)
@@ -108,8 +118,8 @@ def main() -> None:
     prompts = run_rounds(
         llm, args, temperature, steps, lambda r, wall, out: report(r, wall, out, steps)
     )
-    if args.kernels:
-        kernel_table(llm, prompts, temperature)
+    if args.kernels or args.graph_timeline:
+        kernel_table(llm, prompts, temperature, graphs=args.graph_timeline)
     llm.shutdown()
 
 
@@ -186,14 +196,15 @@ def report(r: int, wall: float, out_tokens: int, steps: list[tuple[int, int, flo
               f"{statistics.median(full) * 1e3:.2f} ms")  # fmt: skip
 
 
-def kernel_table(llm, prompts: list[list[int]], temperature: float) -> None:
+def kernel_table(llm, prompts: list[list[int]], temperature: float, graphs: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pagellm import SamplingParams
 
     engine = llm.llm_engine
     runner = engine.engine_core.engine_core.model_executor.model_runner
-    runner.graphs = None  # eager: every kernel shows in the table
+    if not graphs:
+        runner.graphs = None  # eager: every kernel shows in the table
     llm.reset_prefix_cache()
     params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -203,13 +214,47 @@ def kernel_table(llm, prompts: list[list[int]], temperature: float) -> None:
     activities = [ProfilerActivity.CPU]
     if runner.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    steps = 5
     with profile(activities=activities) as prof:
-        for _ in range(5):
+        for _ in range(steps):
             engine.step()
         _sync(runner.device)
+    if graphs:
+        graph_kernels(prof, steps)
+        engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
+        return
     sort = "cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
     engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
+
+
+def graph_kernels(prof, steps: int) -> None:
+    """Per kernel name: device microseconds a step, launches a step; then the kernels' sum
+    against the span from the first kernel's start to the last one's end."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    if not kernels:
+        print("no device kernels recorded")
+        return
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:70], []).append(e.time_range.elapsed_us())
+    busy = sum(sum(d) for d in by_name.values())
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    # between kernels: next start - previous end; steps' host gaps (over 50 us) left out
+    gaps = [b.time_range.start - a.time_range.end for a, b in zip(kernels, kernels[1:])]
+    inside = [g for g in gaps if g < 50]
+    print(
+        f"{len(kernels) / steps:.0f} kernels a step, device busy {busy / steps:.0f} us a "
+        f"step of a {span / steps:.0f} us span; between kernels in a step: "
+        f"{sum(inside) / steps:.0f} us a step, median {statistics.median(inside):.2f} us"
+    )
+    print(f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{sum(durs) / steps:9.1f} {len(durs) / steps:10.1f} "
+              f"{statistics.median(durs):8.2f}  {name}")  # fmt: skip
 
 
 def _requests(engine):

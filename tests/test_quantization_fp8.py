@@ -133,6 +133,48 @@ def test_fp8_gemv_gated_is_silu_and_mul_of_the_gemv(block):
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "block, cache_dtype, slot",
+    [(False, torch.bfloat16, 6), (False, FP8, 13), (True, torch.float8_e5m2, 2), (False, FP8, -1)],
+)
+def test_fp8_gemv_qkv_is_gemv_rotary_and_cache_write(block, cache_dtype, slot):
+    """q | k | v with rotary and the cache write in the GEMV's epilogue (batch-1 attention):
+    q and the whole cache bit for bit what the GEMV, `fused.rotary` and `reshape_and_cache`
+    give one after the other, bias and k / v scales included; GQA (4 q heads, 2 kv heads),
+    per-row and block scales, bf16 and both fp8 caches; slot -1 (padding) writes nothing."""
+    from pagellm.kernels import fused
+    from pagellm.kernels.fp8_gemm import fp8_gemm, fp8_gemv_qkv
+    from pagellm.kernels.reshape_and_cache import reshape_and_cache
+
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, k = 4, 2, 32, 128
+    n = (heads + 2 * kv_heads) * d
+    w = torch.randn(n, k, generator=gen) * 0.05
+    q8, scale = _block_quantize(w) if block else quantize_weight_per_row(w)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    angles = 11.0 / 10000 ** (torch.arange(0, d, 2) / d)  # position 11
+    cos_sin = torch.cat([angles.cos(), angles.sin()]).to(torch.bfloat16).view(1, 1, d)
+    cache = (torch.randn(2, 3, 8, kv_heads, d, generator=gen) * 4).to(cache_dtype)
+    slots, kv_scale = torch.tensor([slot]), torch.tensor([0.5, 3.0])
+    args = [t.to(DEVICE) for t in (x, q8, scale, bias)]
+    want_cache = cache.to(DEVICE, copy=True)
+    qkv = fp8_gemm(*args).view(1, -1, d)
+    qk = fused.rotary(qkv[:, : heads + kv_heads], cos_sin.to(DEVICE))
+    if slot >= 0:
+        k_rows, v_rows = qk[:, heads:], qkv[:, heads + kv_heads :]
+        reshape_and_cache(k_rows, v_rows, want_cache, slots.to(DEVICE), kv_scale.to(DEVICE))
+    got_cache = cache.to(DEVICE, copy=True)
+    q = fp8_gemv_qkv(*args, cos_sin.to(DEVICE), heads, kv_heads, got_cache, slots.to(DEVICE),
+                     kv_scale.to(DEVICE))  # fmt: skip
+    assert q.shape == (1, heads, d) and torch.equal(q, qk[:, :heads])
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert slot < 0 or not torch.equal(got_cache.view(torch.uint8).cpu(), cache.view(torch.uint8))
+    with pytest.raises(ValueError, match="heads"):
+        fp8_gemv_qkv(*args, cos_sin.to(DEVICE), heads + 1, kv_heads, got_cache, slots.to(DEVICE))
+
+
+@needs_triton
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 20])
@@ -330,6 +372,38 @@ def test_fp8_checkpoint_on_cuda_agrees_with_dequantized(tmp_path, scheme):
             runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     same = sum(a[:4] == b[:4] for a, b in zip(runs[None], runs["none"]))
     assert same >= 20, same
+
+
+@needs_triton
+def test_batch1_decode_with_qkv_into_cache_is_the_unfused_path(tmp_path, monkeypatch):
+    """A model whose q | k | v weights are fp8 (`Fp8Weight`) on the Triton attention backend
+    (interpreted on the CPU): its one-token decodes project, rotate and write the cache in
+    one kernel, and give the logits of the unfused GEMV -> rotary -> cache write, bit for
+    bit; the prefill (5 rows) takes the unfused path."""
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+    from pagellm.quantization.fp8 import Fp8Weight
+
+    shape = {**TINY_FP8, "num_attention_heads": 4, "num_hidden_layers": 1}  # GQA: 2 kv heads
+    folder = make_tiny_hf_model("llama", tmp_path, **shape)
+    model = load_our_model(folder, torch.bfloat16, device=DEVICE,
+                           attn_backend_cls=TritonAttentionBackend)  # fmt: skip
+    for layer in model.model.layers:
+        qkv = layer.self_attn.qkv_proj
+        qkv.packed_weight = Fp8Weight(*quantize_weight_per_row(qkv.weight.float()))
+    fused, fused_rows = Fp8Weight.qkv_rotary_into_cache, []
+
+    def counted(weight, x, *args):
+        q = fused(weight, x, *args)
+        fused_rows.append(x.shape[0] if q is not None else 0)
+        return q
+
+    monkeypatch.setattr(Fp8Weight, "qkv_rotary_into_cache", counted)
+    prompts = [[3, 17, 99, 250, 7]]
+    [(tokens, logits)] = run_paged(model, prompts, num_decode_steps=2)
+    assert fused_rows == [0, 1, 1]
+    monkeypatch.setattr(Fp8Weight, "qkv_rotary_into_cache", lambda *args: None)
+    [(tokens_apart, logits_apart)] = run_paged(model, prompts, num_decode_steps=2)
+    assert tokens == tokens_apart and torch.equal(logits, logits_apart)
 
 
 @pytest.mark.gpu

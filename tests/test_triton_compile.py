@@ -71,7 +71,7 @@ def compile_attention() -> None:
 
 
 def compile_fp8_gemm() -> None:
-    from pagellm.kernels.fp8_gemm import _fp8_gemm_kernel, _fp8_gemv_kernel
+    from pagellm.kernels.fp8_gemm import _fp8_gemm_kernel, _fp8_gemv_kernel, _fp8_gemv_qkv_kernel
 
     for a_fp8, w_block, block_m in GEMM_VARIANTS:
         types = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "w_ptr": "*fp8e4nv", "c_ptr": "*bf16",
@@ -90,6 +90,14 @@ def compile_fp8_gemm() -> None:
             if not w_block and not k_steps:  # the weight in x's register layout: the K loop
                 loop = ptx[ptx.index("Inner Loop Header") :]  # has no shared memory
                 assert "shared" not in loop[: loop.find("bra")]
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16",
+             "cs_ptr": "*bf16", "q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+             "v_cache_ptr": "*fp8e4nv", "slot_ptr": "*i64", "kv_scale_ptr": "*fp32"}  # fmt: skip
+    for w_block, k_steps in ((0, 8), (128, 0)):  # q | k | v with rotary and the cache write
+        constexprs = dict(W_BLOCK=w_block, HAS_BIAS=False, BLOCK_N=2, BLOCK_K=512, HALF_D=64,
+                          BLOCK_SIZE=16, QUANT=True, FP8_MAX=448.0, PDL=True, K_STEPS=k_steps,
+                          VEC=8)  # fmt: skip
+        _compile(_fp8_gemv_qkv_kernel, types, constexprs, ("N", "K", "stride_wn"))
 
 
 def _in_fresh_process(function: str) -> None:

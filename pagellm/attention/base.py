@@ -51,8 +51,9 @@ class CommonAttentionMetadata:
 class AttentionBackend(ABC):
     """One attention implementation. Build metadata once per step, then run every layer.
 
-    Invariants: `forward` first writes this step's K/V into the cache at `slot_mapping`,
-    then attends each query token to all tokens of its request up to and including itself
+    Invariants: `forward` first writes this step's K/V into the cache at `slot_mapping`
+    (unless a projection has written them already: `cache_slots`, k and v None), then
+    attends each query token to all tokens of its request up to and including itself
     (only the last `sliding_window` of them, when set). Keys outside a query's window are
     never read: their blocks may already belong to another request.
     """
@@ -91,12 +92,18 @@ class AttentionBackend(ABC):
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
         """Per-step work shared by all layers (index tensors, masks, splits); called once a step."""
 
+    def cache_slots(self, metadata: Any) -> torch.Tensor | None:
+        """The step's cache slot of each token, for a kernel before attention that writes the
+        step's K/V into the cache itself (the fp8 q | k | v GEMV at batch 1), after which
+        `forward` takes k and v None; None: this backend writes them in `forward`."""
+        return None
+
     @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: in the cache
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: in the cache
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,  # what build_metadata returned
         kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 caches)

@@ -69,17 +69,21 @@ class TritonAttentionBackend(AttentionBackend):
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         return TritonAttentionMetadata(common)
 
+    def cache_slots(self, metadata: TritonAttentionMetadata) -> torch.Tensor:
+        return metadata.common.slot_mapping
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: in the cache
+        v: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: in the cache
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TritonAttentionMetadata,
         kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         common = metadata.common
-        reshape_and_cache(k, v, kv_cache, common.slot_mapping, kv_scale)
+        if k is not None:
+            reshape_and_cache(k, v, kv_cache, common.slot_mapping, kv_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] > common.num_actual_tokens:
             out[common.num_actual_tokens :].zero_()  # padded rows: defined, never attended

@@ -18,7 +18,9 @@ Weight-only, w is read as int16 pairs and converted to fp16 before the MMA layou
 `_fp8_gemv_kernel` instead: no tensor cores, two weight rows a program, 2.85-4.1 TB/s of
 weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/benchmarks.md); with
 `gated=True` a gate | up weight's GEMV pairs gate row j with up row j in a program and
-returns silu(gate) * up, the SiLU-and-mul kernel fused into its epilogue.
+returns silu(gate) * up, the SiLU-and-mul kernel fused into its epilogue; `fp8_gemv_qkv`
+(`_fp8_gemv_qkv_kernel`) is the q | k | v GEMV of one token with rotary and the KV-cache
+write in its epilogue, so that attention follows it directly.
 """
 
 from __future__ import annotations
@@ -165,15 +167,64 @@ def _gemv_step(acc, w_ptrs, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLO
 
 
 @triton.jit
-def _gemv_rows(pid, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+def _gemv_rows(pid, N, span, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
     """The weight rows of GEMV program `pid` and which exist: BLOCK_N adjacent rows, or where
-    GATED (w is gate | up) BLOCK_N / 2 gate rows j and the up rows j + N / 2 beside them."""
-    if GATED:
+    PAIRED BLOCK_N / 2 pairs (row i, row i + span), i running over the first halves of the
+    2 * span-row groups of w: gate | up (span N / 2: gate row j beside up row j) or a q | k | v
+    weight's heads (span head_dim / 2: the two halves rotary turns together)."""
+    if PAIRED:
         half: tl.constexpr = BLOCK_N // 2
-        j = pid * half + tl.arange(0, BLOCK_N) % half
-        return j + (tl.arange(0, BLOCK_N) // half) * (N // 2), j < N // 2
+        lane = tl.arange(0, BLOCK_N)
+        j = pid * half + lane % half  # the pair
+        first = (j // span) * (2 * span) + j % span
+        return first + (lane // half) * span, j < N // 2
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     return rn, rn < N
+
+
+@triton.jit
+def _pair_halves(out, PAIRS: tl.constexpr):
+    """A paired program's [2 * PAIRS] results (firsts, then seconds) as two [PAIRS] vectors."""
+    return tl.split(tl.permute(tl.reshape(out, (2, PAIRS)), (1, 0)))
+
+
+@triton.jit
+def _gemv_dot(x_ptr, w_ptr, w_scale_ptr, bias_ptr, rn, n_ok, K, stride_wn, stride_wsn,
+              W_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr, VEC: tl.constexpr, K_STEPS: tl.constexpr):  # fmt: skip
+    """x . w[rn] (+ bias[rn]) in float32, [BLOCK_N]: the GEMV's weight stream.
+
+    BLOCK_K bytes of each of the rows a step, on the CUDA cores: fp8 -> f32 in registers,
+    times x, each lane's products summed VEC at a time into a [BLOCK_N, BLOCK_K / VEC]
+    accumulator, reduced across lanes once, after the loop. The weight is loaded VEC bytes
+    at a time, the width of x's loads (VEC bf16 = 16 bytes), so both tiles have one register
+    layout (loaded 16 bytes at a time, the weight tile was moved to x's layout through
+    shared memory, with barriers, every step). With PDL the grid is launched while the
+    kernel before it runs and waits for it before the loop: that hides the launch (+2.6% at
+    batch 1); loading the first weight tile before the wait, as a peeled first step, cost
+    7%; a one-step look-ahead in the loop cost 16%."""
+    rk = tl.max_contiguous(tl.arange(0, BLOCK_K), VEC)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rk[None, :]
+    acc = tl.zeros((rn.shape[0], BLOCK_K // VEC), dtype=tl.float32)
+    pdl.wait_for_predecessor(PDL)  # x is the previous kernel's output
+    if K_STEPS:
+        for step in tl.static_range(K_STEPS):
+            k0 = step * BLOCK_K
+            acc = _gemv_step(acc, w_ptrs + k0, x_ptrs + k0, w_scale_ptr, rn, n_ok, k0, stride_wsn,
+                             W_BLOCK, VEC)  # fmt: skip
+    else:
+        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
+            acc = _gemv_step(acc, w_ptrs, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK,
+                             VEC)  # fmt: skip
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if not W_BLOCK:
+        out = out * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -196,47 +247,97 @@ def _fp8_gemv_kernel(
     VEC: tl.constexpr = 8,  # weight bytes a lane loads at once (x: 2 VEC bytes of bf16)
     K_STEPS: tl.constexpr = 0,  # K / BLOCK_K where the loop is unrolled (0: a runtime loop)
 ):
-    # One program streams BLOCK_N weight rows, BLOCK_K bytes of each per step, on the CUDA
-    # cores: fp8 -> f32 in registers, times x, each lane's products summed VEC at a time into
-    # a [BLOCK_N, BLOCK_K / VEC] accumulator, reduced across lanes once, after the loop. The
-    # weight is loaded VEC bytes at a time, the width of x's loads (VEC bf16 = 16 bytes), so
-    # both tiles have one register layout (loaded 16 bytes at a time, the weight tile was
-    # moved to x's layout through shared memory, with barriers, every step). With PDL the grid is
-    # launched while the kernel before it runs and waits for it before the loop: that hides
-    # the launch (+2.6% at batch 1); loading the first weight tile before the wait, as a
-    # peeled first step, cost 7%; a one-step look-ahead in the loop cost 16%.
+    # One program streams BLOCK_N weight rows (`_gemv_dot`) and stores their outputs.
     pid = tl.program_id(0)
-    rn, n_ok = _gemv_rows(pid, N, BLOCK_N, GATED)
-    rk = tl.max_contiguous(tl.arange(0, BLOCK_K), VEC)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rk[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
-    pdl.wait_for_predecessor(PDL)  # x is the previous kernel's output
-    if K_STEPS:
-        for step in tl.static_range(K_STEPS):
-            k0 = step * BLOCK_K
-            acc = _gemv_step(acc, w_ptrs + k0, x_ptrs + k0, w_scale_ptr, rn, n_ok, k0, stride_wsn,
-                             W_BLOCK, VEC)  # fmt: skip
-    else:
-        for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
-            acc = _gemv_step(acc, w_ptrs, x_ptrs, w_scale_ptr, rn, n_ok, k0, stride_wsn, W_BLOCK,
-                             VEC)  # fmt: skip
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
-    if not W_BLOCK:
-        out = out * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    rn, n_ok = _gemv_rows(pid, N, N // 2, BLOCK_N, GATED)
+    out = _gemv_dot(x_ptr, w_ptr, w_scale_ptr, bias_ptr, rn, n_ok, K, stride_wn, stride_wsn,
+                    W_BLOCK, HAS_BIAS, BLOCK_K, PDL, VEC, K_STEPS)  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     if GATED:  # rounded where the unfused path rounds: the GEMM's output, then F.silu's
-        HALF: tl.constexpr = BLOCK_N // 2
-        gate, up = tl.split(tl.permute(tl.reshape(out.to(dtype).to(tl.float32), (2, HALF)), (1, 0)))
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        gate, up = _pair_halves(out.to(dtype).to(tl.float32), PAIRS)
         act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        rj = pid * HALF + tl.arange(0, HALF)
+        rj = pid * PAIRS + tl.arange(0, PAIRS)
         tl.store(c_ptr + rj, (act * up).to(dtype), mask=rj < N // 2)
     else:
         tl.store(c_ptr + rn, out.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _fp8_gemv_qkv_kernel(
+    x_ptr,  # [K] bf16 / fp16: one activation row
+    w_ptr,  # [N, K] fp8: q | k | v, N = (H + 2 H_kv) * 2 HALF_D
+    w_scale_ptr,  # [N] or [N / 128, K / 128] float32
+    bias_ptr,  # [N]
+    cs_ptr,  # [2 HALF_D]: the token's cos | sin, in q's dtype
+    q_ptr,  # [H, 2 HALF_D] out: q after rotary
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, 2 HALF_D]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, H_kv, 2 HALF_D]
+    slot_ptr,  # [1]: the token's cache slot; -1: none (padding)
+    kv_scale_ptr,  # [2] float32 k_scale, v_scale (QUANT only)
+    N,
+    K,
+    stride_wn,
+    stride_wsn,
+    num_heads,
+    num_kv_heads,
+    stride_cb,  # cache strides between blocks, slots of a block, kv heads (elements)
+    stride_cs,
+    stride_ch,
+    W_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HALF_D: tl.constexpr,  # head_dim / 2 (rotary over the whole head, NeoX halves)
+    BLOCK_SIZE: tl.constexpr,  # of the paged cache
+    QUANT: tl.constexpr = False,  # fp8 cache: divide by the scale, saturate, round
+    FP8_MAX: tl.constexpr = 448.0,
+    PDL: tl.constexpr = False,
+    VEC: tl.constexpr = 8,
+    K_STEPS: tl.constexpr = 0,
+):
+    # The q | k | v GEMV of one token with the two kernels after it in its epilogue: rotary
+    # (`fused._rotary_kernel`) and the cache write (`reshape_and_cache`). A program's rows
+    # are BLOCK_N / 2 pairs (d, d + HALF_D) of a head, which rotary turns together; q goes
+    # to q_ptr, k and v into the token's cache slot. Rounded where the unfused path rounds:
+    # the GEMM's output, the rotary's, then the fp8 cache's quantization.
+    pid = tl.program_id(0)
+    rn, n_ok = _gemv_rows(pid, N, HALF_D, BLOCK_N, True)
+    out = _gemv_dot(x_ptr, w_ptr, w_scale_ptr, bias_ptr, rn, n_ok, K, stride_wn, stride_wsn,
+                    W_BLOCK, HAS_BIAS, BLOCK_K, PDL, VEC, K_STEPS)  # fmt: skip
+    dtype = q_ptr.dtype.element_ty
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    a, b = _pair_halves(out.to(dtype).to(tl.float32), PAIRS)
+    j = pid * PAIRS + tl.arange(0, PAIRS)
+    head, d = j // HALF_D, j % HALF_D
+    ok = j < N // 2
+    cos = tl.load(cs_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + HALF_D + d, mask=ok, other=0.0).to(tl.float32)
+    turn = head < num_heads + num_kv_heads  # q and k heads; v passes
+    first = tl.where(turn, a * cos - b * sin, a).to(dtype)
+    second = tl.where(turn, b * cos + a * sin, b).to(dtype)
+    is_q = ok & (head < num_heads)
+    tl.store(q_ptr + head * (2 * HALF_D) + d, first, mask=is_q)
+    tl.store(q_ptr + head * (2 * HALF_D) + HALF_D + d, second, mask=is_q)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    kv = head - num_heads  # keys' heads, then values'
+    is_v = kv >= num_kv_heads
+    kv_head = tl.where(is_v, kv - num_kv_heads, kv)
+    at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    at += kv_head * stride_ch + d
+    kv_ok = ok & (kv >= 0) & (slot >= 0)
+    first_kv, second_kv = first, second
+    if QUANT:
+        inv = 1.0 / tl.load(kv_scale_ptr + is_v.to(tl.int32), mask=kv_ok, other=1.0)
+        first_kv = tl.clamp(first.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
+        second_kv = tl.clamp(second.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
+    cache = k_cache_ptr.dtype.element_ty
+    first_kv, second_kv = first_kv.to(cache), second_kv.to(cache)
+    is_k = kv_ok & (kv < num_kv_heads)
+    tl.store(k_cache_ptr + at, first_kv, mask=is_k)
+    tl.store(k_cache_ptr + at + HALF_D, second_kv, mask=is_k)
+    tl.store(v_cache_ptr + at, first_kv, mask=kv_ok & is_v)
+    tl.store(v_cache_ptr + at + HALF_D, second_kv, mask=kv_ok & is_v)
 
 
 def gemv_config(n: int, k: int, block: int) -> dict:
@@ -326,6 +427,55 @@ def _gemv(x, w, w_scale, bias, out_dtype, cfg: dict, block: int, gated: bool) ->
         PDL=use_pdl, launch_pdl=use_pdl, GATED=gated, **cfg,
     )  # fmt: skip
     return out
+
+
+def fp8_gemv_qkv(
+    x: torch.Tensor,  # [1, K] bf16 / fp16: one token
+    w: torch.Tensor,  # [N, K] fp8: q | k | v, N = (num_heads + 2 num_kv_heads) * head_dim
+    w_scale: torch.Tensor,  # [N] or [ceil(N / 128), ceil(K / 128)] float32
+    bias: torch.Tensor | None,  # [N]
+    cos_sin: torch.Tensor,  # [1, 1, head_dim]: the token's cos | sin (rotary over all of D)
+    num_heads: int,
+    num_kv_heads: int,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [1] int32 / int64; -1: write nothing
+    kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 caches; None: 1)
+    config: dict | None = None,
+) -> torch.Tensor:  # q [1, num_heads, head_dim] after rotary
+    """The q | k | v projection of one token, rotary on q and k, and k and v written into
+    the paged cache, in one kernel: `fused.rotary` and `reshape_and_cache` after the GEMV,
+    bit for bit (batch-1 decode)."""
+    n, k = w.shape
+    d = kv_cache.shape[-1]
+    block = SCALE_BLOCK if w_scale.dim() == 2 else 0
+    _check(x, w, w_scale, None, block)
+    if x.shape[0] != 1 or n != (num_heads + 2 * num_kv_heads) * d or d % 2:
+        raise ValueError(f"fp8_gemv_qkv: x {tuple(x.shape)}, w {tuple(w.shape)} for "
+                         f"{num_heads} + 2 x {num_kv_heads} heads of {d}")  # fmt: skip
+    if kv_cache.dim() != 5 or kv_cache.shape[3] != num_kv_heads or kv_cache.stride(-1) != 1:
+        raise ValueError(f"fp8_gemv_qkv: kv_cache {tuple(kv_cache.shape)}")
+    if cos_sin.numel() != d or slot_mapping.numel() < 1:
+        raise ValueError(f"fp8_gemv_qkv: cos_sin {tuple(cos_sin.shape)} for head_dim {d}")
+    cfg = dict(config or gemv_config(n, k, block))
+    cfg.pop("GEMV", None)
+    if k % cfg["BLOCK_K"] or k % 16 or cfg["BLOCK_N"] % 2:
+        raise ValueError(f"fp8_gemv_qkv: K={k} must be a multiple of 16 and of BLOCK_K")
+    q = torch.empty((1, num_heads, d), dtype=x.dtype, device=x.device)
+    quant = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if quant and kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=x.device)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    use_pdl = pdl.enabled(x.device)
+    _fp8_gemv_qkv_kernel[(triton.cdiv(n // 2, cfg["BLOCK_N"] // 2),)](
+        x, w, w_scale, bias if bias is not None else w_scale, cos_sin.contiguous(), q, k_cache,
+        v_cache, slot_mapping, kv_scale if quant else w_scale, n, k, w.stride(0),
+        w_scale.stride(0) if block else 0, num_heads, num_kv_heads, k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), W_BLOCK=block, HAS_BIAS=bias is not None,
+        HALF_D=d // 2, BLOCK_SIZE=kv_cache.shape[2], QUANT=quant,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if quant else 448.0, PDL=use_pdl,
+        launch_pdl=use_pdl, **cfg,
+    )  # fmt: skip
+    return q
 
 
 def _check(x, w, w_scale, x_scale, block: int) -> None:

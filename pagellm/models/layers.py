@@ -252,11 +252,17 @@ class Attention(nn.Module):
         for i in which:
             self.kv_scale[i] = value
 
+    def cache_slots(self, attn_metadata: Any) -> torch.Tensor | None:
+        """The step's cache slots, where the kernel before attention may write this step's
+        K/V into the cache itself (then `forward(q, None, None, ...)`); None where it may not:
+        the backend writes them, or the first batch's k and v set the fp8 scales."""
+        return None if self.calculate_kv_scales else self.impl.cache_slots(attn_metadata)
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, H_kv, D]
-        v: torch.Tensor,  # [T, H_kv, D]
+        k: torch.Tensor | None,  # [T, H_kv, D]; None: already in the cache (`cache_slots`)
+        v: torch.Tensor | None,  # [T, H_kv, D]
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, H * D]

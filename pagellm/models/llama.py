@@ -35,6 +35,7 @@ from pagellm.models.layers import (
 )
 from pagellm.models.rope import max_positions, rope_parameters, rotary_dim
 from pagellm.models.weights import load_packed_weights
+from pagellm.quantization.base import QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -117,6 +118,9 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, hidden]
+        q = self._qkv_into_cache(hidden, cos_sin, kv_cache, attn_metadata)
+        if q is not None:  # k and v are in the cache already
+            return self.o_proj(self.attn(q, None, None, kv_cache, attn_metadata))
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H+2H_kv, D]
         num_qk = self.num_heads + self.num_kv_heads
         if self.qk_norm:
@@ -127,6 +131,20 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qkv[:, :num_qk], cos_sin)
             q, k, v = qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, num_qk:]
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+    def _qkv_into_cache(self, hidden, cos_sin, kv_cache, attn_metadata) -> torch.Tensor | None:
+        """q [T, H, D] after rotary, k and v written into the cache, all by the q | k | v
+        projection's kernel where its weight has one (fp8 at batch 1); None otherwise."""
+        weight = self.qkv_proj.packed_weight
+        if self.qk_norm or not isinstance(weight, QuantizedWeight):
+            return None
+        slots = self.attn.cache_slots(attn_metadata)
+        if slots is None or cos_sin.shape[-1] != self.head_dim:  # partial rotary: apart
+            return None
+        return weight.qkv_rotary_into_cache(
+            hidden, self.qkv_proj.bias, cos_sin, self.num_heads, self.num_kv_heads, kv_cache,
+            slots, self.attn.kv_scale,
+        )  # fmt: skip
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -45,6 +45,22 @@ class QuantizedWeight(ABC):
         method has one for this x; None otherwise (the caller runs the GEMM, then the op)."""
         return None
 
+    def qkv_rotary_into_cache(
+        self,
+        x: torch.Tensor,  # [T, in]
+        bias: torch.Tensor | None,
+        cos_sin: torch.Tensor,  # [T, 1, head_dim]: rotary over whole heads
+        num_heads: int,
+        num_kv_heads: int,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [T]
+        kv_scale: torch.Tensor,  # [2] k_scale, v_scale (fp8 caches)
+    ) -> torch.Tensor | None:
+        """For a q | k | v weight: q after rotary [T, H, D], with k (after rotary) and v
+        written into the cache at `slot_mapping`, in one kernel, where the method has one for
+        this x; None otherwise (the caller runs the GEMM, rotary, and attention's write)."""
+        return None
+
 
 class LinearMethod(ABC):
     """How one `Linear` is quantized. Stateless between layers; per-layer state lives on the

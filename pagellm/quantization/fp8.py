@@ -102,6 +102,17 @@ class Fp8Weight(QuantizedWeight):
             x, self.weight, self.scale, bias, out_dtype=x.dtype, gated=True
         )
 
+    def qkv_rotary_into_cache(
+        self, x, bias, cos_sin, num_heads, num_kv_heads, kv_cache, slot_mapping, kv_scale
+    ) -> torch.Tensor | None:
+        # one row (batch-1 decode): rotary and the cache write in the GEMV's epilogue
+        if x.shape[0] != 1:
+            return None
+        return self.kernels.fp8_gemv_qkv(
+            x, self.weight, self.scale, bias, cos_sin, num_heads, num_kv_heads, kv_cache,
+            slot_mapping, kv_scale,
+        )  # fmt: skip
+
 
 class Fp8LinearMethod(LinearMethod):
     """fp8 weights for one Linear: quantized at load (`scheme` None) or loaded as stored
