@@ -36,13 +36,15 @@ def _rms_norm_kernel(
     HEADS_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
-    PDL: tl.constexpr = False,  # let the next kernel (a GEMV) launch now (`pagellm.kernels.pdl`)
+    PDL: tl.constexpr = False,  # launched early; the next kernel (a GEMV) too (`kernels.pdl`)
 ):
-    pdl.launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs = tl.arange(0, BLOCK)
     mask = (offs_h[:, None] < heads) & (offs[None, :] < n)  # [HEADS_PAD, BLOCK]
+    w = tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)  # no kernel's output
+    pdl.wait_for_predecessor(PDL)  # x is the kernel before's output
+    pdl.launch_dependents(PDL)
     x_offs = t * stride_xt + offs_h[:, None] * stride_xh + offs[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     out_offs = (t * heads + offs_h[:, None]) * n + offs[None, :]
@@ -54,7 +56,6 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, 1) / n  # [HEADS_PAD]
     y = x * tl.rsqrt(var + eps)[:, None]
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # normalized, rounded, then * weight
-    w = tl.load(w_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -175,13 +176,15 @@ def rms_norm(
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else None
     res = residual if residual is not None else x
+    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(x3.shape[0],)](
         x3, res, weight, out, res_out if res_out is not None else out,
         heads, n, x3.stride(0), x3.stride(1), res.stride(0), eps,
         HEADS_PAD=triton.next_power_of_2(heads),
         BLOCK=triton.next_power_of_2(n),
         HAS_RES=residual is not None,
-        PDL=pdl.enabled(x.device),
+        PDL=use_pdl,
+        launch_pdl=use_pdl,
         num_warps=_num_warps(heads * n),
     )  # fmt: skip
     return out, res_out

@@ -9,12 +9,17 @@ tail, and it may do work that needs nothing from it before it waits in `gdc_wait
 the predecessor has finished and its writes are visible. So everything that reads the
 predecessor's output, or writes anything, comes after `gdc_wait`.
 
-Who does what: the one-row fp8 GEMV (`fp8_gemm._fp8_gemv_kernel`) is launched with PDL and
-waits for its predecessor before its loop (loading a first weight tile before the wait
-cost 7% at batch 1: docs/benchmarks.md); the kernels that precede GEMVs in a layer
-(RMSNorm, SiLU-and-mul, paged attention and its split combine) call `launch_dependents` at
-their start. Both instructions are no-ops for kernels launched without PDL. `enabled` is
-False on the CPU (Triton's interpreter has no PTX), before Hopper, and with PAGELLM_PDL=0.
+Who does what: the one-row fp8 GEMVs (`fp8_gemm._fp8_gemv_kernel`, `_fp8_gemv_qkv_kernel`)
+are launched with PDL and wait for their predecessor before their loop (loading a first
+weight tile before the wait cost 7% at batch 1: docs/benchmarks.md); the kernels that
+precede GEMVs in a layer (RMSNorm, SiLU-and-mul, paged attention and its split combine) call
+`launch_dependents`. RMSNorm is launched with PDL too, after o_proj's and down_proj's
+GEMVs, which call `launch_dependents` at their start: its one program loads the norm weight,
+waits, then lets the next GEMV launch (+2.9% at batch 1). Launching attention and its
+combine early the same way (after the q | k | v GEMV) gained nothing and was left out; so
+was gate | up's `launch_dependents`: the down GEMV's programs, waiting, took its SM slots.
+Both instructions are no-ops for kernels launched without PDL. `enabled` is False on the
+CPU (Triton's interpreter has no PTX), before Hopper, and with PAGELLM_PDL=0.
 """
 
 from __future__ import annotations
