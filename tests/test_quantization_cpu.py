@@ -134,11 +134,13 @@ def _random_blocks(qtype, n: int, k: int, seed: int) -> torch.Tensor:
 
 @needs_block_kernel
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
-def test_block_gemm_matches_the_dequantized_weights(qtype):
+@pytest.mark.parametrize("k", [256, 1184])
+def test_block_gemm_matches_the_dequantized_weights(qtype, k):
     """float32: the dequantized matmul up to float32 rounding; bfloat16 x: the same on the
     bf16 values, the output rounded once; rows 1..8 a call, more in chunks, with a bias; N
-    not a multiple of the kernel's 16-row tasks."""
-    n, k = 50, 256
+    not a multiple of the kernel's 16-row tasks; 8 blocks a row, and 37 (an odd count: the
+    block pairs' tail; more than two vectors of block scales and offsets)."""
+    n = 50
     blocks = _random_blocks(qtype, n, k, seed=7)
     w = decode_blocks(blocks.reshape(-1, blocks.shape[1] // (k // 32)), qtype).view(n, k)
     planes = gguf_kernel.BlockPlanes.from_blocks(blocks, qtype)

@@ -88,13 +88,6 @@ struct Weights {
   int64_t N, K;
 };
 
-// sum over blocks of m[b] * xsum[b] (the offsets' share of one output)
-inline float offset_dot(const uint16_t* m, const float* xsum, int64_t blocks) {
-  float s = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) s += half_to_float(m[b]) * xsum[b];
-  return s;
-}
-
 #if defined(__AVX512F__)
 // block b's 32 stored integers of row `qs` as two float vectors (weights 0..15, 16..31)
 template <int KIND>
@@ -112,9 +105,10 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
 }
 #endif
 
+#define PAGELLM_UNROLL _Pragma("GCC unroll 16")  // constant indices: registers, not the stack
+
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define PAGELLM_AVX2_BLOCKS 1
-#define PAGELLM_UNROLL _Pragma("GCC unroll 16")  // constant indices: registers, not the stack
 
 // block b's 32 stored integers of row `qs` as four float vectors (weights 0..7, .., 24..31)
 template <int KIND>
@@ -147,6 +141,70 @@ inline float reduce_add8(__m256 v) {
 }
 #endif
 
+// sum over blocks of m[b] * xsum[b] (the offsets' share of one output), a vector of blocks at
+// a time (partial sums, then theirs): the serial sum's chain of dependent adds cost more
+// than the block loop itself at K = 576
+inline float offset_dot(const uint16_t* m, const float* xsum, int64_t blocks) {
+  float s = 0.0f;
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; b + 16 <= blocks; b += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b));
+    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(h), _mm512_loadu_ps(xsum + b), acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#elif defined(PAGELLM_AVX2_BLOCKS)
+  __m256 acc = _mm256_setzero_ps();
+  for (; b + 8 <= blocks; b += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b));
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(h), _mm256_loadu_ps(xsum + b), acc);
+  }
+  s = reduce_add8(acc);
+#endif
+  for (; b < blocks; ++b) s = std::fma(half_to_float(m[b]), xsum[b], s);  // fused, always
+  return s;
+}
+
+// the fp16 block scales of one row as float32, a vector at a time
+inline void halves_to_floats(const uint16_t* d, int64_t blocks, float* out) {
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  for (; b + 16 <= blocks; b += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b));
+    _mm512_storeu_ps(out + b, _mm512_cvtph_ps(h));
+  }
+#elif defined(PAGELLM_AVX2_BLOCKS)
+  for (; b + 8 <= blocks; b += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b));
+    _mm256_storeu_ps(out + b, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; b < blocks; ++b) out[b] = half_to_float(d[b]);
+}
+
+// blocks 0 .. blocks - 1 through `block(b, acc)`, even ones into `even`, odd ones into
+// `odd`, taken in pairs so that every accumulator index is a constant: GCC then keeps the
+// accumulators in registers (indexed acc[r][b & 1] it kept them on the stack, each FMA
+// waiting on a store)
+template <typename Vec, typename Block>
+inline void blocks_in_pairs(int64_t blocks, Vec* even, Vec* odd, Block&& block) {
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    block(b, even);
+    block(b + 1, odd);
+  }
+  if (b < blocks) block(b, even);
+}
+
+// y[r, n] from the row's scaled block dots: plus the offsets' share (Q4) and the bias
+inline void store_output(float dots, const Weights& w, const float* xsum, int r, int64_t n,
+                         bool offsets, float* y, const float* bias) {
+  const int64_t blocks = w.K / kBlock;
+  if (offsets) dots += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+  y[r * w.N + n] = dots + (bias ? bias[n] : 0.0f);
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGELLM_BF16_DOTS 1
 // Q4 rows n0 .. n1 for bf16 x (xh: [MR, K]) with the dot products on bf16 pairs: the stored
@@ -169,55 +227,28 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * (K / 2);
     const uint16_t* d = w.d + n * blocks;
-    for (int64_t b = 0; b < blocks; ++b) scale[b] = half_to_float(d[b]);
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+    halves_to_floats(d, blocks, scale.data());
+    __m512 even[MR], odd[MR];  // blocks in pairs, as rows_of_y takes them
+    PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    auto block = [&](int64_t b, __m512* acc) __attribute__((always_inline)) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
       const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
                                                _mm_and_si128(q, mask));  // weights 0..31
       const __m512bh wb =
           (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
       const __m512 vscale = _mm512_set1_ps(scale[b]);
-      for (int r = 0; r < MR; ++r) {
+      PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
         const int64_t at = r * K + b * kBlock;
         const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb,
                                             (__m512bh)_mm512_loadu_si512(xh + at));
-        acc[r][b & 1] = _mm512_fmadd_ps(dot, vscale, acc[r][b & 1]);
+        acc[r] = _mm512_fmadd_ps(dot, vscale, acc[r]);
       }
-    }
-    for (int r = 0; r < MR; ++r) {
-      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-      out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
-      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
-    }
+    };
+    blocks_in_pairs(blocks, even, odd, block);
+    for (int r = 0; r < MR; ++r)
+      store_output(_mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])), w, xsum, r, n, true, y,
+                   bias);
   }
-}
-#endif
-
-#if defined(PAGELLM_AVX2_BLOCKS)
-// offset_dot 8 blocks at a time (8 partial sums, then theirs): the serial sum's chain of
-// dependent adds cost more than the block loop itself at K = 576
-inline float offset_dot8(const uint16_t* m, const float* xsum, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b)));
-    acc = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + b), acc);
-  }
-  float s = reduce_add8(acc);
-  for (; b < blocks; ++b) s = std::fma(half_to_float(m[b]), xsum[b], s);  // fused, always
-  return s;
-}
-
-// the fp16 block scales of one row as float32, 8 at a time
-inline void halves_to_floats(const uint16_t* d, int64_t blocks, float* out) {
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b));
-    _mm256_storeu_ps(out + b, _mm256_cvtph_ps(h));
-  }
-  for (; b < blocks; ++b) out[b] = half_to_float(d[b]);
 }
 #endif
 
@@ -231,34 +262,26 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * row_bytes;
     const uint16_t* d = w.d + n * blocks;
-#if defined(PAGELLM_AVX2_BLOCKS)
     halves_to_floats(d, blocks, scale.data());
-#else
-    for (int64_t b = 0; b < blocks; ++b) scale[b] = half_to_float(d[b]);
-#endif
 #if defined(__AVX512F__)
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[MR], odd[MR];  // `blocks_in_pairs`
+    PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    auto block = [&](int64_t b, __m512* acc) __attribute__((always_inline)) {
       __m512 lo, hi;
       unpack<KIND>(qs, b, &lo, &hi);
       const __m512 vscale = _mm512_set1_ps(scale[b]);
-      for (int r = 0; r < MR; ++r) {
+      PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
         const float* xb = xf + r * K + b * kBlock;
         __m512 dot = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
         dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), dot);
-        acc[r][b & 1] = _mm512_fmadd_ps(dot, vscale, acc[r][b & 1]);
+        acc[r] = _mm512_fmadd_ps(dot, vscale, acc[r]);
       }
-    }
-    for (int r = 0; r < MR; ++r) {
-      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-      if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
-      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
-    }
+    };
+    blocks_in_pairs(blocks, even, odd, block);
+    for (int r = 0; r < MR; ++r)
+      store_output(_mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])), w, xsum, r, n,
+                   KIND == Q4, y, bias);
 #elif defined(PAGELLM_AVX2_BLOCKS)  // the same with 8-float vectors (no AVX-512)
-    // even blocks into `even`, odd ones into `odd` (as acc[r][b & 1] above), the loop taking
-    // them in pairs so that every accumulator index is a constant: GCC then keeps them in
-    // registers (with b & 1 it kept them on the stack, each FMA waiting on a store)
     __m256 even[MR], odd[MR];
     PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     auto block = [&](int64_t b, __m256* acc) __attribute__((always_inline)) {
@@ -274,17 +297,10 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
         acc[r] = _mm256_fmadd_ps(dot, vscale, acc[r]);
       }
     };
-    int64_t b = 0;
-    for (; b + 1 < blocks; b += 2) {
-      block(b, even);
-      block(b + 1, odd);
-    }
-    if (b < blocks) block(b, even);
-    for (int r = 0; r < MR; ++r) {
-      float out = reduce_add8(_mm256_add_ps(even[r], odd[r]));
-      if (KIND == Q4) out += offset_dot8(w.m + n * blocks, xsum + r * blocks, blocks);
-      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
-    }
+    blocks_in_pairs(blocks, even, odd, block);
+    for (int r = 0; r < MR; ++r)
+      store_output(reduce_add8(_mm256_add_ps(even[r], odd[r])), w, xsum, r, n, KIND == Q4, y,
+                   bias);
 #else
     for (int r = 0; r < MR; ++r) {
       const float* xr = xf + r * K;
@@ -303,8 +319,7 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
         }
         out += dot * scale[b];
       }
-      if (KIND == Q4) out += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
-      y[r * w.N + n] = out + (bias ? bias[n] : 0.0f);
+      store_output(out, w, xsum, r, n, KIND == Q4, y, bias);
     }
 #endif
   }
