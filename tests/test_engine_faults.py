@@ -278,16 +278,33 @@ def test_msgspec_round_trip_of_every_validated_request():
 def test_an_exited_core_gets_one_more_poll_for_its_death_report():
     """The core reports its error just before it exits; the reader may see the exit before
     the report arrives. The first sighting of the exit waits one more poll (so the caller
-    hears "EngineCore died: <reason>"), the second one declares the core dead."""
+    hears "EngineCore died: <reason>"); while a frame waits unread in the output socket
+    (the sender's and the reader's checks may come in a row) later sightings wait too; then
+    the core is declared dead."""
     import subprocess
     import sys
 
-    client = object.__new__(core_client.SyncMPClient)  # only the liveness state, no sockets
+    import zmq
+
+    client = object.__new__(core_client.SyncMPClient)  # the liveness state and one socket
     client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     client.proc.wait()
-    client.dead_error, client._exit_seen = None, False
-    client._check_alive()  # first sighting: no verdict yet
-    with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(code 3\)"):
-        client._check_alive()
-    with pytest.raises(EngineDeadError):  # and it stays dead
-        client._check_alive()
+    client.dead_error, client._exit_seen = None, None
+    ctx = zmq.Context()
+    client.output_socket = ctx.socket(zmq.PULL)
+    client.output_socket.bind("inproc://death-report")
+    core_side = ctx.socket(zmq.PUSH)
+    core_side.connect("inproc://death-report")
+    try:
+        client._check_alive()  # first sighting: no verdict yet
+        core_side.send_multipart([b"0", b"the last words"])
+        client._check_alive()  # a frame to read first: no verdict either
+        assert client.output_socket.recv_multipart() == [b"0", b"the last words"]
+        with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(code 3\)"):
+            client._check_alive()
+        with pytest.raises(EngineDeadError):  # and it stays dead
+            client._check_alive()
+    finally:
+        core_side.close(linger=0)
+        client.output_socket.close(linger=0)
+        ctx.term()

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from abc import ABC, abstractmethod
 from typing import Any
@@ -38,6 +39,8 @@ from pagellm.protocol import (
 )
 
 _POLL_MS = 200  # how often a waiting client checks that the core process is alive
+_IN_FLIGHT_MS = 50  # after the core exited: how long its last frames may take to arrive
+_EXIT_GRACE_S = 0.5  # and how long unread frames may hold off the verdict
 # how the core process is started, after the interpreter (tests run it under a fault injector)
 CORE_PROCESS_ARGS = ["-m", "pagellm.engine.core_proc"]
 _SHUTDOWN_S = 5.0
@@ -156,7 +159,7 @@ class MPClient(EngineCoreClient):
             self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
         )
         self.dead_error: EngineDeadError | None = None
-        self._exit_seen = False  # the process was seen gone once (see _check_alive)
+        self._exit_seen: float | None = None  # when the process was first seen gone (_check_alive)
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.encoder = msgspec.msgpack.Encoder()
         self.call_ids = itertools.count()
@@ -224,11 +227,21 @@ class MPClient(EngineCoreClient):
             return
         # A core that dies of an error reports it just before it exits, and the report may
         # still be on its way to the output socket: the first time the exit is seen, the
-        # reader gets one more poll to read it ("EngineCore died: <reason>").
-        if not self._exit_seen:
-            self._exit_seen = True
+        # reader gets one more poll to read it ("EngineCore died: <reason>"); while frames
+        # wait in the socket (the sender's and the reader's checks may come in a row), the
+        # reader has them to read first, for at most _EXIT_GRACE_S.
+        now = time.monotonic()
+        if self._exit_seen is None:
+            self._exit_seen = now
+            return
+        if now - self._exit_seen < _EXIT_GRACE_S and self._output_pending():
             return
         self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
+
+    def _output_pending(self) -> bool:
+        """Frames from the core not read yet (through a blocking view of the socket: the same
+        check for the asyncio client), waiting a little for ones still in flight."""
+        return bool(zmq.Socket.shadow(self.output_socket.underlying).poll(_IN_FLIGHT_MS))
 
     def _mark_dead(self, message: str) -> None:
         self.dead_error = EngineDeadError(message)
