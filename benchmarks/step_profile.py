@@ -221,10 +221,9 @@ def kernel_table(llm, prompts: list[list[int]], temperature: float, graphs: bool
         _sync(runner.device)
     if graphs:
         graph_kernels(prof, steps)
-        engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
-        return
-    sort = "cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
+    else:
+        sort = "cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
     engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
 
 

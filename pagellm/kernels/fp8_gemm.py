@@ -31,6 +31,8 @@ import triton.language as tl
 
 from pagellm.kernels import fp8_convert, pdl
 from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
+from pagellm.kernels.fused import rotate_halves
+from pagellm.kernels.reshape_and_cache import quant_args, slot_offset, to_cache
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -316,28 +318,23 @@ def _fp8_gemv_qkv_kernel(
     j = pid * PAIRS + tl.arange(0, PAIRS)
     head, d = j // HALF_D, j % HALF_D
     ok = j < N // 2
-    cos = tl.load(cs_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + HALF_D + d, mask=ok, other=0.0).to(tl.float32)
+    turned_a, turned_b = rotate_halves(a, b, cs_ptr, d, HALF_D)
     turn = head < num_heads + num_kv_heads  # q and k heads; v passes
-    first = tl.where(turn, a * cos - b * sin, a).to(dtype)
-    second = tl.where(turn, b * cos + a * sin, b).to(dtype)
+    first = tl.where(turn, turned_a, a).to(dtype)
+    second = tl.where(turn, turned_b, b).to(dtype)
     is_q = ok & (head < num_heads)
     tl.store(q_ptr + head * (2 * HALF_D) + d, first, mask=is_q)
     tl.store(q_ptr + head * (2 * HALF_D) + HALF_D + d, second, mask=is_q)
     slot = tl.load(slot_ptr).to(tl.int64)
     kv = head - num_heads  # keys' heads, then values'
     is_v = kv >= num_kv_heads
-    kv_head = tl.where(is_v, kv - num_kv_heads, kv)
-    at = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-    at += kv_head * stride_ch + d
+    at = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs)
+    at += tl.where(is_v, kv - num_kv_heads, kv) * stride_ch + d
     kv_ok = ok & (kv >= 0) & (slot >= 0)
-    first_kv, second_kv = first, second
-    if QUANT:
-        inv = 1.0 / tl.load(kv_scale_ptr + is_v.to(tl.int32), mask=kv_ok, other=1.0)
-        first_kv = tl.clamp(first.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
-        second_kv = tl.clamp(second.to(tl.float32) * inv, -FP8_MAX, FP8_MAX)
+    scale_ptr = kv_scale_ptr + is_v.to(tl.int32)  # k_scale or v_scale, per value
     cache = k_cache_ptr.dtype.element_ty
-    first_kv, second_kv = first_kv.to(cache), second_kv.to(cache)
+    first_kv = to_cache(first, scale_ptr, cache, QUANT, FP8_MAX)
+    second_kv = to_cache(second, scale_ptr, cache, QUANT, FP8_MAX)
     is_k = kv_ok & (kv < num_kv_heads)
     tl.store(k_cache_ptr + at, first_kv, mask=is_k)
     tl.store(k_cache_ptr + at + HALF_D, second_kv, mask=is_k)
@@ -464,11 +461,10 @@ def fp8_gemv_qkv(
     cfg = dict(config or gemv_config(n, k, block))
     cfg.pop("GEMV", None)
     if k % cfg["BLOCK_K"] or k % 16 or cfg["BLOCK_N"] % 2:
-        raise ValueError(f"fp8_gemv_qkv: K={k} must be a multiple of 16 and of BLOCK_K")
+        raise ValueError(f"fp8_gemv_qkv: K={k} must be a multiple of 16 and of BLOCK_K, "
+                         f"BLOCK_N even")  # fmt: skip
     q = torch.empty((1, num_heads, d), dtype=x.dtype, device=x.device)
-    quant = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if quant and kv_scale is None:
-        kv_scale = torch.ones(2, dtype=torch.float32, device=x.device)
+    quant, kv_scale, fp8_max = quant_args(kv_cache, kv_scale)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     use_pdl = pdl.enabled(x.device)
     _fp8_gemv_qkv_kernel[(triton.cdiv(n // 2, cfg["BLOCK_N"] // 2),)](
@@ -477,7 +473,7 @@ def fp8_gemv_qkv(
         w_scale.stride(0) if block else 0, num_heads, num_kv_heads, k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), W_BLOCK=block, HAS_BIAS=bias is not None,
         HALF_D=d // 2, BLOCK_SIZE=kv_cache.shape[2], QUANT=quant,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if quant else 448.0, PDL=use_pdl,
+        FP8_MAX=fp8_max, PDL=use_pdl,
         launch_pdl=use_pdl, **cfg,
     )  # fmt: skip
     return q

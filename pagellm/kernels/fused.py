@@ -60,6 +60,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def rotate_halves(x1, x2, cs_ptr, offs, HALF: tl.constexpr):
+    """NeoX rotary of a head's two halves (float32) at the rotated dims `offs` (< HALF), the
+    token's cos | sin row at `cs_ptr`: (x1 cos - x2 sin, x2 cos + x1 sin) in float32."""
+    cos = tl.load(cs_ptr + offs).to(tl.float32)
+    sin = tl.load(cs_ptr + HALF + offs).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rotary_kernel(
     x_ptr,  # [T, heads, 2 * HALF] (any token / head strides)
     cs_ptr,  # [T, 1, 2 * HALF]: cos | sin
@@ -78,12 +87,11 @@ def _rotary_kernel(
     x1_ptr = x_ptr + t * stride_xt + offs_h * stride_xh + offs
     x1 = tl.load(x1_ptr, mask=mask, other=0.0).to(tl.float32)  # [HEADS_PAD, HALF]
     x2 = tl.load(x1_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(cs_ptr + t * stride_ct + offs).to(tl.float32)  # [1, HALF]
-    sin = tl.load(cs_ptr + t * stride_ct + HALF + offs).to(tl.float32)
+    y1, y2 = rotate_halves(x1, x2, cs_ptr + t * stride_ct, offs, HALF)
     o_ptr = out_ptr + (t * heads + offs_h) * (2 * HALF) + offs
     dtype = out_ptr.dtype.element_ty
-    tl.store(o_ptr, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(o_ptr + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    tl.store(o_ptr, y1.to(dtype), mask=mask)
+    tl.store(o_ptr + HALF, y2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -119,10 +127,8 @@ def _qk_norm_rotary_kernel(
     x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # then rotary, in fp32 with one rounding
-    cos = tl.load(cs_ptr + t * stride_ct + offs).to(tl.float32)  # [1, HALF]
-    sin = tl.load(cs_ptr + t * stride_ct + HALF + offs).to(tl.float32)
-    y1 = (x1 * cos - x2 * sin).to(dtype)
-    y2 = (x2 * cos + x1 * sin).to(dtype)
+    y1, y2 = rotate_halves(x1, x2, cs_ptr + t * stride_ct, offs, HALF)
+    y1, y2 = y1.to(dtype), y2.to(dtype)
     q_ptr = q_out_ptr + (t * num_heads + h) * (2 * HALF) + offs
     tl.store(q_ptr, y1, mask=is_q)
     tl.store(q_ptr + HALF, y2, mask=is_q)

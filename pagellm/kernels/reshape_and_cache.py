@@ -22,6 +22,32 @@ from pagellm.attention.kv_cache_dtype import is_fp8
 
 
 @triton.jit
+def slot_offset(slot, BLOCK_SIZE: tl.constexpr, stride_cb, stride_cs):
+    """Where cache slot `slot` (int64) starts: token slot % BLOCK_SIZE of block slot //
+    BLOCK_SIZE (strides in elements)."""
+    return (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+
+
+@triton.jit
+def to_cache(x, scale_ptr, cache_dtype, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as the cache stores it: for an fp8 cache x / scale (the scale at `scale_ptr`),
+    saturated and rounded to nearest even; else x in the cache's dtype."""
+    if QUANT:
+        x = tl.clamp(x.to(tl.float32) * (1.0 / tl.load(scale_ptr)), -FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def quant_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple:
+    """(QUANT, the [2] scales, FP8_MAX) of a write into `kv_cache`: fp8 caches quantize
+    (no scales given: 1.0); the scales are None for other caches."""
+    if not is_fp8(kv_cache.dtype):
+        return False, None, 448.0
+    if kv_scale is None:
+        kv_scale = torch.ones(2, dtype=torch.float32, device=kv_cache.device)
+    return True, kv_scale, torch.finfo(kv_cache.dtype).max
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -47,23 +73,19 @@ def _reshape_and_cache_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < NUM_KV_HEADS)[:, None]
     # [HEADS_PAD, HEAD_DIM] tiles
     src_k = key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-    dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
-    if QUANT:
-        k = tl.clamp(k.to(tl.float32) * (1.0 / tl.load(kv_scale_ptr)), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) * (1.0 / tl.load(kv_scale_ptr + 1)), -FP8_MAX, FP8_MAX)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    dst = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs)
+    dst += offs_h[:, None] * stride_ch + offs_d[None, :]
+    cache = k_cache_ptr.dtype.element_ty
+    k = to_cache(tl.load(src_k, mask=mask), kv_scale_ptr, cache, QUANT, FP8_MAX)
+    v = to_cache(tl.load(src_v, mask=mask), kv_scale_ptr + 1, cache, QUANT, FP8_MAX)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def _check_inputs(
@@ -120,9 +142,7 @@ def reshape_and_cache(
         return
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    quant = is_fp8(kv_cache.dtype)
-    if quant and kv_scale is None:
-        kv_scale = torch.ones(2, dtype=torch.float32, device=key.device)
+    quant, kv_scale, fp8_max = quant_args(kv_cache, kv_scale)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
@@ -142,6 +162,6 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=kv_cache.shape[2],
         QUANT=quant,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if quant else 448.0,
+        FP8_MAX=fp8_max,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
