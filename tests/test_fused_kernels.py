@@ -123,6 +123,55 @@ def test_silu_and_mul(dtype, n):
         _close(SiluAndMul()(x), ref, dtype)
 
 
+def _same_fp8(got: tuple, want: tuple) -> None:
+    """(q, scale) pairs equal bit for bit (NaN-free: fp8 bytes compared as integers)."""
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+
+
+FP8_DTYPES = [torch.bfloat16, torch.float16]  # the activations of fp8 models
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("n", "group"), [(384, 0), (384, 128), (200, 0), (4096, 128)])
+def test_rms_norm_fp8_is_the_norm_then_quantize_fp8(dtype, n, group):
+    """The norm's fp8 output (the w8a8 GEMM's input) is `quantize_fp8` of its bf16 output,
+    per row or per 128 columns, with and without the residual add; n not a power of two
+    leaves masked columns in the kernel's block."""
+    from pagellm.kernels.fp8_gemm import quantize_fp8
+
+    x, r = _randn(5, n, dtype=dtype) * 4, _randn(5, n, dtype=dtype, seed=1)
+    w = _randn(n, dtype=dtype, seed=2)
+    for residual in (None, r):
+        normed, res = fused.rms_norm(x, w, 1e-6, residual)
+        q, scale, res_fp8 = fused.rms_norm_fp8(x, w, 1e-6, residual, group)
+        _same_fp8((q, scale), quantize_fp8(normed, group or None))
+        assert scale.shape == (5, n // group if group else 1)
+        assert (res_fp8 is None) == (residual is None)
+        if residual is not None:
+            assert torch.equal(res_fp8, res)
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize(("n", "group"), [(96, 0), (3000, 0), (17000, 0), (384, 128), (4352, 128)])
+def test_silu_and_mul_fp8_is_silu_and_mul_then_quantize_fp8(dtype, n, group):
+    """Per row in one pass (96, 3000: masked columns), or, past SILU_FP8_ROW columns (17000),
+    in an amax pass and a store pass over 2048-column chunks (a ragged tail); per 128
+    columns over several programs."""
+    from pagellm.kernels.fp8_gemm import quantize_fp8
+
+    x = _randn(3, 2 * n, dtype=dtype) * 3
+    _same_fp8(fused.silu_and_mul_fp8(x, group), quantize_fp8(fused.silu_and_mul(x), group or None))
+
+
+def test_fp8_output_wrappers_reject_bad_groups():
+    x = _randn(2, 192, dtype=torch.float16)
+    with pytest.raises(ValueError, match="group 128"):
+        fused.rms_norm_fp8(x, _randn(192, dtype=torch.float16), 1e-6, None, 128)
+    with pytest.raises(ValueError, match="group 128"):
+        fused.silu_and_mul_fp8(_randn(2, 2 * 192, dtype=torch.float16), 128)
+
+
 def test_wrappers_reject_bad_shapes():
     x = _randn(2, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="rms_norm"):

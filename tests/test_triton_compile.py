@@ -100,6 +100,22 @@ def compile_fp8_gemm() -> None:
         _compile(_fp8_gemv_qkv_kernel, types, constexprs, ("N", "K", "stride_wn"))
 
 
+def compile_fused_fp8_outputs() -> None:
+    """RMSNorm (+ residual) and SiLU-and-mul writing the w8a8 GEMM's fp8 input: per row in
+    one tile, per 128 columns, and SiLU-and-mul's two-pass rows."""
+    from pagellm.kernels.fused import _rms_norm_kernel, _silu_and_mul_fp8_kernel
+
+    types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+             "res_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}  # fmt: skip
+    for group in (4096, 128):
+        constexprs = dict(HEADS_PAD=1, BLOCK=4096, HAS_RES=True, PDL=True, FP8_GROUP=group)
+        _compile(_rms_norm_kernel, types, constexprs, ("n", "stride_xt", "stride_rt", "stride_st"))
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    for group, block in ((16384, 16384), (128, 2048), (0, 2048)):
+        constexprs = dict(GROUP=group, BLOCK=block)
+        _compile(_silu_and_mul_fp8_kernel, types, constexprs, ("n", "stride_xt", "stride_st"))
+
+
 def _in_fresh_process(function: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
@@ -114,3 +130,7 @@ def test_paged_attention_compiles_for_hopper():
 
 def test_fp8_gemm_compiles_for_hopper():
     _in_fresh_process("compile_fp8_gemm")
+
+
+def test_fused_fp8_outputs_compile_for_hopper():
+    _in_fresh_process("compile_fused_fp8_outputs")

@@ -37,6 +37,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr = False,  # launched early; the next kernel (a GEMV) too (`kernels.pdl`)
+    FP8_GROUP: tl.constexpr = 0,  # > 0 (heads == 1): out is fp8, scales of FP8_GROUP columns
+    scale_ptr=None,  # FP8_GROUP: [T, cdiv(n, FP8_GROUP)] float32
+    stride_st=0,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
@@ -55,8 +58,20 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     var = tl.sum(x * x, 1) / n  # [HEADS_PAD]
     y = x * tl.rsqrt(var + eps)[:, None]
-    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # normalized, rounded, then * weight
-    tl.store(out_ptr + out_offs, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    dtype = x_ptr.dtype.element_ty  # the activations': the unfused norm's output dtype
+    y = y.to(dtype).to(tl.float32)  # normalized, rounded, then * weight
+    y = (y * w[None, :]).to(dtype)
+    if FP8_GROUP:  # quantized as `fp8_gemm.quantize_fp8` quantizes the unfused norm's output
+        groups = tl.arange(0, BLOCK // FP8_GROUP)
+        if FP8_GROUP == BLOCK:  # a scale a row: the tile [1, BLOCK] is the group
+            scale = quantize_fp8_groups(y, out_ptr + out_offs, mask)
+        else:  # [BLOCK / FP8_GROUP, FP8_GROUP] groups of the row
+            cols = groups[:, None] * FP8_GROUP + tl.arange(0, FP8_GROUP)[None, :]
+            y = tl.reshape(y, [BLOCK // FP8_GROUP, FP8_GROUP])
+            scale = quantize_fp8_groups(y, out_ptr + t * n + cols, cols < n)
+        tl.store(scale_ptr + t * stride_st + groups, scale, mask=groups * FP8_GROUP < n)
+    else:
+        tl.store(out_ptr + out_offs, y, mask=mask)
 
 
 @triton.jit
@@ -151,11 +166,64 @@ def _silu_and_mul_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + t * stride_xt + n + offs, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
+    y = _silu_mul(x_ptr + t * stride_xt, offs, mask, n, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * n + offs, y, mask=mask)
+
+
+@triton.jit
+def quantize_fp8_groups(y, q_ptrs, mask):
+    """Store y [GROUPS, GROUP] (0 where not `mask`) as e4m3 at `q_ptrs`, each row of the
+    tile (a group of columns) scaled as `fp8_gemm._quantize_kernel` scales it (amax / 448);
+    returns the GROUPS scales (float32)."""
+    y = y.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), 1), 1e-12) / 448.0
+    q = tl.clamp(y / scale[:, None], -448.0, 448.0)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    return scale
+
+
+@triton.jit
+def _silu_mul(x_ptr, offs, mask, n, dtype: tl.constexpr):
+    """silu(gate) * up at columns `offs` of one gate | up row, rounded as torch rounds it."""
+    gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + n + offs, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)  # rounded, as F.silu returns it
-    tl.store(out_ptr + t * n + offs, (act * up).to(dtype), mask=mask)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr,  # [T, 2 * n]: gate | up
+    q_ptr,  # [T, n] fp8
+    scale_ptr,  # [T, 1] (GROUP 0) or [T, n / GROUP] float32
+    n,
+    stride_xt,
+    stride_st,
+    GROUP: tl.constexpr,  # columns a scale; 0: one scale a row, two passes over it
+    BLOCK: tl.constexpr,  # columns a program (whole groups), or a pass step (GROUP 0)
+):
+    t = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + t * stride_xt
+    dtype = x_ptr.dtype.element_ty
+    if GROUP:  # this program's BLOCK columns as a [BLOCK / GROUP, GROUP] tile of groups
+        groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        y = _silu_mul(x_row, offs, offs < n, n, dtype)
+        scale = quantize_fp8_groups(y, q_ptr + t * n + offs, offs < n)
+        tl.store(scale_ptr + t * stride_st + groups, scale, mask=groups * GROUP < n)
+    else:  # the row's amax first, then the values (recomputed: two reads of x, one write)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            y = _silu_mul(x_row, offs, offs < n, n, dtype).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            y = _silu_mul(x_row, offs, offs < n, n, dtype).to(tl.float32)
+            q = tl.clamp(y / scale, -448.0, 448.0)
+            tl.store(q_ptr + t * n + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n)
+        tl.store(scale_ptr + t * stride_st, scale)
 
 
 def _num_warps(elements: int) -> int:
@@ -168,6 +236,30 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, n]: added to x first (x must be 2-D)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normed like x, x + residual or None)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out, _rms_norm(x, weight, eps, residual, out)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,  # [T, n]; contiguous in n
+    weight: torch.Tensor,  # [n]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, n]
+    group: int = 0,  # 0: one scale a row; else a scale per `group` columns (n % group == 0)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (q, scale, x + residual)
+    """`fp8_gemm.quantize_fp8(rms_norm(x, weight, eps, residual)[0], group)` in one kernel,
+    bit for bit: the norm's output goes to the GEMM after it as fp8 (e4m3) and its scales."""
+    t, n = x.shape
+    if group and (n % group or group & (group - 1)):
+        raise ValueError(f"rms_norm_fp8: group {group} must be a power of two dividing {n}")
+    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((t, n // group if group else 1), dtype=torch.float32, device=x.device)
+    res_out = _rms_norm(x, weight, eps, residual, q, group or triton.next_power_of_2(n), scale)
+    return q, scale, res_out
+
+
+def _rms_norm(x, weight, eps, residual, out, fp8_group: int = 0, scale=None):
+    """Launch `_rms_norm_kernel` into `out`; returns x + residual (None without one)."""
     n = x.shape[-1]
     if x.stride(-1) != 1 or weight.shape != (n,):
         raise ValueError(
@@ -179,8 +271,7 @@ def rms_norm(
         heads != 1 or residual.shape != x.shape or residual.stride(-1) != 1
     ):
         raise ValueError("rms_norm: residual must match a 2-D x and be contiguous in its last dim")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else None
+    res_out = torch.empty_like(x) if residual is not None else None
     res = residual if residual is not None else x
     use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(x3.shape[0],)](
@@ -190,10 +281,13 @@ def rms_norm(
         BLOCK=triton.next_power_of_2(n),
         HAS_RES=residual is not None,
         PDL=use_pdl,
+        FP8_GROUP=fp8_group,
+        scale_ptr=scale,
+        stride_st=scale.stride(0) if scale is not None else 0,
         launch_pdl=use_pdl,
         num_warps=_num_warps(heads * n),
     )  # fmt: skip
-    return out, res_out
+    return res_out
 
 
 def rotary(
@@ -254,6 +348,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         num_warps=_num_warps(block),
     )  # fmt: skip
     return out
+
+
+# the longest row `silu_and_mul_fp8` quantizes per row in one pass (Llama-3.1-8B: 14,336):
+# 17.3 us a call with two passes over chunks of 2048 at 256 rows on an H200 (latency-bound)
+SILU_FP8_ROW = 16384
+
+
+def silu_and_mul_fp8(
+    x: torch.Tensor,  # [T, 2 * n] (gate | up)
+    group: int = 0,  # 0: one scale a row; else a scale per `group` columns (n % group == 0)
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, n] e4m3, scale [T, 1] or [T, n / group]
+    """`fp8_gemm.quantize_fp8(silu_and_mul(x), group)` in one kernel, bit for bit."""
+    t, n = x.shape[0], x.shape[1] // 2
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"silu_and_mul_fp8: expected [T, 2 * n] rows, got {tuple(x.shape)}")
+    if group and (n % group or group & (group - 1)):
+        raise ValueError(f"silu_and_mul_fp8: group {group} must be a power of two dividing {n}")
+    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((t, n // group if group else 1), dtype=torch.float32, device=x.device)
+    row = triton.next_power_of_2(n)
+    if not group and row <= SILU_FP8_ROW:  # a row a program, in registers: one pass
+        block, kernel_group = row, row
+    else:  # blocks of whole groups a program; or rows too long for one pass: two passes
+        block, kernel_group = max(group, min(row, 2048)), group
+    _silu_and_mul_fp8_kernel[(t, triton.cdiv(n, block) if kernel_group else 1)](
+        x, q, scale, n, x.stride(0), scale.stride(0), GROUP=kernel_group, BLOCK=block,
+        num_warps=16 if block >= 8192 else _num_warps(block),
+    )  # fmt: skip
+    return q, scale
 
 
 def supports_rotary(head_dim: int) -> bool:

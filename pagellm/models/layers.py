@@ -43,7 +43,7 @@ from pagellm.models.vocab_embedding import (  # noqa: F401  (re-exported for the
     VocabParallelEmbedding,
     gather_logits,
 )
-from pagellm.quantization.base import QuantizedWeight
+from pagellm.quantization.base import QuantizedActivation, QuantizedWeight
 
 
 @functools.cache
@@ -65,16 +65,37 @@ def _fused_ops(x: torch.Tensor):
     return None
 
 
+def _fp8_input_group(x: torch.Tensor, columns: int, quant_for: Any) -> int | None:
+    """The fp8 quantization (`QuantizedWeight.input_quantization`) that `quant_for`, the
+    weight of the GEMM after this op, wants for an input of x's rows and `columns` columns,
+    where the op's Triton kernel can write it (2-D x, whole groups); None: hand it x as it
+    is. (Weights that take fp8 input run Triton kernels themselves: CUDA, or the
+    interpreter in tests.)"""
+    if not isinstance(quant_for, QuantizedWeight) or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    group = quant_for.input_quantization(x.shape[0])
+    if group is None or (group and columns % group) or _fused_module() is None:
+        return None
+    return group
+
+
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x), computed in float32 and cast back (as HF does)."""
+    """y = w * x / rms(x), computed in float32 and cast back (as HF does).
+
+    `quant_for`: the weight of the GEMM the output feeds; where it takes fp8 input (w8a8
+    `quantization="fp8"` at batch > 16) the norm's kernel writes it quantized
+    (`QuantizedActivation`), bit for bit what that GEMM's own quantization would produce."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quant_for: Any = None) -> torch.Tensor | QuantizedActivation:
         # x: [..., size]
+        quantized = self._quantized(x, None, quant_for)
+        if quantized is not None:
+            return quantized[0]
         fused = self._fused(x)
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)[0]
@@ -82,14 +103,26 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor, quant_for: Any = None
+    ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """Add the residual stream first; return (normed, new residual)."""
+        quantized = self._quantized(x, residual, quant_for)
+        if quantized is not None:
+            return quantized
         fused = self._fused(x)
         if fused is not None and x.dim() == 2:
             return fused.rms_norm(x, self.weight, self.eps, residual)
         residual = x + residual
         return self.forward(residual), residual
+
+    def _quantized(self, x, residual, quant_for) -> tuple[QuantizedActivation, Any] | None:
+        """(the output quantized for `quant_for`, x + residual) from one Triton kernel where
+        that weight takes fp8 input; None otherwise."""
+        group = _fp8_input_group(x, x.shape[-1], quant_for)
+        if group is None or self.weight.dtype != x.dtype:
+            return None
+        q, scale, res = _fused_module().rms_norm_fp8(x, self.weight, self.eps, residual, group)
+        return QuantizedActivation(q, scale, x.dtype), res
 
     def _fused(self, x: torch.Tensor):
         fused = _fused_ops(x)
@@ -159,8 +192,11 @@ def qk_norm_rotary(
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, 2 * I] (gate | up) -> [T, I]
+    def forward(self, x: torch.Tensor, quant_for: Any = None) -> torch.Tensor | QuantizedActivation:
+        # x: [T, 2 * I] (gate | up) -> [T, I]; quantized for `quant_for` as RMSNorm's output
+        group = _fp8_input_group(x, x.shape[-1] // 2, quant_for)
+        if group is not None:
+            return QuantizedActivation(*_fused_module().silu_and_mul_fp8(x, group), x.dtype)
         fused = _fused_ops(x)
         if fused is not None and x.dim() == 2 and x.stride(-1) == 1:
             return fused.silu_and_mul(x)
@@ -201,14 +237,16 @@ class GatedMLP(nn.Module):
         self.act_fn = GATED_ACTIVATIONS[act]()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        # x: [T, hidden] (or quantized for gate_up by the norm before) -> [T, hidden]
         weight = self.gate_up_proj.packed_weight
         if isinstance(self.act_fn, SiluAndMul) and isinstance(weight, QuantizedWeight):
             # a quantized gate | up may fuse the activation into its GEMM (fp8 at batch 1)
             h = weight.silu_and_mul(x, self.gate_up_proj.bias)
             if h is not None:
                 return self.down_proj(h)
+            # the activation's kernel may quantize for down_proj (fp8 w8a8)
+            return self.down_proj(self.act_fn(self.gate_up_proj(x), self.down_proj.packed_weight))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -35,7 +35,7 @@ from pagellm.models.layers import (
 )
 from pagellm.models.rope import max_positions, rope_parameters, rotary_dim
 from pagellm.models.weights import load_packed_weights
-from pagellm.quantization.base import QuantizedWeight
+from pagellm.quantization.base import QuantizedActivation, QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         cos_sin: torch.Tensor,  # [T, 1, D]
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor | QuantizedActivation,  # [T, hidden]
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, hidden]
@@ -170,12 +170,19 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # each norm's kernel may quantize its output for the fp8 GEMM after it (w8a8)
+        qkv_weight = self.self_attn.qkv_proj.packed_weight
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden, qkv_weight)
         else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+            hidden, residual = self.input_layernorm.forward_with_residual(
+                hidden, residual, qkv_weight
+            )
         hidden = self.self_attn(cos_sin, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        gate_up = getattr(self.mlp, "gate_up_proj", None)  # a GatedMLP's (not an MoE block's)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(
+            hidden, residual, getattr(gate_up, "packed_weight", None)
+        )
         return self.mlp(hidden), residual
 
 

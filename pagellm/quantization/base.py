@@ -22,6 +22,7 @@ The life of a quantized layer:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,12 +32,36 @@ if TYPE_CHECKING:
     from pagellm.models.layers import Linear
 
 
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A GEMM's input already quantized by the op before it (the RMSNorm or SiLU-and-mul
+    kernel wrote it as fp8 with its scales: x ~ q * scale), as the weight's
+    `input_quantization` asked; `Linear` passes it to its `QuantizedWeight` as it would x."""
+
+    q: torch.Tensor  # [T, in] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] (a scale a row) or [T, in / group] float32
+    dtype: torch.dtype  # of the activation it stands for: the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 class QuantizedWeight(ABC):
     """A weight in a kernel's layout: `w(x, bias)` is `F.linear(x, dequantized weight, bias)`
-    up to the method's rounding. x: [T, in] -> [T, out] in x's dtype."""
+    up to the method's rounding. x: [T, in] (or a `QuantizedActivation`) -> [T, out] in x's
+    dtype."""
 
     @abstractmethod
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def __call__(
+        self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def input_quantization(self, rows: int) -> int | None:
+        """How this weight's GEMM quantizes an input of `rows` rows, for the op before it to
+        do in its own kernel: 0 to fp8 with a scale a row, g > 0 a scale per g columns; None:
+        it takes the input as it is (then no `QuantizedActivation` is passed)."""
+        return None
 
     def silu_and_mul(
         self, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -17,7 +17,10 @@ scales (`input_scale`) are read and dropped: activations are scaled per token, d
 On CUDA (`Fp8Weight`): GEMMs of up to `MAX_TRITON_ROWS` rows (decode) run the weight-only
 Triton kernel (`pagellm/kernels/fp8_gemm.py`: bf16 activations, the weight streamed once);
 larger ones quantize the activations per token (per 128 columns for block weights) and run
-`torch._scaled_mm` (per-row weights) or the block-scaled Triton kernel.
+`torch._scaled_mm` (per-row weights) or the block-scaled Triton kernel. Where the model hands
+the op before a GEMM its weight (`quant_for`: the RMSNorms of Llama-family decoder layers,
+SiLU-and-mul in `GatedMLP`), that op's kernel writes the quantized input itself
+(`input_quantization`, `QuantizedActivation`): one kernel and one pass over x fewer.
 
 On the CPU fp8 checkpoints are dequantized at load to the model dtype (there is no fp8 GEMM
 on CPUs; this keeps fp8 checkpoints usable there, at the dequantized speed and memory); asking
@@ -35,6 +38,7 @@ from torch import nn
 from pagellm.quantization.base import (
     LinearMethod,
     QuantizationConfig,
+    QuantizedActivation,
     QuantizedWeight,
     drop_params,
     quant_config_dict,
@@ -78,18 +82,31 @@ class Fp8Weight(QuantizedWeight):
         self.block = BLOCK if scale.dim() == 2 else None
         self.scale_row = None if self.block else self.scale.view(1, -1)  # for _scaled_mm
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, K] bf16 -> [T, N]
+    def __call__(
+        self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # x: [T, K] bf16 (or already quantized) -> [T, N]
+        if isinstance(x, QuantizedActivation):
+            return self.quantized_matmul(x.q, x.scale, bias, x.dtype)
         if x.shape[0] <= MAX_TRITON_ROWS:
             return self.kernels.fp8_gemm(x, self.weight, self.scale, bias, out_dtype=x.dtype)
-        if not self.block and bias is not None and x.dtype == torch.float32:
-            return self(x) + bias  # CUDA's _scaled_mm adds no bias to a float32 output
         xq, x_scale = self.kernels.quantize_fp8(x, self.block)
+        return self.quantized_matmul(xq, x_scale, bias, x.dtype)
+
+    def input_quantization(self, rows: int) -> int | None:
+        # w8a8 above the decode sizes: per token (per-row weights), per 128 columns (block)
+        return None if rows <= MAX_TRITON_ROWS else self.block or 0
+
+    def quantized_matmul(self, xq, x_scale, bias, out_dtype: torch.dtype) -> torch.Tensor:
+        """The w8a8 GEMM of an fp8 x [T, K] with its scales ([T, 1] or [T, K / 128])."""
         if self.block:
-            return self.kernels.fp8_gemm(xq, self.weight, self.scale, bias, x_scale, x.dtype)
+            return self.kernels.fp8_gemm(xq, self.weight, self.scale, bias, x_scale, out_dtype)
+        if bias is not None and out_dtype == torch.float32:
+            # CUDA's _scaled_mm adds no bias to a float32 output
+            return self.quantized_matmul(xq, x_scale, None, out_dtype) + bias
         return torch._scaled_mm(
             xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale_row, bias=bias,
-            out_dtype=x.dtype,
+            out_dtype=out_dtype,
         )  # fmt: skip
 
     def silu_and_mul(
