@@ -407,12 +407,16 @@ def test_batch1_decode_with_qkv_into_cache_is_the_unfused_path(tmp_path, monkeyp
 
 
 @needs_triton
-def test_prefill_takes_its_fp8_inputs_from_the_norm_and_activation_kernels(tmp_path, monkeypatch):
-    """Every projection fp8 (`Fp8Weight`): a 20-token prefill (w8a8: more than
-    MAX_TRITON_ROWS rows) gets the q | k | v and gate | up inputs from the RMSNorm kernels and
-    down_proj's from the SiLU-and-mul kernel, already quantized (`QuantizedActivation`), and
-    gives the logits of the unfused norm -> quantize_fp8 -> GEMM path, bit for bit; the
-    decodes (one row) take bf16 inputs."""
+@pytest.mark.parametrize("block", [False, True])
+def test_prefill_takes_its_fp8_inputs_from_the_norm_and_activation_kernels(
+    tmp_path, monkeypatch, block
+):
+    """Every projection fp8 (`Fp8Weight`, per-row or 128x128-block scales): a 20-token
+    prefill (w8a8: more than MAX_TRITON_ROWS rows) gets the q | k | v and gate | up inputs
+    from the RMSNorm kernels and down_proj's from the SiLU-and-mul kernel, already quantized
+    (`QuantizedActivation`: per token, or per 128 columns for block weights), and gives the
+    logits of the unfused norm -> quantize_fp8 -> GEMM path, bit for bit; the decodes (one
+    row) take bf16 inputs."""
     from pagellm.attention.triton_backend import TritonAttentionBackend
     from pagellm.kernels import fused
     from pagellm.models import layers
@@ -424,17 +428,23 @@ def test_prefill_takes_its_fp8_inputs_from_the_norm_and_activation_kernels(tmp_p
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                        layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
-            linear.packed_weight = Fp8Weight(*quantize_weight_per_row(linear.weight.float()))
+            quantize = _block_quantize if block else quantize_weight_per_row
+            linear.packed_weight = Fp8Weight(*quantize(linear.weight.float()))
     monkeypatch.setattr(layers, "_fused_ops", lambda x: fused)  # the CPU's own ops round apart
     calls = []
     for name in ("rms_norm_fp8", "silu_and_mul_fp8"):
         kernel = getattr(fused, name)
-        counted = lambda *a, _k=kernel, _n=name: calls.append((_n, a[0].shape[0])) or _k(*a)  # noqa: E731
+
+        def counted(*args, _kernel=kernel, _name=name):  # (name, rows, group)
+            calls.append((_name, args[0].shape[0], args[-1]))
+            return _kernel(*args)
+
         monkeypatch.setattr(fused, name, counted)
     prompts = [list(range(3, 23))]
     [(tokens, logits)] = run_paged(model, prompts, num_decode_steps=1)
     # the layer's two norms and its activation, on the prefill's 20 rows only
-    assert sorted(calls) == [("rms_norm_fp8", 20)] * 2 + [("silu_and_mul_fp8", 20)]
+    group = 128 if block else 0  # the last argument of both
+    assert sorted(calls) == [("rms_norm_fp8", 20, group)] * 2 + [("silu_and_mul_fp8", 20, group)]
     monkeypatch.setattr(Fp8Weight, "input_quantization", lambda self, rows: None)
     [(tokens_apart, logits_apart)] = run_paged(model, prompts, num_decode_steps=1)
     assert tokens == tokens_apart and torch.equal(logits, logits_apart)
