@@ -129,7 +129,7 @@ def _same_fp8(got: tuple, want: tuple) -> None:
     assert torch.equal(got[1], want[1])
 
 
-FP8_DTYPES = [torch.bfloat16, torch.float16]  # the activations of fp8 models
+FP8_DTYPES = [torch.bfloat16, torch.float16]  # of fp8 models (bf16 runs interpreted too here)
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)

@@ -8,7 +8,9 @@ output row (`w_scale` [N]; per-tensor checkpoints are expanded to it) or one per
                                           (decode sizes: the GEMM streams the weight; no
                                           activation rounding, no extra kernel)
     fp8_gemm(xq fp8, w, w_scale, x_scale) w8a8: x quantized per token (per-channel w) or per
-                                          (token, 128 columns) (block w) by `quantize_fp8`
+                                          (token, 128 columns) (block w) by `quantize_fp8`,
+                                          or by the op before the GEMM (`fused.rms_norm_fp8`,
+                                          `fused.silu_and_mul_fp8`: the same scales)
 
 One tl.dot kernel serves both (`A_FP8`), with the block scales applied per 128-wide K step.
 Each program computes a BLOCK_M x BLOCK_N tile of y, walking K; at decode sizes (BLOCK_N
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from pagellm.kernels import fp8_convert, pdl
 from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
-from pagellm.kernels.fused import rotate_halves
+from pagellm.kernels.fused import fp8_scale, rotate_halves, to_fp8
 from pagellm.kernels.reshape_and_cache import quant_args, slot_offset, to_cache
 
 FP8 = torch.float8_e4m3fn
@@ -60,13 +62,14 @@ def _quantize_kernel(
         mask = (off + tl.arange(0, BLOCK) < GROUP) & (cols < K)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    scale = fp8_scale(tl.max(amax, axis=0))
     for off in range(0, GROUP, BLOCK):
         cols = start + off + tl.arange(0, BLOCK)
         mask = (off + tl.arange(0, BLOCK) < GROUP) & (cols < K)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            q_ptr + row * stride_qm + cols, to_fp8(x, scale, q_ptr.dtype.element_ty), mask=mask
+        )
     tl.store(s_ptr + row * stride_sm + tl.program_id(1), scale)
 
 

@@ -1,5 +1,8 @@
 """Fused small ops of the decoder layer (Triton): RMSNorm (+ residual add), rotary, SiLU-and-mul,
 and Qwen3's per-head q/k RMSNorm followed by rotary (`qk_norm_rotary`, one kernel for four).
+RMSNorm and SiLU-and-mul also come with an fp8 output (`rms_norm_fp8`, `silu_and_mul_fp8`):
+the w8a8 GEMM after them takes its input quantized (e4m3 and per-token or per-128-column
+scales) instead of quantizing it in a kernel of its own.
 
 In eager PyTorch each of these is 3-9 elementwise kernels; a decode step of a small model
 is then mostly launch gaps (Qwen3-0.6B: ~35 tiny kernels per layer, about 4 ms of an H200
@@ -171,14 +174,25 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
+def fp8_scale(amax):
+    """The e4m3 scale of activations whose largest magnitude is `amax`: amax / 448 (at least
+    1e-12), as every dynamic fp8 quantization here takes it (`fp8_gemm.quantize_fp8` too)."""
+    return tl.maximum(amax, 1e-12) / 448.0
+
+
+@triton.jit
+def to_fp8(y, scale, dtype):
+    """y / scale, saturated to e4m3's range, in `dtype` (float8_e4m3fn)."""
+    return tl.clamp(y / scale, -448.0, 448.0).to(dtype)
+
+
+@triton.jit
 def quantize_fp8_groups(y, q_ptrs, mask):
     """Store y [GROUPS, GROUP] (0 where not `mask`) as e4m3 at `q_ptrs`, each row of the
-    tile (a group of columns) scaled as `fp8_gemm._quantize_kernel` scales it (amax / 448);
-    returns the GROUPS scales (float32)."""
+    tile (a group of columns) with its own `fp8_scale`; returns the GROUPS scales."""
     y = y.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(y), 1), 1e-12) / 448.0
-    q = tl.clamp(y / scale[:, None], -448.0, 448.0)
-    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    scale = fp8_scale(tl.max(tl.abs(y), 1))
+    tl.store(q_ptrs, to_fp8(y, scale[:, None], q_ptrs.dtype.element_ty), mask=mask)
     return scale
 
 
@@ -217,12 +231,11 @@ def _silu_and_mul_fp8_kernel(
             offs = start + tl.arange(0, BLOCK)
             y = _silu_mul(x_row, offs, offs < n, n, dtype).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+        scale = fp8_scale(tl.max(amax, 0))
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             y = _silu_mul(x_row, offs, offs < n, n, dtype).to(tl.float32)
-            q = tl.clamp(y / scale, -448.0, 448.0)
-            tl.store(q_ptr + t * n + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n)
+            tl.store(q_ptr + t * n + offs, to_fp8(y, scale, q_ptr.dtype.element_ty), mask=offs < n)
         tl.store(scale_ptr + t * stride_st, scale)
 
 
