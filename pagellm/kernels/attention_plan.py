@@ -49,13 +49,16 @@ class TileConfig:
 # decode step of the standard workload (H200, 28 layers in one CUDA graph; see
 # docs/benchmarks.md); smaller tiles let more programs share an SM. The same for every
 # head_dim (16-bit heads of 256: three stages of 32 keys are 96 KB of shared memory).
-# fp8: the same bytes a step as 16-bit's (64 keys of half the size), 2 warps, 3 stages: 2.71
-# TB/s of fp8 K/V against 2.64 for 4 warps and <= 2.57 for every other 32/64/128-key tile
-# (Qwen3-0.6B shape, H200, `--kv-cache-dtype fp8 --sweep`; docs/benchmarks.md).
+# fp8: one warp a program, steps of 32 keys, 4 stages: 3.14 / 3.15 TB/s of fp8 K/V
+# (Qwen3-0.6B / Llama-3.1-8B shapes) against 2.73 / 2.82 for 64 keys with 2 warps (the
+# 16-bit tiles' bytes a step); 16 keys, 1 warp: 2.93 / 3.28. An fp8 byte carries twice the
+# work of a 16-bit one (conversion through shared memory, softmax), and more, smaller
+# programs an SM hide more of that work's latency (H200, `--kv-cache-dtype fp8 --sweep`;
+# docs/benchmarks.md).
 DECODE_TILES: dict[int, tuple[int, int, int]] = {
     4: (32, 2, 3),
     2: (32, 2, 3),
-    1: (64, 2, 3),
+    1: (32, 1, 4),
 }
 
 
