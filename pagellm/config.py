@@ -97,15 +97,7 @@ class EngineArgs:
             raise ValueError(
                 f"reasoning_parser must be 'qwen3' or 'deepseek_r1', got {self.reasoning_parser!r}"
             )
-        model_config = ModelConfig.from_args(self, device)
-        max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
-            max_model_len=max_len,
-            policy=self.scheduling_policy,
-        )
+        # checked before the model is resolved (a download, a file read)
         cache_config = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -114,6 +106,15 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
+        )
+        model_config = ModelConfig.from_args(self, device)
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_len,
+            policy=self.scheduling_policy,
         )
         parallel_config = ParallelConfig.from_args(self, model_config, device)
         return EngineConfig(

@@ -203,8 +203,8 @@ def test_first_batch_scales():
 def test_bad_kv_cache_dtype_is_a_value_error():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(cache_dtype="int8")
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="fp16").create_engine_config()
+    with pytest.raises(ValueError, match="kv_cache_dtype"):  # before the model is looked up
+        EngineArgs(model="/no/such/model", kv_cache_dtype="fp16").create_engine_config()
 
 
 def test_cli_flags():
