@@ -17,7 +17,13 @@ the comparison tests our kernels and not the coin flips.
 Checks: prefill logits (our model over the paged cache vs HF's forward) within bf16
 tolerance, and greedy continuations of 32 tokens for 64 prompts through `LLM.generate`
 (CUDA graphs on) identical for >= 90% of prompts; the rate and the first divergence
-positions are printed (run with `-s`).
+positions are printed (run with `-s`). `PAGELLM_E2E_DEVICE=cpu` runs the same checks on the
+CPU (slow: ~10 minutes a family on 2 cores).
+
+Known gap: Mixtral's trained model is not far enough from bf16's coin flips. Its router's
+near-tied experts flip under bf16 rounding: on the CPU, HF bf16's prefill logits were up to
+11% from HF float32's on the same weights and its continuations 89-91% identical to them,
+as ours are to HF bf16's (87.5-90.6%), so its 2% / 90% bars fail for ours and would for HF.
 """
 
 from __future__ import annotations
