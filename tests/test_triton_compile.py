@@ -34,7 +34,10 @@ def _typed(fn, types: dict[str, str]) -> dict[str, str]:
     return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
 
 
-def _compile(fn, types: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = ()) -> str:
+def _compile(
+    fn, types: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = (), **options
+) -> str:
+    """PTX of `fn` for sm_90; `options`: num_warps, num_stages (Triton's defaults else)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -48,15 +51,16 @@ def _compile(fn, types: dict[str, str], constexprs: dict, divisible: tuple[str, 
         if t[0] == "*" or name in divisible
     }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"]  # via ptxas
     return compiled.asm["ptx"]
 
 
 def compile_attention() -> None:
+    from pagellm.kernels.attention_plan import decode_config
     from pagellm.kernels.paged_attention import _paged_attention_kernel
 
-    for window, soft_cap_log2, kv_fp8, split, fp8_pairs in ATTENTION_VARIANTS:
+    def attention(window, soft_cap_log2, kv_fp8, split, fp8_pairs, tile=None) -> None:
         cache = ("*fp8e5" if fp8_pairs == 2 else "*fp8e4nv") if kv_fp8 else "*bf16"
         types = {name: "*bf16" for name in _POINTERS} | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         types |= {name: "*i32" for name in _INT_POINTERS}
@@ -67,7 +71,17 @@ def compile_attention() -> None:
             WINDOW=window, SOFT_CAP_LOG2=soft_cap_log2, KV_FP8=kv_fp8, FP8_PAIRS=fp8_pairs,
             PTX_CVT=bool(fp8_pairs), PDL=split,  # griddepcontrol through ptxas too
         )  # fmt: skip
-        _compile(_paged_attention_kernel, types, constexprs)
+        options = {}
+        if tile is not None:  # the plan's decode tile, its warps and stages
+            constexprs |= dict(HEADS_PER_PROG=tile.heads_per_prog, BLOCK_Q=tile.block_q,
+                               BLOCK_N=tile.block_n, HEAD_DIM=128, HAS_TILE_MAP=False)  # fmt: skip
+            options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+        _compile(_paged_attention_kernel, types, constexprs, **options)
+
+    for variant in ATTENTION_VARIANTS:
+        attention(*variant)
+    for element_size, kv_fp8, fp8_pairs in ((2, False, 0), (1, True, 1)):
+        attention(0, 0.0, kv_fp8, False, fp8_pairs, decode_config(2, 128, element_size))
 
 
 def compile_fp8_gemm() -> None:
