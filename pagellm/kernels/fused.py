@@ -263,12 +263,19 @@ def rms_norm_fp8(
     """`fp8_gemm.quantize_fp8(rms_norm(x, weight, eps, residual)[0], group)` in one kernel,
     bit for bit: the norm's output goes to the GEMM after it as fp8 (e4m3) and its scales."""
     t, n = x.shape
-    if group and (n % group or group & (group - 1)):
-        raise ValueError(f"rms_norm_fp8: group {group} must be a power of two dividing {n}")
-    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((t, n // group if group else 1), dtype=torch.float32, device=x.device)
+    q, scale = _fp8_outputs("rms_norm_fp8", t, n, group, x.device)
     res_out = _rms_norm(x, weight, eps, residual, q, group or triton.next_power_of_2(n), scale)
     return q, scale, res_out
+
+
+def _fp8_outputs(op: str, t: int, n: int, group: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 values [t, n] and float32 scales ([t, 1], or [t, n / group]) an fp8-output
+    op writes; `group` checked first."""
+    if group and (n % group or group & (group - 1)):
+        raise ValueError(f"{op}: group {group} must be a power of two dividing {n}")
+    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((t, n // group if group else 1), dtype=torch.float32, device=device)
+    return q, scale
 
 
 def _rms_norm(x, weight, eps, residual, out, fp8_group: int = 0, scale=None):
@@ -373,13 +380,10 @@ def silu_and_mul_fp8(
     group: int = 0,  # 0: one scale a row; else a scale per `group` columns (n % group == 0)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, n] e4m3, scale [T, 1] or [T, n / group]
     """`fp8_gemm.quantize_fp8(silu_and_mul(x), group)` in one kernel, bit for bit."""
-    t, n = x.shape[0], x.shape[1] // 2
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul_fp8: expected [T, 2 * n] rows, got {tuple(x.shape)}")
-    if group and (n % group or group & (group - 1)):
-        raise ValueError(f"silu_and_mul_fp8: group {group} must be a power of two dividing {n}")
-    q = torch.empty((t, n), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((t, n // group if group else 1), dtype=torch.float32, device=x.device)
+    t, n = x.shape[0], x.shape[1] // 2
+    q, scale = _fp8_outputs("silu_and_mul_fp8", t, n, group, x.device)
     row = triton.next_power_of_2(n)
     if not group and row <= SILU_FP8_ROW:  # a row a program, in registers: one pass
         block, kernel_group = row, row
