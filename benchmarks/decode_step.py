@@ -3,10 +3,12 @@
     python benchmarks/decode_step.py                  # Qwen3-0.6B shape (16/8 heads, 28 layers)
     python benchmarks/decode_step.py --model llama    # Llama-3.1-8B shape (32/8 heads, 32 layers)
     python benchmarks/decode_step.py --sweep          # also decode tile configs
+    python benchmarks/decode_step.py --tiles 16/1/4,32/1/4  # only these (keys/warps/stages)
     python benchmarks/decode_step.py --sliding-window 512   # every layer windowed
     python benchmarks/decode_step.py --kv-cache-dtype fp8   # an fp8 cache: int16 pairs vs .to()
+    python benchmarks/decode_step.py --block-size 32        # pages of 32 tokens
 
-256 requests with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
+256 requests (--model qwen3-30b: 8 query heads a KV head, 48 layers) with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
 workload's prompts, half-way through their outputs), head_dim 128, pages of 16 tokens, bf16.
 Every layer has its own pages (block tables shuffled per layer, so no layer reads what an
 earlier one left in L2); one CUDA graph replays the paged-attention launch of every layer,
@@ -32,8 +34,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_timing import graph_median_ms, layer_block_tables  # noqa: E402
 
-SHAPES = {"qwen": (16, 8, 28), "llama": (32, 8, 32)}  # heads, kv heads, layers
-HEAD_DIM, BLOCK_SIZE, BATCH = 128, 16, 256
+# heads, kv heads, layers: 2, 4 and 8 query heads a KV head
+SHAPES = {"qwen": (16, 8, 28), "llama": (32, 8, 32), "qwen3-30b": (32, 4, 48)}
+HEAD_DIM, BATCH = 128, 256
 
 
 def main() -> None:
@@ -45,19 +48,22 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen")
     p.add_argument("--sweep", action="store_true", help="block_n / warps / stages, longest first")
     p.add_argument("--quick-sweep", action="store_true", help="the sweep at 2 or 4 warps, 32+ keys")
+    p.add_argument("--tiles", default="", help="only these, e.g. 16/1/4,32/1/4 (keys/warps/stages)")
     p.add_argument("--sliding-window", type=int, default=0, help="0: none")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e5m2"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens a page")
     args = p.parse_args()
+    block_size = args.block_size
     fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(args.kv_cache_dtype)
     window = args.sliding_window or None
     heads, kv_heads, layers = SHAPES[args.model]
 
     rng = random.Random(0)
     lens = [rng.randint(100, 1024) + 256 for _ in range(BATCH)]
-    blocks = [-(-n // BLOCK_SIZE) for n in lens]
+    blocks = [-(-n // block_size) for n in lens]
     per_layer = sum(blocks)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (2, per_layer * layers, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    shape = (2, per_layer * layers, block_size, kv_heads, HEAD_DIM)
     token_major = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
     if fp8 is not None:
         token_major = token_major.to(fp8)
@@ -99,8 +105,8 @@ def main() -> None:
         for layout, cache in (("token-major", token_major), ("head-major", head_major))
         for order in ("request order", "longest first")
     }
-    if fp8 is not None:  # how fp8 tiles are read: int16 pairs + PTX, or Triton's .to()
-        variants = {("token-major", "longest first"): (token_major, True)}
+    if fp8 is not None:  # both layouts, longest first; tiles read as int16 pairs + PTX or .to()
+        variants = {v: c for v, c in variants.items() if v[1] == "longest first"}
     conversions = (True, False) if fp8 is not None else (True,)
     times = {(*v, c): [] for v in variants for c in conversions}
     for _ in range(3):
@@ -116,12 +122,13 @@ def main() -> None:
         print(f"  {layout:11s} {order:13s}{how}: {per_layer_us:6.1f} us a layer, "
               f"{tbps(ms):.2f} TB/s")  # fmt: skip
 
-    if args.sweep:
+    if args.sweep or args.tiles:
         base = decode_config(heads // kv_heads, HEAD_DIM, elem)
         results = []
-        for block_n, warps, stages in itertools.product(
-            (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3, 4)
-        ):
+        tiles = [tuple(map(int, t.split("/"))) for t in args.tiles.split(",") if t] or list(
+            itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3, 4))
+        )
+        for block_n, warps, stages in tiles:
             if args.quick_sweep and (warps not in (2, 4) or block_n == 16 or stages == 4):
                 continue
             config = replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
@@ -130,7 +137,7 @@ def main() -> None:
             except Exception as e:  # out of shared memory, ...
                 print(f"  sweep {block_n}/{warps}/{stages}: {type(e).__name__}")
                 continue
-            key = (config, (torch.bfloat16, token_major.dtype), HEAD_DIM, BLOCK_SIZE)
+            key = (config, (torch.bfloat16, token_major.dtype), HEAD_DIM, block_size)
             used = _STAGES_THAT_FIT.get(key)
             if used != stages:  # out of shared memory: the kernel fell back to fewer stages
                 print(f"  sweep {block_n}/{warps}/{stages}: does not fit (ran with {used})")

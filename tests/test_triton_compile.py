@@ -73,7 +73,8 @@ def compile_attention() -> None:
         )  # fmt: skip
         options = {}
         if tile is not None:  # the plan's decode tile, its warps and stages
-            constexprs |= dict(HEADS_PER_PROG=tile.heads_per_prog, BLOCK_Q=tile.block_q,
+            constexprs |= dict(QUERIES_PER_KV=tile.heads_per_prog,
+                               HEADS_PER_PROG=tile.heads_per_prog, BLOCK_Q=tile.block_q,
                                BLOCK_N=tile.block_n, HEAD_DIM=128, HAS_TILE_MAP=False)  # fmt: skip
             options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
         _compile(_paged_attention_kernel, types, constexprs, **options)
@@ -81,7 +82,9 @@ def compile_attention() -> None:
     for variant in ATTENTION_VARIANTS:
         attention(*variant)
     for element_size, kv_fp8, fp8_pairs in ((2, False, 0), (1, True, 1)):
-        attention(0, 0.0, kv_fp8, False, fp8_pairs, decode_config(2, 128, element_size))
+        for queries_per_kv in (2, 4):  # fp8: 32 and 16 keys a step
+            tile = decode_config(queries_per_kv, 128, element_size)
+            attention(0, 0.0, kv_fp8, False, fp8_pairs, tile)
 
 
 def compile_fp8_gemm() -> None:
