@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
+import benchmark_modules
 import pytest
 import torch
 from test_kernels import DEVICE, Batch  # first: sets TRITON_INTERPRET=1 on CPU
@@ -32,8 +32,7 @@ from pagellm.kernels.reshape_and_cache import reshape_and_cache
 from pagellm.models.layers import Attention
 from pagellm.models.weights import load_packed_weights
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import accuracy  # noqa: E402  (benchmarks/accuracy.py: the prompt set and the measures)
+accuracy = benchmark_modules.load("accuracy")  # the prompt set and the measures
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RELATIVE_STEP = {E4M3: 2.0**-3, E5M2: 2.0**-2}  # spacing of fp8 values, relative

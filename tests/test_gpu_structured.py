@@ -5,9 +5,7 @@ batch with unconstrained requests; and Qwen3-0.6B's shape with dummy weights, wh
 
 from __future__ import annotations
 
-import os
-import sys
-
+import benchmark_modules
 import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS, check_json, check_regex
 
@@ -46,9 +44,7 @@ def test_every_case_validates_on_cuda():
 
 
 def test_padded_vocabulary_is_masked():
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from structured import borrowed_tokenizer
-
+    borrowed_tokenizer = benchmark_modules.load("structured").borrowed_tokenizer
     with LLM(model="qwen3-0.6b", load_format="dummy", tokenizer=borrowed_tokenizer()) as llm:
         params = SamplingParams(
             temperature=1.0, seed=0, max_tokens=64,
