@@ -220,6 +220,28 @@ def test_interpreter_exit_stops_the_core():
     assert not os.path.exists(info["ipc_dir"])
 
 
+_STACKS_SCRIPT = r"""
+import os, signal, time
+from pagellm import LLM, SamplingParams
+llm = LLM(dtype="float32", max_model_len=256)
+pid = llm.llm_engine.engine_core.proc.pid
+os.kill(pid, signal.SIGUSR1)
+time.sleep(1.0)
+out = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+print(len(out[0].outputs[0].token_ids))
+llm.shutdown()
+"""
+
+
+def test_sigusr1_prints_the_cores_stacks_and_it_carries_on():
+    """`kill -USR1 <core pid>`: every thread's Python stack on stderr, the core unharmed."""
+    out = subprocess.run([sys.executable, "-c", _STACKS_SCRIPT], capture_output=True, timeout=120)
+    stderr = out.stderr.decode()
+    assert out.returncode == 0, stderr[-2000:]
+    assert out.stdout.decode().split()[-1] == "4"  # the request after the signal ran
+    assert "run_busy_loop" in stderr and "(most recent call first)" in stderr, stderr[-2000:]
+
+
 _CORE_SIDE = r"""
 import sys
 import msgspec

@@ -16,6 +16,7 @@ that cannot be decoded (a wrong type in its params) fails alone, with an ERROR o
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
@@ -240,6 +241,8 @@ def main() -> None:
     from pagellm.logger import setup_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's, even while waiting
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a stuck core waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     setup_logging()
     logger.info("EngineCore process %d: imports done, waiting for the config", os.getpid())
     message = sys.stdin.buffer.read()  # the caller's config, once it has resolved it
