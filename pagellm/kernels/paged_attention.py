@@ -56,7 +56,8 @@ unchanged:
   fp16 once, so both dots run in fp16 (fp32 stays fp32). k_scale joins the softmax scale
   and v_scale multiplies the accumulator once at the end (`pagellm.attention.kv_cache_dtype`).
   The scales are read from the device, so CUDA graphs replay with scales set after capture.
-  fp8 decode tiles are one warp a program (`attention_plan.DECODE_TILES`, by element size).
+  fp8 decode tiles are one warp a program (`attention_plan.decode_tile`: by element size and
+  query heads a KV head).
 """
 
 from __future__ import annotations
