@@ -5,6 +5,11 @@ batch with unconstrained requests; and Qwen3-0.6B's shape with dummy weights, wh
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+
 import benchmark_modules
 import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS, check_json, check_regex
@@ -12,6 +17,21 @@ from structured_cases import CHOICES, REGEXES, SCHEMAS, check_json, check_regex
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.gpu
+
+
+@contextlib.contextmanager
+def _core_stacks_after(llm: LLM, seconds: float = 60.0):
+    """A run that stalls prints the EngineCore process's thread stacks (SIGUSR1) on stderr
+    after `seconds`: these tests have stalled on GPU machines before the grammar backend was
+    ready (docs/benchmarks.md, eighteenth session), never on the CPU."""
+    pid = llm.llm_engine.engine_core.proc.pid
+    timer = threading.Timer(seconds, os.kill, (pid, signal.SIGUSR1))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _cases():
@@ -36,7 +56,8 @@ def test_every_case_validates_on_cuda():
             for i, (kw, _) in enumerate(cases) for t in (0.0, 0.7)
         ]  # fmt: skip
         free = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-        outputs = llm.generate([prompt] * (len(params) + 1), [*params, free], use_tqdm=False)
+        with _core_stacks_after(llm):
+            outputs = llm.generate([prompt] * (len(params) + 1), [*params, free], use_tqdm=False)
         for out, (_, check) in zip(outputs, [c for c in cases for _ in (0, 1)]):
             assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
             check(out.outputs[0].text)
@@ -50,8 +71,9 @@ def test_padded_vocabulary_is_masked():
             temperature=1.0, seed=0, max_tokens=64,
             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{4,8}"),
         )  # fmt: skip
-        outputs = llm.generate([{"prompt_token_ids": [100 + i, 7, 9]} for i in range(16)],
-                               params, use_tqdm=False)  # fmt: skip
+        with _core_stacks_after(llm):
+            outputs = llm.generate([{"prompt_token_ids": [100 + i, 7, 9]} for i in range(16)],
+                                   params, use_tqdm=False)  # fmt: skip
         for out in outputs:
             ids = out.outputs[0].token_ids
             assert out.outputs[0].finish_reason == "stop"
