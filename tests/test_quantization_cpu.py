@@ -264,6 +264,17 @@ def test_tied_head_is_quantized(tmp_path):
     _close(model.compute_logits(x), x @ deq.t(), 2e-2)
 
 
+@needs_int_kernels
+def test_moe_routers_stay_unquantized(tmp_path):
+    """As in vLLM: a router's scores pick the experts, so quantization leaves it alone (and
+    fp8 checkpoints store it unquantized)."""
+    folder = make_tiny_hf_model("qwen2_moe", tmp_path, std=0.3)
+    model = load_our_model(folder, quantization="int8")
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate.quant_method is None and mlp.shared_expert_gate.quant_method is None
+    assert mlp.shared_expert.down_proj.quant_method is not None
+
+
 # ---------------------------------------------------------------- selection
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -310,6 +311,46 @@ def test_fp8_checkpoint_loads_on_cpu_dequantized(tmp_path, scheme):
     assert not hasattr(qkv, "weight_scale") or qkv.weight_scale is None
     fed, got = run_paged(model, [[3, 17, 99, 250, 7]], num_decode_steps=2)[0]
     torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+
+
+TINY_FP8_MOE = dict(TINY_FP8, head_dim=64, moe_intermediate_size=128, num_experts=4,
+                    num_experts_per_tok=2)  # fmt: skip
+
+
+def _fp8_moe_checkpoint(tmp_path, scheme: str) -> tuple[str, str]:
+    """(fp8 folder, float reference folder with the same dequantized weights) of a tiny
+    Qwen3-MoE stored as Qwen3-30B-A3B-FP8 is: every expert's projections fp8 with their own
+    scales, the router in the model dtype."""
+    folder = make_tiny_hf_model("qwen3_moe", tmp_path, std=0.1, **TINY_FP8_MOE)
+    reference = str(shutil.copytree(folder, tmp_path / "reference"))
+    dequantized = _write_fp8_checkpoint(folder, scheme)
+    state = load_file(os.path.join(reference, "model.safetensors")) | dequantized
+    save_file(state, os.path.join(reference, "model.safetensors"))
+    return folder, reference
+
+
+@pytest.mark.parametrize("scheme", ["block", "tensor", "channel"])
+def test_fp8_moe_checkpoint_loads_its_experts_dequantized(tmp_path, scheme):
+    from transformers import AutoModelForCausalLM
+
+    folder, reference = _fp8_moe_checkpoint(tmp_path, scheme)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    model = load_our_model(folder, quantization=None)
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate.quant_method is None and mlp.gate.weight.dtype == torch.float32
+    assert mlp.experts.w13.dtype == torch.float32
+    fed, got = run_paged(model, [[3, 17, 99, 250, 7]], num_decode_steps=2)[0]
+    torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_moe_expert_without_its_scale_is_a_clear_error(tmp_path):
+    folder, _ = _fp8_moe_checkpoint(tmp_path, "block")
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"]
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"experts\.2\.up_proj.*only \['weight'\]"):
+        load_our_model(folder, quantization=None)
 
 
 def test_fp8_checkpoint_refuses_other_methods(tmp_path):

@@ -49,6 +49,7 @@ class Linear(nn.Linear):
 
     packed_weight: PackedWeight | QuantizedWeight | None = None
     quant_method: LinearMethod | None = None  # set before loading; builds packed_weight after
+    quantizable = True  # False: no quantization method is attached (MoE routers, as vLLM's)
 
     def reset_parameters(self) -> None:
         """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,

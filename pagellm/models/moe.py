@@ -21,6 +21,7 @@ is the reference the kernels are tested against.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +37,8 @@ from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -180,12 +183,15 @@ class SparseMoeBlock(nn.Module):
         shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
+        # routers stay in the model dtype under any quantization (fp8 checkpoints store them so)
         self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate.quantizable = False
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate.quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -219,7 +225,9 @@ def use_sparse_mlps(model: nn.Module, make_block: Callable[[int], nn.Module | No
 
 
 # `<...>.experts.<expert>.<projection>.weight`
-_EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+_EXPERT_TENSOR = re.compile(
+    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(_scale(_inv)?)?)"
+)
 
 
 class MoEWeights:
@@ -239,7 +247,15 @@ class MoEWeights:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         shards: dict[str, set[tuple[int, int]]] = defaultdict(set)
-        loaded = super().load_weights(self._load_experts(weights, shards))
+        fp8_parts: dict[str, dict[str, CheckpointTensor]] = defaultdict(dict)
+        dequantized: list[str] = []
+        loaded = super().load_weights(self._load_experts(weights, shards, fp8_parts, dequantized))
+        if fp8_parts:  # a weight without its scale, or a scale without its weight
+            stem, parts = next(iter(fp8_parts.items()))
+            raise ValueError(f"fp8 expert weight {stem!r}: the checkpoint has only {sorted(parts)}")
+        if dequantized:
+            logger.info("fp8 checkpoint: %d MoE expert projections dequantized to the model "
+                        "dtype at load (no fp8 expert GEMMs)", len(dequantized))  # fmt: skip
         for name, seen in shards.items():
             stacked = self.get_parameter(name)
             if len(seen) == stacked.shape[0] * len(self.expert_params[name.rpartition(".")[2]]):
@@ -247,9 +263,15 @@ class MoEWeights:
         return loaded
 
     def _load_experts(
-        self, weights: Iterable[tuple[str, torch.Tensor]], shards: dict[str, set]
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        shards: dict[str, set],
+        fp8_parts: dict[str, dict[str, CheckpointTensor]],
+        dequantized: list[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Load per-expert tensors (recording (expert, shard) pairs); yield every other one."""
+        """Load per-expert tensors (recording (expert, shard) pairs); yield every other one.
+        An fp8 expert weight (an fp8 checkpoint's) waits in `fp8_parts` for its scale (or the
+        scale for it), then loads dequantized."""
         modules = dict(self.named_modules())
         param_of = {  # checkpoint projection -> (stacked parameter, shard, shards)
             proj: (param, i, len(projs))
@@ -269,8 +291,37 @@ class MoEWeights:
                 raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: no such expert weight")
             param, shard, num_shards = param_of[match["proj"]]
             expert = int(match["expert"])
+            if match["kind"] != "weight" or _is_fp8(tensor):
+                stem = name.rpartition(".")[0]
+                fp8_parts[stem][match["kind"]] = tensor
+                if len(fp8_parts[stem]) < 2:
+                    continue
+                tensor = _dequantized(fp8_parts.pop(stem))
+                dequantized.append(stem)
             try:
                 experts.load_expert(param, expert, shard, num_shards, tensor)
             except ValueError as exc:
                 raise ValueError(f"checkpoint tensor {hf_name!r}: {exc}") from None
             shards[f"{match['experts']}.{param}"].add((expert, shard))
+
+
+def _is_fp8(tensor: CheckpointTensor | torch.Tensor) -> bool:
+    source = tensor.source if isinstance(tensor, CheckpointTensor) else tensor
+    if isinstance(source, torch.Tensor):
+        return source.dtype == torch.float8_e4m3fn
+    return source.get_dtype() == "F8_E4M3"  # a safetensors slice
+
+
+def _dequantized(parts: dict[str, CheckpointTensor | torch.Tensor]) -> torch.Tensor:
+    """float32 weight from an fp8 expert projection's `weight` and its `weight_scale` (per
+    tensor or per row) or `weight_scale_inv` (128 x 128 blocks)."""
+    from pagellm.quantization.fp8 import dequantize_fp8
+
+    read = {k: v.read() if isinstance(v, CheckpointTensor) else v for k, v in parts.items()}
+    if "weight" not in read:
+        raise ValueError(f"two scales and no weight: {sorted(read)}")
+    ((kind, scale),) = ((k, v) for k, v in read.items() if k != "weight")
+    weight = read["weight"]
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a {kind} for a {weight.dtype} expert weight: an fp8 one was expected")
+    return dequantize_fp8(weight, scale if scale.dim() == 2 else scale.reshape(-1))

@@ -132,7 +132,7 @@ class QuantizationConfig(ABC):
 
         count = 0
         for prefix, module in model.named_modules():
-            if not isinstance(module, Linear):
+            if not isinstance(module, Linear) or not module.quantizable:
                 continue
             method = self.linear_method(prefix, module)
             if method is not None:
