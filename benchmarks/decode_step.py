@@ -8,8 +8,9 @@
     python benchmarks/decode_step.py --kv-cache-dtype fp8   # an fp8 cache: int16 pairs vs .to()
     python benchmarks/decode_step.py --block-size 32        # pages of 32 tokens
 
-256 requests (--model qwen3-30b: 8 query heads a KV head, 48 layers) with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
-workload's prompts, half-way through their outputs), head_dim 128, pages of 16 tokens, bf16.
+256 requests with seq_len = randint(100, 1024) + 256 (random.seed(0): the standard
+workload's prompts, half-way through their outputs), head_dim 128, pages of 16 tokens, bf16;
+`--model qwen3-30b` is Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, 48 layers).
 Every layer has its own pages (block tables shuffled per layer, so no layer reads what an
 earlier one left in L2); one CUDA graph replays the paged-attention launch of every layer,
 as the engine's decode graphs do. Variants, timed in turns (A B C D, three times):

@@ -224,7 +224,7 @@ def use_sparse_mlps(model: nn.Module, make_block: Callable[[int], nn.Module | No
             layer.mlp = block
 
 
-# `<...>.experts.<expert>.<projection>.weight`
+# `<...>.experts.<expert>.<projection>.weight` (an fp8 checkpoint's: also `.weight_scale[_inv]`)
 _EXPERT_TENSOR = re.compile(
     r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(_scale(_inv)?)?)"
 )
@@ -296,7 +296,10 @@ class MoEWeights:
                 fp8_parts[stem][match["kind"]] = tensor
                 if len(fp8_parts[stem]) < 2:
                     continue
-                tensor = _dequantized(fp8_parts.pop(stem))
+                try:
+                    tensor = _dequantized(fp8_parts.pop(stem))
+                except ValueError as exc:
+                    raise ValueError(f"fp8 expert weight {stem!r}: {exc}") from None
                 dequantized.append(stem)
             try:
                 experts.load_expert(param, expert, shard, num_shards, tensor)
@@ -309,7 +312,8 @@ def _is_fp8(tensor: CheckpointTensor | torch.Tensor) -> bool:
     source = tensor.source if isinstance(tensor, CheckpointTensor) else tensor
     if isinstance(source, torch.Tensor):
         return source.dtype == torch.float8_e4m3fn
-    return source.get_dtype() == "F8_E4M3"  # a safetensors slice
+    get_dtype = getattr(source, "get_dtype", None)  # a safetensors slice
+    return get_dtype is not None and get_dtype() == "F8_E4M3"
 
 
 def _dequantized(parts: dict[str, CheckpointTensor | torch.Tensor]) -> torch.Tensor:
