@@ -127,7 +127,8 @@ class QuantizationConfig(ABC):
         return self.name
 
     def attach(self, model: nn.Module) -> int:
-        """Give each Linear of `model` (on `meta`) its method; return how many got one."""
+        """Give each Linear of `model` (on `meta`) its method, but those that are not
+        `quantizable` (MoE routers); return how many got one."""
         from pagellm.models.layers import Linear
 
         count = 0
