@@ -31,6 +31,7 @@ from pagellm.loader.safetensors_loader import (
     hf_folder_weights,
 )
 from pagellm.loader.source import ModelSource
+from pagellm.models.moe import FusedMoE
 from pagellm.models.registry import get_model_cls
 from pagellm.models.weights import CheckpointTensor, check_loaded
 from pagellm.quantization import get_quant_config
@@ -53,7 +54,10 @@ def load_model(
         model = model_cls(model_config.hf_config, attn_backend_cls)
         if quant is not None:
             count = quant.attach(model)
-            logger.info("quantization: %s, %d linear layers", quant.describe(), count)
+            moe = sum(isinstance(m, FusedMoE) for m in model.modules())
+            kept = f"; {moe} MoE layers' experts and routers stay in {dtype}" if moe else ""
+            kept = kept.replace("torch.", "")
+            logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
     source = model_config.source
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
