@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3, Phi-3 and OLMo 2 against HF transformers, end to end (float32, CPU): a
+"""Gemma 2, Gemma 3, Phi-3, OLMo 2 and Granite against HF transformers, end to end (float32, CPU): a
 tiny random checkpoint per family with its quirks switched on, one engine per family, greedy
 token ids equal to HF's for 4 prompts x 32 new tokens, batched with a sampled request, with
 chunked prefill and a KV budget small enough to preempt.
@@ -8,7 +8,8 @@ windows with global layers; Gemma 3 adds q/k norms and rotates its global layers
 (its local ones with their own base); Phi-3 has longrope short/long factors (decoding crosses
 its original length), partial rotary and a window on every layer; OLMo 2 has its post-norms
 and q/k norms over whole projections, here with dynamic NTK rope that grows past its 48
-positions. Prompts (7-45 tokens) are longer than the windows.
+positions; Granite scales its embeddings, attention scores, sublayer outputs and logits by
+its config's multipliers. Prompts (7-45 tokens) are longer than the windows.
 
 Also: the language model of a multimodal Gemma 3 checkpoint, and Gemma's chat template
 (no system role) in `LLM.chat` and the server.
@@ -69,6 +70,13 @@ FAMILIES = {
         rope_scaling=LONGROPE,
     ),
     "olmo2": dict(max_position_embeddings=48, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "granite": dict(
+        embedding_multiplier=6.0,
+        attention_multiplier=0.03,
+        residual_multiplier=0.4,
+        logits_scaling=4.0,
+        tie_word_embeddings=True,
+    ),
 }
 PROMPT_LENGTHS = (7, 19, 33, 45)
 # Phi-3 windows every layer, so blocks before each window return to the pool: fewer blocks

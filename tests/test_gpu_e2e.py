@@ -1,12 +1,12 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
 For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2 with
-their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary), three layers each,
-an HF model is built
-from its config, trained for a few hundred steps on a synthetic language (a random block of
-PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions back),
-saved in bf16 with `save_pretrained`, and loaded by our engine from that folder.
+(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite
+with their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary, multipliers),
+three layers each, an HF model is built from its config, trained for a few hundred steps
+on a synthetic language (a random block of PERIOD tokens repeated, so predicting a token
+means attending PERIOD - 1 positions back), saved in bf16 with `save_pretrained`, and
+loaded by our engine from that folder.
 
 Why train: with untrained random weights the top two logits are near-ties, and two correct
 bf16 implementations pick different argmaxes within a few tokens (measured on the CPU:
@@ -38,6 +38,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GraniteConfig,
     LlamaConfig,
     MixtralConfig,
     Olmo2Config,
@@ -126,6 +127,15 @@ CONFIGS = {
         },
     ),  # fmt: skip
     "olmo2": lambda: Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "granite": lambda: GraniteConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        embedding_multiplier=6.0,
+        attention_multiplier=0.03,
+        residual_multiplier=0.4,
+        logits_scaling=4.0,
+    ),
 }
 
 

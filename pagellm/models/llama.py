@@ -204,6 +204,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary_embedding(config)
+        self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
         self._cpu_decoder_built = False
 
@@ -215,6 +216,8 @@ class LlamaModel(nn.Module):
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, hidden]
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
         cos_sin = self.rotary_emb(positions, hidden.dtype)
         if hidden.device.type == "cpu" and not self._cpu_decoder_built:
             self.cpu_decoder = CpuDecoder.build(self)  # the weights are packed by now

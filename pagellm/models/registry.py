@@ -20,6 +20,7 @@ _MODELS = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
 }
 
 
