@@ -115,10 +115,7 @@ class GemmaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         hidden = self.post_attention_layernorm(
             self.self_attn(cos_sin, hidden, kv_cache, attn_metadata)
         )

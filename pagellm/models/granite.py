@@ -25,14 +25,8 @@ if TYPE_CHECKING:
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        attn_backend_cls: type[AttentionBackend],
-        options: AttentionOptions,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__(config, attn_backend_cls, options, sliding_window)
+    def __init__(self, config: PretrainedConfig, *args: Any) -> None:
+        super().__init__(config, *args)
         self.residual_multiplier = float(config.residual_multiplier)
 
     def forward(
@@ -43,10 +37,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(
             hidden * self.residual_multiplier, residual

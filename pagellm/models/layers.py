@@ -103,9 +103,12 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor, quant_for: Any = None
+        self, x: torch.Tensor, residual: torch.Tensor | None, quant_for: Any = None
     ) -> tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
-        """Add the residual stream first; return (normed, new residual)."""
+        """Add the residual stream first (None: x is the stream, as before a model's first
+        layer); return (normed, new residual)."""
+        if residual is None:
+            return (self.forward(x) if quant_for is None else self.forward(x, quant_for)), x
         quantized = self._quantized(x, residual, quant_for)
         if quantized is not None:
             return quantized

@@ -172,12 +172,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # each norm's kernel may quantize its output for the fp8 GEMM after it (w8a8)
         qkv_weight = self.self_attn.qkv_proj.packed_weight
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, qkv_weight)
-        else:
-            hidden, residual = self.input_layernorm.forward_with_residual(
-                hidden, residual, qkv_weight
-            )
+        hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, qkv_weight)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, attn_metadata)
         gate_up = getattr(self.mlp, "gate_up_proj", None)  # a GatedMLP's (not an MoE block's)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(
