@@ -9,7 +9,8 @@ windows with global layers; Gemma 3 adds q/k norms and rotates its global layers
 its original length), partial rotary and a window on every layer; OLMo 2 has its post-norms
 and q/k norms over whole projections, here with dynamic NTK rope that grows past its 48
 positions; Granite scales its embeddings, attention scores, sublayer outputs and logits by
-its config's multipliers. Prompts (7-45 tokens) are longer than the windows.
+its config's multipliers; SmolLM3 leaves q and k unrotated in its NoPE layer (windowed
+here). Prompts (7-45 tokens) are longer than the windows.
 
 Also: the language model of a multimodal Gemma 3 checkpoint, and Gemma's chat template
 (no system role) in `LLM.chat` and the server.
@@ -70,6 +71,14 @@ FAMILIES = {
         rope_scaling=LONGROPE,
     ),
     "olmo2": dict(max_position_embeddings=48, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "smollm3": dict(  # layer 1 of 2 without rotary, windowed
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=12,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "granite": dict(
         embedding_multiplier=6.0,
         attention_multiplier=0.03,

@@ -1,12 +1,12 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
 For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite
-with their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary, multipliers),
-three layers each, an HF model is built from its config, trained for a few hundred steps
-on a synthetic language (a random block of PERIOD tokens repeated, so predicting a token
-means attending PERIOD - 1 positions back), saved in bf16 with `save_pretrained`, and
-loaded by our engine from that folder.
+(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite,
+SmolLM3 with their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary,
+multipliers, NoPE layers), three layers each, an HF model is built from its config, trained
+for a few hundred steps on a synthetic language (a random block of PERIOD tokens repeated,
+so predicting a token means attending PERIOD - 1 positions back), saved in bf16 with
+`save_pretrained`, and loaded by our engine from that folder.
 
 Why train: with untrained random weights the top two logits are near-ties, and two correct
 bf16 implementations pick different argmaxes within a few tokens (measured on the CPU:
@@ -45,6 +45,7 @@ from transformers import (
     Phi3Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 pytestmark = pytest.mark.gpu
@@ -127,6 +128,15 @@ CONFIGS = {
         },
     ),  # fmt: skip
     "olmo2": lambda: Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "smollm3": lambda: SmolLM3Config(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        no_rope_layer_interval=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "granite": lambda: GraniteConfig(
         **COMMON,
         num_attention_heads=4,

@@ -165,7 +165,8 @@ class CpuDecoder:
                 for lin in _linears(layer)
             ]
             if (
-                type(layer.mlp.act_fn) is not SiluAndMul
+                not attn.rotary  # a NoPE layer: the loop rotates every layer
+                or type(layer.mlp.act_fn) is not SiluAndMul
                 or any(type(n) is not RMSNorm or n.eps != eps for n in norms)
                 or any(n.weight.dtype != dtype for n in norms)
                 or not isinstance(impl, TorchAttentionBackend)

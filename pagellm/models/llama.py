@@ -101,6 +101,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = options.norm_cls(hd, config.rms_norm_eps)
             self.k_norm = options.norm_cls(hd, config.rms_norm_eps)
         self.qk_norm = options.qk_norm
+        self.rotary = True  # False: q and k are not rotated (SmolLM3's NoPE layers)
         self.attn = Attention(
             self.num_heads,
             self.num_kv_heads,
@@ -123,7 +124,9 @@ class LlamaAttention(nn.Module):
             return self.o_proj(self.attn(q, None, None, kv_cache, attn_metadata))
         qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H+2H_kv, D]
         num_qk = self.num_heads + self.num_kv_heads
-        if self.qk_norm:
+        if not self.rotary:
+            q, k, v = qkv[:, : self.num_heads], qkv[:, self.num_heads : num_qk], qkv[:, num_qk:]
+        elif self.qk_norm:
             heads = (self.num_heads, self.num_kv_heads)
             q, k = qk_norm_rotary(qkv, self.q_norm, self.k_norm, cos_sin, *heads)
             v = qkv[:, num_qk:]
@@ -136,7 +139,7 @@ class LlamaAttention(nn.Module):
         """q [T, H, D] after rotary, k and v written into the cache, all by the q | k | v
         projection's kernel where its weight has one (fp8 at batch 1); None otherwise."""
         weight = self.qkv_proj.packed_weight
-        if self.qk_norm or not isinstance(weight, QuantizedWeight):
+        if self.qk_norm or not self.rotary or not isinstance(weight, QuantizedWeight):
             return None
         slots = self.attn.cache_slots(attn_metadata)
         if slots is None or cos_sin.shape[-1] != self.head_dim:  # partial rotary: apart
