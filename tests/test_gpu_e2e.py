@@ -1,12 +1,12 @@
 """End to end on the GPU: our engine against HF transformers, same config, same weights, bf16.
 
 For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), and Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite,
-SmolLM3 with their quirks (sliding windows, soft-caps, yarn, longrope, partial rotary,
-multipliers, NoPE layers), three layers each, an HF model is built from its config, trained
-for a few hundred steps on a synthetic language (a random block of PERIOD tokens repeated,
-so predicting a token means attending PERIOD - 1 positions back), saved in bf16 with
-`save_pretrained`, and loaded by our engine from that folder.
+(8 experts, top-2: the fused-MoE Triton kernels), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2,
+Granite, SmolLM3 with their quirks (sliding windows, soft-caps, yarn, longrope, partial
+rotary, multipliers, NoPE layers), three layers each, an HF model is built from its config,
+trained for a few hundred steps on a synthetic language (a random block of PERIOD tokens
+repeated, so predicting a token means attending PERIOD - 1 positions back), saved in bf16
+with `save_pretrained`, and loaded by our engine from that folder.
 
 Why train: with untrained random weights the top two logits are near-ties, and two correct
 bf16 implementations pick different argmaxes within a few tokens (measured on the CPU:
@@ -38,6 +38,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     Gemma3TextConfig,
+    GemmaConfig,
     GraniteConfig,
     LlamaConfig,
     MixtralConfig,
@@ -99,6 +100,9 @@ CONFIGS = {
     # the families of issue 13, their quirks on: windows (64) shorter than most prompts,
     # soft-caps, yarn on Gemma 3's global layers, Phi-3's longrope crossing its original
     # length (128) and partial rotary, OLMo 2's norms
+    "gemma": lambda: GemmaConfig(
+        **{k: v for k, v in GEMMA.items() if k != "query_pre_attn_scalar"}
+    ),
     "gemma2": lambda: Gemma2Config(**GEMMA, attn_logit_softcapping=50.0),
     "gemma3": lambda: Gemma3TextConfig(
         **GEMMA,

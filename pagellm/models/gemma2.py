@@ -11,7 +11,8 @@
 - final logits soft-capped: cap * tanh(logits / cap) (`final_logit_softcapping`).
 
 `GemmaModel` serves Gemma 3 too (`pagellm/models/gemma3.py`), which adds q/k norms and one
-rotary table per layer type.
+rotary table per layer type, and Gemma 1 (`pagellm/models/gemma.py`), with Llama's two norms
+a layer.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(size, eps)
         self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., size]
+    def forward(self, x: torch.Tensor, quant_for: Any = None) -> torch.Tensor:
+        # x: [..., size]; never quantized for the GEMM after it (its weight is float32)
         fused = self._fused(x)
         if fused is not None:
             return fused.rms_norm(x, self.weight, self.eps)[0]
@@ -132,14 +133,16 @@ class GemmaModel(nn.Module):
         windows: list[int | None],
         rope_keys: list[str],  # per layer: its table in `rotary`
         rotary: dict[str, RotaryEmbedding],
+        layer_cls: type[nn.Module] | None = None,  # GemmaDecoderLayer; Gemma 1 has its own
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # HF multiplies by sqrt(hidden) cast to the weights' dtype (in bf16 59.866 -> 59.75)
         scale = torch.tensor(config.hidden_size**0.5, device="cpu")  # built on `meta` otherwise
         self.embed_scale = float(scale.to(torch.get_default_dtype()))
+        layer_cls = layer_cls or GemmaDecoderLayer
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, attn_backend_cls, options, window) for window in windows
+            layer_cls(config, attn_backend_cls, options, window) for window in windows
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope_keys = rope_keys
@@ -167,6 +170,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     load_weights), with soft-capped logits and (1 + w) norms."""
 
     sliding_window_pattern = 2  # older configs without layer_types: every other layer global
+    gemma_layer_cls: type[nn.Module] | None = None  # None: GemmaDecoderLayer
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -198,7 +202,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     ) -> nn.Module:
         options, windows = self.attention_options(config), self.sliding_windows(config)
         keys, tables = self.rotary_tables(config)
-        return GemmaModel(config, attn_backend_cls, options, windows, keys, tables)
+        return GemmaModel(
+            config, attn_backend_cls, options, windows, keys, tables, self.gemma_layer_cls
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab], soft-capped in the model's dtype as HF does
