@@ -83,6 +83,7 @@ FAMILIES = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "starcoder2": dict(sliding_window=12, norm_epsilon=1e-5, use_bias=True),
     "granite": dict(
         embedding_multiplier=6.0,
         attention_multiplier=0.03,
@@ -92,8 +93,9 @@ FAMILIES = {
     ),
 }
 PROMPT_LENGTHS = (7, 19, 33, 45)
-# Phi-3 windows every layer, so blocks before each window return to the pool: fewer blocks
-NUM_BLOCKS = {"phi3": 16}
+# Phi-3 and StarCoder2 window every layer, so blocks before each window return to the pool:
+# fewer blocks
+NUM_BLOCKS = {"phi3": 16, "starcoder2": 16}
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 

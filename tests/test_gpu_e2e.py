@@ -2,11 +2,11 @@
 
 For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
 (8 experts, top-2: the fused-MoE Triton kernels), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2,
-Granite, SmolLM3 with their quirks (sliding windows, soft-caps, yarn, longrope, partial
-rotary, multipliers, NoPE layers), three layers each, an HF model is built from its config,
-trained for a few hundred steps on a synthetic language (a random block of PERIOD tokens
-repeated, so predicting a token means attending PERIOD - 1 positions back), saved in bf16
-with `save_pretrained`, and loaded by our engine from that folder.
+Granite, SmolLM3, StarCoder2 with their quirks (sliding windows, soft-caps, yarn, longrope,
+partial rotary, multipliers, NoPE layers, LayerNorms), three layers each, an HF model is
+built from its config, trained for a few hundred steps on a synthetic language (a random
+block of PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions
+back), saved in bf16 with `save_pretrained`, and loaded by our engine from that folder.
 
 Why train: with untrained random weights the top two logits are near-ties, and two correct
 bf16 implementations pick different argmaxes within a few tokens (measured on the CPU:
@@ -47,6 +47,7 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
     SmolLM3Config,
+    Starcoder2Config,
 )
 
 pytestmark = pytest.mark.gpu
@@ -140,6 +141,9 @@ CONFIGS = {
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
+    ),
+    "starcoder2": lambda: Starcoder2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=64, use_bias=True
     ),
     "granite": lambda: GraniteConfig(
         **COMMON,

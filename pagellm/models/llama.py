@@ -192,6 +192,7 @@ class LlamaModel(nn.Module):
         options: AttentionOptions,
         sliding_windows: Sequence[int | None] = (),  # per layer; (): no window anywhere
         layer_cls: type[nn.Module] | None = None,  # LlamaDecoderLayer; OLMo 2 has its own
+        norm: nn.Module | None = None,  # the final norm; None: RMSNorm (StarCoder2: LayerNorm)
     ) -> None:
         super().__init__()
         layer_cls = layer_cls or LlamaDecoderLayer
@@ -200,7 +201,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             layer_cls(config, attn_backend_cls, options, window) for window in windows
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm or RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary_embedding(config)
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
