@@ -122,7 +122,9 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
         return full.chunk(tp, dim=2)[rank]
     if "gate_up_proj" in name:
         return torch.cat([x.chunk(tp)[rank] for x in full.chunk(2)])
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if "c_fc" in name:  # StarCoder2's column-parallel MLP input: weight and bias rows
+        return full.chunk(tp)[rank]
+    if name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight")):
         return full.chunk(tp, dim=1)[rank]
     if "embed_tokens" in name or "lm_head" in name:
         rows = -(-full.shape[0] // tp)
@@ -143,6 +145,7 @@ def _expected_shard(name: str, full: torch.Tensor, cfg, rank: int, tp: int) -> t
         "gemma2-tied-softcap",
         "phi3-fused-checkpoint",
         "olmo2-replicated-kv",
+        "starcoder2-biases",
     ],
 )
 def test_each_rank_holds_its_slice(case, tmp_path):
@@ -154,6 +157,7 @@ def test_each_rank_holds_its_slice(case, tmp_path):
         "qwen3_moe-dummy": dict(MOE, head_dim=32),
         "gemma2-tied-softcap": dict(attn_logit_softcapping=20.0, final_logit_softcapping=15.0),
         "olmo2-replicated-kv": dict(num_key_value_heads=1),
+        "starcoder2-biases": dict(use_bias=True),
     }.get(case, {})
     folder = make_tiny_hf_model(arch, tmp_path, **overrides)
     path, load_format, tp = folder, "auto", 2
