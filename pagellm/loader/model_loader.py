@@ -55,8 +55,8 @@ def load_model(
         if quant is not None:
             count = quant.attach(model)
             moe = sum(isinstance(m, FusedMoE) for m in model.modules())
-            kept = f"; {moe} MoE layers' experts and routers stay in {dtype}" if moe else ""
-            kept = kept.replace("torch.", "")
+            kind = str(dtype).removeprefix("torch.")
+            kept = f"; {moe} MoE layers' experts and routers stay in {kind}" if moe else ""
             logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
     source = model_config.source
     if source.kind == "dummy":

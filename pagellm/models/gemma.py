@@ -7,7 +7,9 @@ q.k scaled by head_dim ** -0.5, no soft-caps and no sliding windows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torch import nn
 
 from pagellm.models.gemma2 import Gemma2ForCausalLM, GemmaRMSNorm
 from pagellm.models.layers import GatedMLP
@@ -20,12 +22,12 @@ if TYPE_CHECKING:
 class GemmaDecoderLayer1(LlamaDecoderLayer):
     """Llama's layer with Gemma's norms and GeGLU MLP."""
 
-    def __init__(self, config: PretrainedConfig, *args: Any) -> None:
-        super().__init__(config, *args)
+    def make_mlp(self, config: PretrainedConfig) -> nn.Module:
         act = getattr(config, "hidden_activation", None) or config.hidden_act
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act=act)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        return GatedMLP(config.hidden_size, config.intermediate_size, act=act)
+
+    def make_norm(self, config: PretrainedConfig) -> nn.Module:
+        return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class GemmaForCausalLM(Gemma2ForCausalLM):

@@ -108,7 +108,7 @@ class RMSNorm(nn.Module):
         """Add the residual stream first (None: x is the stream, as before a model's first
         layer); return (normed, new residual)."""
         if residual is None:
-            return (self.forward(x) if quant_for is None else self.forward(x, quant_for)), x
+            return self.forward(x, quant_for), x
         quantized = self._quantized(x, residual, quant_for)
         if quantized is not None:
             return quantized

@@ -160,10 +160,18 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, attn_backend_cls, options, sliding_window)
-        mlp_bias = getattr(config, "mlp_bias", False)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = self.make_mlp(config)
+        self.input_layernorm = self.make_norm(config)
+        self.post_attention_layernorm = self.make_norm(config)
+
+    def make_mlp(self, config: PretrainedConfig) -> nn.Module:
+        """The layer's MLP (Gemma: GeGLU; StarCoder2: a plain one)."""
+        bias = getattr(config, "mlp_bias", False)
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias)
+
+    def make_norm(self, config: PretrainedConfig) -> nn.Module:
+        """One of its two norms (Gemma: (1 + w); StarCoder2: LayerNorm)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -201,7 +209,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             layer_cls(config, attn_backend_cls, options, window) for window in windows
         )
-        self.norm = norm or RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm if norm is not None else RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = rotary_embedding(config)
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward

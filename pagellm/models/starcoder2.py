@@ -20,10 +20,9 @@ from pagellm.attention.base import AttentionBackend
 from pagellm.models.layers import ColumnParallelLinear, RowParallelLinear
 from pagellm.models.llama import (
     AttentionOptions,
-    LlamaAttention,
     LlamaDecoderLayer,
-    LlamaForCausalLM,
     LlamaModel,
+    MistralForCausalLM,
 )
 
 if TYPE_CHECKING:
@@ -58,30 +57,29 @@ class Starcoder2MLP(nn.Module):
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
-    """Llama's layer flow (`LlamaDecoderLayer.forward`) over StarCoder2's parts."""
+    """Llama's layer (`LlamaDecoderLayer`) with StarCoder2's MLP and LayerNorms."""
 
-    def __init__(self, config: PretrainedConfig, *attention_args: Any) -> None:
-        nn.Module.__init__(self)  # not Llama's parts: none of them is built
-        # attention_args: LlamaAttention's after the config (backend, options, window)
-        self.self_attn = LlamaAttention(config, *attention_args)
-        bias, act = config.use_bias, config.hidden_act
-        self.mlp = Starcoder2MLP(config.hidden_size, config.intermediate_size, bias, act)
-        self.input_layernorm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    def make_mlp(self, config: PretrainedConfig) -> nn.Module:
+        return Starcoder2MLP(
+            config.hidden_size, config.intermediate_size, config.use_bias, config.hidden_act
+        )
+
+    def make_norm(self, config: PretrainedConfig) -> nn.Module:
+        return LayerNorm(config.hidden_size, eps=config.norm_epsilon)
 
 
-class Starcoder2ForCausalLM(LlamaForCausalLM):
+class Starcoder2ForCausalLM(MistralForCausalLM):
+    """Mistral's windows (every layer, when the config sets one) over StarCoder2's layers."""
+
+    decoder_layer_cls = Starcoder2DecoderLayer
+
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=config.use_bias, o_bias=config.use_bias)
-
-    @classmethod
-    def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
-        return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
 
     def build_model(
         self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]
     ) -> nn.Module:
         options, windows = self.attention_options(config), self.sliding_windows(config)
         norm = LayerNorm(config.hidden_size, eps=config.norm_epsilon)
-        return LlamaModel(config, attn_backend_cls, options, windows, Starcoder2DecoderLayer, norm)
+        return LlamaModel(config, attn_backend_cls, options, windows, self.decoder_layer_cls, norm)
