@@ -29,6 +29,14 @@ def log_level() -> str:
     return os.environ.get("PAGELLM_LOGGING_LEVEL", "INFO").upper()
 
 
+def warm_grammar_backend(device: str) -> bool:
+    """PAGELLM_WARM_GRAMMAR_BACKEND=1 / 0: the EngineCore builds the structured-output grammar
+    backend (the tokenizer, xgrammar's vocabulary tables) in a thread while the model loads /
+    only when the first constrained request comes. Unset: on CUDA, where loading takes
+    seconds anyway and the first constrained request should not wait."""
+    return _bool("PAGELLM_WARM_GRAMMAR_BACKEND", device.startswith("cuda"))
+
+
 def triton_compile_ahead() -> bool:
     """PAGELLM_TRITON_COMPILE_AHEAD=0: compile Triton kernels as the first forward meets them
     (one after another) instead of side by side before it (`pagellm.kernels.compile_ahead`)."""

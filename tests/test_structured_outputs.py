@@ -6,6 +6,7 @@ scheduling with chunked prefill and preemption; bad schemas fail alone with a cl
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -245,6 +246,31 @@ def test_async_scheduling_chunked_prefill_preemption(async_llm):
             check_json(completion.text, schema)
     assert len(outputs[-1].outputs[0].token_ids) == 24
     assert async_llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0
+
+
+def test_a_compiling_grammar_is_waited_for_not_polled(monkeypatch):
+    """Async scheduling with nothing to run but a grammar compiling: every step waits on the
+    compile, leaving the interpreter lock to the compile thread. Steps that queued empty steps
+    in a loop starved it: the first constrained request on a GPU waited ~130 s for the backend
+    (its imports: each I/O gives the lock up and waits for it back)."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    with LLM(dtype="float32", max_model_len=256, async_scheduling=True) as llm:
+        core = llm.llm_engine.engine_core.engine_core
+        manager = core.structured_output
+        release, waits = threading.Event(), []
+        compile_now, wait = manager._compile_now, manager.wait_for_compiles
+        monkeypatch.setattr(manager, "_compile_now", lambda k: release.wait(60) and compile_now(k))
+        monkeypatch.setattr(manager, "wait_for_compiles", lambda f: waits.append(wait(f)))
+        params = SamplingParams(max_tokens=4, structured_outputs=_constrained(regex="[a-z]{4}"))
+        llm.llm_engine.add_request("held", "A word:", params)
+        for _ in range(10):
+            assert not core.step().outputs
+        assert len(waits) == 10  # each step waited (up to 20 ms) instead of spinning
+        release.set()
+        finished = []
+        while llm.llm_engine.has_unfinished_requests():
+            finished += [o for o in llm.llm_engine.step() if o.finished]
+        check_regex(finished[0].outputs[0].text, "[a-z]{4}")
 
 
 def test_constraint_starts_after_the_thinking(llm):

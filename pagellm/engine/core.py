@@ -24,6 +24,7 @@ import logging
 import time
 from typing import Any
 
+from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
@@ -41,6 +42,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
+        self.structured_output = StructuredOutputManager(
+            config.model_config,
+            config.scheduler_config.max_num_seqs,
+            config.async_scheduling,
+            config.reasoning_parser,
+        )
+        if envs.warm_grammar_backend(config.device):
+            self.structured_output.warm_up()  # in a compile thread, beside the model's loading
         self.model_executor = Executor.get_class(config)(config)
         self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(self.num_kv_blocks)
@@ -52,12 +61,6 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
             sliding_window=self.model_executor.kv_sliding_window(),
-        )
-        self.structured_output = StructuredOutputManager(
-            config.model_config,
-            config.scheduler_config.max_num_seqs,
-            config.async_scheduling,
-            config.reasoning_parser,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
@@ -119,7 +122,9 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, None
         outputs = None
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self._schedule(idle=previous is None)
+            # an empty step in flight is no work to report: idle, wait for compiles (a busy
+            # loop of empty steps starved the compile threads of the interpreter lock)
+            scheduler_output = self._schedule(idle=previous is None or _is_empty(previous[0]))
             executor = self.model_executor
             waiting = self.structured_output.sampling_requests(scheduler_output)
             if not waiting:
@@ -167,6 +172,10 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.model_executor.shutdown()
+
+
+def _is_empty(step: SchedulerOutput) -> bool:
+    return step.total_num_scheduled_tokens == 0
 
 
 _UTILITIES = {

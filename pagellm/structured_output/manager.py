@@ -14,6 +14,7 @@ reads their last token on the host (a grammar's matcher, a multi-token bad word)
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -104,6 +105,15 @@ class StructuredOutputManager:
             if self._backend_error is not None:
                 raise ValueError(f"structured outputs are unavailable: {self._backend_error}")
             return self._backend
+
+    def warm_up(self) -> None:
+        """Build the backend now in a compile thread, so that the first constrained request
+        does not wait for it; a failure is kept and reported to that request."""
+        self.executor.submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        with contextlib.suppress(ValueError):
+            self._get_backend()
 
     def wait_for_compiles(self, futures: list[Future]) -> None:
         """Nothing else to run: block briefly until one of these compiles finishes."""
