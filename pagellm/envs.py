@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -77,6 +78,24 @@ def cpu_fp32_gemm() -> str | None:
             f"PAGELLM_CPU_FP32_GEMM must be mkl, onednn, pagellm or auto, got {value!r}"
         )
     return value
+
+
+def cpu_gemm_plan() -> dict | None:
+    """PAGELLM_CPU_GEMM_PLAN: a whole CPU GEMM plan as JSON (`fp32_library`,
+    `bf16_fp32_from_rows`, `bf16_kernel`), taken as it is instead of timed
+    (`pagellm.models.cpu_gemm`). The server sets it for the cores it starts after the first,
+    to the first one's plan, so that every core of a server computes alike."""
+    value = os.environ.get("PAGELLM_CPU_GEMM_PLAN")
+    if not value:
+        return None
+    try:
+        plan = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"PAGELLM_CPU_GEMM_PLAN is not JSON: {value!r}") from e
+    keys = {"fp32_library", "bf16_fp32_from_rows", "bf16_kernel"}
+    if not isinstance(plan, dict) or set(plan) != keys:
+        raise ValueError(f"PAGELLM_CPU_GEMM_PLAN must be an object with {sorted(keys)}: {value!r}")
+    return plan
 
 
 def cpu_fused_ops() -> bool:

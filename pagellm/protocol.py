@@ -93,6 +93,7 @@ class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True):
     num_kv_blocks: int
     max_model_len: int
     pid: int
+    cpu_gemm_plan: str | None = None  # the CPU GEMM plan it chose (PAGELLM_CPU_GEMM_PLAN's form)
 
 
 class EngineCoreOutputType(enum.Enum):

@@ -433,3 +433,20 @@ def test_embedded_gguf_logits_equal_hf(our_smollm, hf_smollm):
     tokenizer = load_tokenizer(resolve_model_source(None))
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     _assert_matches_hf(hf_smollm, run_paged(our_smollm, prompts, num_decode_steps=4))
+
+
+def test_cpu_gemm_plan_whole_from_env(monkeypatch):
+    """PAGELLM_CPU_GEMM_PLAN (a plan's `setting()`, as a core reports it) is taken whole and
+    untimed, over the other knobs: how a server's later cores compute as its first."""
+    plan = cpu_gemm.cpu_gemm_plan.__wrapped__
+    chosen = CpuGemmPlan("onednn", cpu_gemm.BF16_ROWS[-1], note="timed at start-up")
+    monkeypatch.setenv("PAGELLM_CPU_GEMM_PLAN", chosen.setting())
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "mkl")
+    assert plan() == CpuGemmPlan(
+        "onednn", cpu_gemm.BF16_ROWS[-1], note="set by PAGELLM_CPU_GEMM_PLAN"
+    )
+    bad = ['{"fp32_library": "mkl"}', "mkl", chosen.setting().replace("onednn", "blas")]
+    for value in bad:
+        monkeypatch.setenv("PAGELLM_CPU_GEMM_PLAN", value)
+        with pytest.raises(ValueError):
+            plan()

@@ -224,10 +224,13 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc
 
 
 def _ready(core: EngineCore) -> EngineCoreReady:
+    from pagellm.models.cpu_gemm import chosen_plan_setting
+
     return EngineCoreReady(
         num_kv_blocks=core.num_kv_blocks,
         max_model_len=core.config.model_config.max_model_len,
         pid=os.getpid(),
+        cpu_gemm_plan=chosen_plan_setting(),
     )
 
 

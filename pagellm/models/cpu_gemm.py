@@ -20,7 +20,9 @@ re-laid for the matmul on every call, which costs 1.1-1.5x at decode batch sizes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import time
 from dataclasses import dataclass
 
@@ -55,6 +57,16 @@ class CpuGemmPlan:
     bf16_fp32_from_rows: int | None = None
     bf16_kernel: bool = False
     note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fp32_library not in FP32_LIBRARIES:
+            raise ValueError(f"fp32_library must be one of {sorted(FP32_LIBRARIES)}")
+
+    def setting(self) -> str:
+        """The plan as PAGELLM_CPU_GEMM_PLAN takes it."""
+        fields = dataclasses.asdict(self)
+        del fields["note"]
+        return json.dumps(fields, separators=(",", ":"))
 
     def describe(self, dtype: torch.dtype) -> str:
         library = FP32_LIBRARIES[self.fp32_library]
@@ -157,8 +169,12 @@ MARGIN = 1.15  # leave the default only for a clear win (noise must not flip the
 
 @functools.cache
 def cpu_gemm_plan() -> CpuGemmPlan:
-    """The plan for this process: PAGELLM_CPU_FP32_GEMM / PAGELLM_CPU_BF16_FP32_GEMM /
-    PAGELLM_CPU_BF16_KERNEL where set, the rest timed here once (~50 ms)."""
+    """The plan for this process: PAGELLM_CPU_GEMM_PLAN where set; else PAGELLM_CPU_FP32_GEMM /
+    PAGELLM_CPU_BF16_FP32_GEMM / PAGELLM_CPU_BF16_KERNEL where set, the rest timed here once
+    (~50 ms)."""
+    whole = envs.cpu_gemm_plan()
+    if whole is not None:
+        return CpuGemmPlan(**whole, note="set by PAGELLM_CPU_GEMM_PLAN")
     library = envs.cpu_fp32_gemm()
     bf16_fp32 = envs.cpu_bf16_fp32_gemm()
     kernel = envs.cpu_bf16_kernel()
@@ -176,6 +192,11 @@ def cpu_gemm_plan() -> CpuGemmPlan:
         library=library, kernel=kernel is None,
     )  # fmt: skip
     return choose_plan(times, library or ("mkl" if mkl_ok else "onednn"), bf16_fp32, kernel)
+
+
+def chosen_plan_setting() -> str | None:
+    """This process's plan as PAGELLM_CPU_GEMM_PLAN takes it, if it has chosen one."""
+    return cpu_gemm_plan().setting() if cpu_gemm_plan.cache_info().currsize else None
 
 
 def choose_plan(
