@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import msgspec
@@ -275,19 +276,21 @@ def test_msgspec_round_trip_of_every_validated_request():
         assert decoder.decode(msgspec.msgpack.encode(child)) == child
 
 
-def test_an_exited_core_gets_one_more_poll_for_its_death_report():
+@pytest.mark.parametrize("killed", [False, True])
+def test_an_exited_core_gets_time_for_its_death_report(killed, monkeypatch):
     """The core reports its error just before it exits; the reader may see the exit before
-    the report arrives. The first sighting of the exit waits one more poll (so the caller
-    hears "EngineCore died: <reason>"); while a frame waits unread in the output socket
-    (the sender's and the reader's checks may come in a row) later sightings wait too; then
-    the core is declared dead."""
+    the report arrives. A core that exited itself gets _REPORT_S from the first sighting of
+    the exit (so the caller hears "EngineCore died: <reason>"); one killed by a signal sends
+    nothing and is dead at once. While a frame waits unread in the output socket (the
+    sender's and the reader's checks may come in a row) no verdict comes either."""
     import subprocess
     import sys
 
     import zmq
 
     client = object.__new__(core_client.SyncMPClient)  # the liveness state and one socket
-    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    client.proc = subprocess.Popen([sys.executable, "-c", suicide if killed else "exit(3)"])
     client.proc.wait()
     client.dead_error, client._exit_seen = None, None
     ctx = zmq.Context()
@@ -295,12 +298,18 @@ def test_an_exited_core_gets_one_more_poll_for_its_death_report():
     client.output_socket.bind("inproc://death-report")
     core_side = ctx.socket(zmq.PUSH)
     core_side.connect("inproc://death-report")
+    monkeypatch.setattr(core_client, "_REPORT_S", 60.0)
     try:
-        client._check_alive()  # first sighting: no verdict yet
+        if not killed:
+            client._check_alive()  # first sighting: no verdict yet
         core_side.send_multipart([b"0", b"the last words"])
         client._check_alive()  # a frame to read first: no verdict either
         assert client.output_socket.recv_multipart() == [b"0", b"the last words"]
-        with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(code 3\)"):
+        if not killed:
+            client._check_alive()  # within _REPORT_S: still none
+            monkeypatch.setattr(core_client, "_REPORT_S", 0.0)
+        code = -signal.SIGKILL if killed else 3
+        with pytest.raises(EngineDeadError, match=rf"exited unexpectedly \(code {code}\)"):
             client._check_alive()
         with pytest.raises(EngineDeadError):  # and it stays dead
             client._check_alive()

@@ -6,7 +6,9 @@
   process that steps on its own; requests go in and outputs come back over ZMQ `ipc://`
   sockets in a private temporary directory, as msgpack-encoded msgspec structs.
 
-If the child dies, every waiting call raises EngineDeadError within _POLL_MS.
+If the child dies, every waiting call raises EngineDeadError within a poll (_POLL_MS; the
+asyncio client, a server's, polls more often: a restart waits on it) and, when the child
+exited itself, the time its death report may take to arrive (_REPORT_S).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from pagellm.protocol import (
 )
 
 _POLL_MS = 200  # how often a waiting client checks that the core process is alive
+_ASYNC_POLL_MS = 50  # the same for AsyncMPClient: waiting there costs no thread
 _IN_FLIGHT_MS = 50  # after the core exited: how long its last frames may take to arrive
+_REPORT_S = 0.2  # after it exited itself: how long its death report may take to arrive
 _EXIT_GRACE_S = 0.5  # and how long unread frames may hold off the verdict
 # how the core process is started, after the interpreter (tests run it under a fault injector)
 CORE_PROCESS_ARGS = ["-m", "pagellm.engine.core_proc"]
@@ -141,7 +145,8 @@ class InprocClient(EngineCoreClient):
 class MPClient(EngineCoreClient):
     """Starts the core process, waits for READY, owns the sockets and the clean-up."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, env: dict[str, str] | None = None) -> None:
+        """`env`: environment variables the core process gets beside this one's."""
         self.ipc_dir = tempfile.mkdtemp(prefix="pagellm-")  # mode 0700
         self.paths = tuple(f"ipc://{self.ipc_dir}/{n}" for n in ("input", "output"))
         input_path, output_path = self.paths
@@ -151,9 +156,9 @@ class MPClient(EngineCoreClient):
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.bind(output_path)
         self.proc = subprocess.Popen(  # imports, then waits for start_core()
-            [sys.executable, *CORE_PROCESS_ARGS],
+            [sys.executable, *CORE_PROCESS_ARGS, self.ipc_dir],
             stdin=subprocess.PIPE,
-            env=os.environ,
+            env={**os.environ, **(env or {})},
         )
         self._finalizer = weakref.finalize(
             self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
@@ -167,7 +172,7 @@ class MPClient(EngineCoreClient):
 
     def start_core(self, config: EngineConfig) -> None:
         """Hand the core process its config (and the socket paths): it builds the engine."""
-        message = (config.to_wire(), *self.paths, self.ipc_dir)
+        message = (config.to_wire(), *self.paths)
         try:
             self.proc.stdin.write(msgspec.msgpack.encode(message))
             self.proc.stdin.close()
@@ -179,16 +184,22 @@ class MPClient(EngineCoreClient):
         sock = zmq.Socket.shadow(self.output_socket.underlying)  # a blocking view
         while not sock.poll(_POLL_MS):
             if self.proc.poll() is not None and not sock.poll(_POLL_MS):
-                self.shutdown()
-                raise RuntimeError(
-                    f"EngineCore process exited with code {self.proc.returncode} during start-up"
-                )
-        kind, payload = sock.recv_multipart()
+                raise self._exited_during_startup()
+        return self._read_ready(sock.recv_multipart())
+
+    def _read_ready(self, frames: list[bytes]) -> EngineCoreReady:
+        kind, payload = frames
         if kind == EngineCoreOutputType.FAILED.value:
             self.shutdown()
             raise _startup_error(msgspec.msgpack.decode(payload))
         self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
         return self.ready
+
+    def _exited_during_startup(self) -> RuntimeError:
+        self.shutdown()
+        return RuntimeError(
+            f"EngineCore process exited with code {self.proc.returncode} during start-up"
+        )
 
     def _send(self, kind: EngineCoreRequestType, message: Any) -> None:
         # a PUSH socket whose peer is gone would block forever: wait for room, checking
@@ -226,15 +237,18 @@ class MPClient(EngineCoreClient):
         if self.proc.poll() is None:
             return
         # A core that dies of an error reports it just before it exits, and the report may
-        # still be on its way to the output socket: the first time the exit is seen, the
-        # reader gets one more poll to read it ("EngineCore died: <reason>"); while frames
-        # wait in the socket (the sender's and the reader's checks may come in a row), the
-        # reader has them to read first, for at most _EXIT_GRACE_S.
+        # still be on its way to the output socket: a core that exited itself (a code >= 0;
+        # not one killed by a signal, which sends nothing) gives the reader _REPORT_S from
+        # the first sighting of the exit to read it ("EngineCore died: <reason>"); while
+        # frames wait in the socket (the sender's and the reader's checks may come in a
+        # row), the reader has them to read first, for at most _EXIT_GRACE_S.
         now = time.monotonic()
         if self._exit_seen is None:
             self._exit_seen = now
+        waited = now - self._exit_seen
+        if self.proc.returncode >= 0 and waited < _REPORT_S:
             return
-        if now - self._exit_seen < _EXIT_GRACE_S and self._output_pending():
+        if waited < _EXIT_GRACE_S and self._output_pending():
             return
         self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
 
@@ -259,8 +273,8 @@ class MPClient(EngineCoreClient):
 
 
 class SyncMPClient(MPClient):
-    def __init__(self) -> None:
-        super().__init__(zmq.Context.instance())
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        super().__init__(zmq.Context.instance(), env)
         self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
 
     def _recv(self) -> EngineCoreOutputs:
@@ -287,9 +301,16 @@ class SyncMPClient(MPClient):
 class AsyncMPClient(MPClient):
     """For AsyncLLM: one reader (AsyncLLM's output handler) calls get_output_async()."""
 
-    def __init__(self) -> None:
-        super().__init__(zmq.asyncio.Context.instance())
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        super().__init__(zmq.asyncio.Context.instance(), env)
         self.utility_futures: dict[int, asyncio.Future] = {}
+
+    async def wait_for_ready_async(self) -> EngineCoreReady:
+        """`wait_for_ready()` without holding the event loop (and cancellable)."""
+        while not await self.output_socket.poll(_POLL_MS):
+            if self.proc.poll() is not None and not await self.output_socket.poll(_POLL_MS):
+                raise self._exited_during_startup()
+        return self._read_ready(await self.output_socket.recv_multipart())
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send_async(EngineCoreRequestType.ADD, request)
@@ -320,7 +341,7 @@ class AsyncMPClient(MPClient):
                 _resolve(future, reply)
 
     async def _recv_async(self) -> EngineCoreOutputs:
-        while not await self.output_socket.poll(_POLL_MS):
+        while not await self.output_socket.poll(_ASYNC_POLL_MS):
             self._check_alive()
         return self._decode(await self.output_socket.recv_multipart())
 

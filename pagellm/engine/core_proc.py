@@ -1,9 +1,10 @@
 """EngineCoreProc: the EngineCore in its own process, behind two ZMQ sockets.
 
-The client starts `python -m pagellm.engine.core_proc` (nothing of the caller's `__main__`
-is re-imported, so no `if __name__ == "__main__":` guard is needed); while it imports, the
-caller resolves the `EngineConfig` and sends it as msgpack on stdin (`to_wire()`: the HF
-config as a plain dict, so this process never imports transformers). Two threads move
+The client starts `python -m pagellm.engine.core_proc IPC_DIR` (nothing of the caller's
+`__main__` is re-imported, so no `if __name__ == "__main__":` guard is needed); while it
+imports, the caller resolves the `EngineConfig` and sends it as msgpack on stdin (`to_wire()`:
+the HF config as a plain dict, so this process never imports transformers), with the socket
+paths in IPC_DIR, which the process removes if its parent dies. Two threads move
 bytes: one decodes input messages into a queue, one encodes outputs from a queue, so
 serialization overlaps the forward pass.
 `run_busy_loop()` blocks on the input queue while there is nothing to do, and otherwise
@@ -202,6 +203,8 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc
     out.connect(output_path)
     try:
         core = EngineCoreProc(config, ctx, input_path)
+    except SystemExit:  # stopped (SIGTERM) while it loads, a spare's shutdown: no failure
+        raise
     except BaseException as e:
         _send_failure(out, [type(e).__name__, str(e)])
         raise
@@ -248,13 +251,17 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     setup_logging()
     logger.info("EngineCore process %d: imports done, waiting for the config", os.getpid())
+    ipc_dir = sys.argv[1]
     message = sys.stdin.buffer.read()  # the caller's config, once it has resolved it
-    if not message:
-        return  # the caller gave up before sending it
-    wire_config, input_path, output_path, ipc_dir = msgspec.msgpack.decode(message)
+    if not message:  # the caller gave up before sending it, or died (a spare that waited)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        return
+    wire_config, input_path, output_path = msgspec.msgpack.decode(message)
     code = 0
     try:
         run_engine_core(EngineConfig.from_wire(wire_config), input_path, output_path, ipc_dir)
+    except SystemExit:  # SIGTERM while it loaded
+        pass
     except BaseException:
         code = 1
     logging.shutdown()
