@@ -5,8 +5,8 @@
 
 It starts a server on the embedded model with `--restart-engine` (or uses `--url`, whose core
 it cannot kill), runs `--requests` streamed completions from `--clients` concurrent clients, a
-fraction of which leave after a few chunks, SIGKILLs the engine core when `--kill-at` requests
-have started, and checks what a server must survive:
+fraction of which leave after a few chunks, SIGKILLs the serving engine core (not the spare)
+when `--kill-at` requests have started, and checks what a server must survive:
 - no request lost without an error: each one ends with `[DONE]` after its finish_reason, or with
   an error (in the stream or as an HTTP status), unless the client left; a 503 or 429 with
   `Retry-After` is retried after that wait, as a well-behaved client does;
@@ -14,6 +14,8 @@ have started, and checks what a server must survive:
 - no KV block leaked: at the end /metrics shows 0 running, 0 waiting, 0 KV cache usage;
 - the server's RSS flat (within 10%) from the 200th request to the last;
 - /health answers within 100 ms (p99), polled throughout.
+It also times the restart under that load: `time_to_serving_s`, from the kill until a small
+completion, sent again every 20 ms, is answered (and whether the spare core was ready then).
 One JSON line at the end. A correctness check under load, not a speed benchmark.
 """
 
@@ -48,6 +50,7 @@ class Tally:
         self.retries = 0  # 503 / 429 answers with Retry-After, waited out
         self.completed_after_kill = 0
         self.rss_at: dict[int, int] = {}  # finished requests -> server RSS (kB)
+        self.serving_again: asyncio.Task | None = None  # seconds from the kill to an answer
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -122,6 +125,7 @@ async def _client(url: str, seed: int, tally: Tally, args: argparse.Namespace, p
             index = tally.started
             if index == args.kill_at and args.url is None:
                 _kill_core(pid)
+                tally.serving_again = asyncio.create_task(_time_to_serving(url))
             outcome = await _one_request(client, rng, tally)
             tally.count(outcome)
             if outcome == "completed" and index > args.kill_at:
@@ -144,12 +148,23 @@ async def _poll_health(url: str, latencies: list[float], stop: asyncio.Event) ->
 
 
 def _kill_core(server_pid: int) -> None:
-    for pid in _children(server_pid):
-        print(f"soak: SIGKILL to the engine core {pid}", file=sys.stderr)
-        os.kill(pid, signal.SIGKILL)
+    """SIGKILL the serving core: the server's oldest child (a spare starts after it)."""
+    pid = _children(server_pid)[0]
+    print(f"soak: SIGKILL to the engine core {pid}", file=sys.stderr)
+    os.kill(pid, signal.SIGKILL)
+
+
+async def _time_to_serving(url: str) -> float:
+    start = time.monotonic()
+    body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        while (await client.post("/v1/completions", json=body)).status_code != 200:
+            await asyncio.sleep(0.02)
+    return time.monotonic() - start
 
 
 def _children(pid: int) -> list[int]:
+    """Live children, oldest first."""
     out = []
     for child in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -158,8 +173,8 @@ def _children(pid: int) -> list[int]:
         except OSError:
             continue
         if fields[1] == str(pid) and fields[0] != "Z":
-            out.append(int(child))
-    return out
+            out.append((int(fields[19]), int(child)))  # (start time, pid)
+    return [child for _, child in sorted(out)]
 
 
 def _rss_kb(pid: int) -> int:
@@ -209,6 +224,8 @@ async def _run(args: argparse.Namespace, url: str, pid: int) -> tuple[Tally, lis
     tally, latencies, stop = Tally(), [], asyncio.Event()
     poller = asyncio.create_task(_poll_health(url, latencies, stop))
     await asyncio.gather(*(_client(url, i, tally, args, pid) for i in range(args.clients)))
+    if tally.serving_again is not None:
+        await tally.serving_again
     stop.set()
     await poller
     return tally, latencies
@@ -230,12 +247,22 @@ def _summary(tally: Tally, latencies: list[float], m: dict, seconds: float) -> d
         "waiting_at_end": m.get("pagellm:num_requests_waiting"),
         "kv_usage_at_end": m.get("pagellm:kv_cache_usage_perc"),
         "engine_restarts": m.get("pagellm:engine_restarts_total"),
+        "time_to_serving_s": (
+            round(tally.serving_again.result(), 2) if tally.serving_again is not None else None
+        ),
         "rss_kb_at_200_and_end": rss,
         "rss_growth": None if growth is None else round(growth, 4),
         "health_p99_ms": None if p99 is None else round(p99 * 1000, 1),
         "health_max_ms": round(latencies[-1] * 1000, 1) if latencies else None,
         "seconds": round(seconds, 1),
     }
+
+
+def _spare_ready_at_kill(log_path: str) -> bool:
+    """Whether the server's log says a spare core was ready before the core died."""
+    with open(log_path, errors="replace") as f:
+        before_death = f.read().split("the engine core died", 1)[0]
+    return bool(re.search(r"spare engine core \d+ ready", before_death))
 
 
 def main() -> None:
@@ -259,6 +286,7 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     summary["server_log"] = log_path if proc is not None else None
+    summary["spare_ready_at_kill"] = _spare_ready_at_kill(log_path) if proc is not None else None
     ok = summary["lost_without_error"] == 0 and summary["kv_usage_at_end"] == 0
     ok = ok and summary["running_at_end"] == 0 and (summary["rss_growth"] or 0) <= 0.10
     if proc is not None and args.kill_at <= args.requests:  # the core was killed: replaced?

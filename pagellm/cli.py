@@ -168,7 +168,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
-    from pagellm.entrypoints.openai.server_options import ServerOptions
+    from pagellm.entrypoints.openai.server_options import ENGINE_SPARES, ServerOptions
 
     default = ServerOptions()
     p.add_argument(
@@ -195,6 +195,14 @@ def _server_options(p: argparse.ArgumentParser) -> None:
         default=default.max_engine_restarts,
         help="engine restarts allowed within a minute before the server exits",
     )
+    p.add_argument(
+        "--engine-spare",
+        choices=ENGINE_SPARES,
+        default=default.engine_spare,
+        help="with --restart-engine, a spare engine core kept for a fast restart: loaded "
+        "(the model too: a second core's memory), imported (torch only), none; auto: loaded "
+        "on the CPU, imported on GPUs",
+    )
 
 
 _TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
@@ -218,6 +226,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         max_waiting_requests=ns.max_waiting_requests,
         restart_engine=ns.restart_engine,
         max_engine_restarts=ns.max_engine_restarts,
+        engine_spare=ns.engine_spare,
     )
     if ns.trace_dir is not None:
         os.makedirs(ns.trace_dir, exist_ok=True)

@@ -32,21 +32,39 @@ class Server:
             return f.read()
 
     def engine_pids(self) -> list[int]:
-        return [
-            pid
+        """The server's engine core processes (the serving one and a spare), oldest first."""
+        children = [
+            (int(fields[19]), pid)  # (start time, pid)
             for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if stat(pid)[1:2] == [str(self.proc.pid)]
+            if (fields := stat(pid, all_fields=True))[1:2] == [str(self.proc.pid)]
         ]
+        return [pid for _, pid in sorted(children)]
+
+    def engine_pid(self) -> int:
+        """The serving core: the oldest child (a spare starts after it)."""
+        return self.engine_pids()[0]
+
+    def spare_pid(self, timeout: float = START_TIMEOUT_S, ready: bool = True) -> int:
+        """The latest spare engine core, once it is ready (or started), as the log says."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log()
+            started = re.findall(r"spare engine core (\d+) started", log)
+            if started and (not ready or f"spare engine core {started[-1]} ready" in log):
+                return int(started[-1])
+            time.sleep(0.25)
+        pytest.fail(f"no spare engine core within {timeout} s:\n{self.log()[-4000:]}")
 
 
-def stat(pid: int) -> list[str]:
-    """State and parent pid of a live process; [] if it is gone or a zombie."""
+def stat(pid: int, all_fields: bool = False) -> list[str]:
+    """State and parent pid of a live process (`all_fields`: every field from the state on);
+    [] if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return []
-    return [] if fields[0] == "Z" else fields[:2]
+    return [] if fields[0] == "Z" else fields if all_fields else fields[:2]
 
 
 def start_server(args: list[str], log_path: str) -> Server:

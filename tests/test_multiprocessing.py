@@ -278,3 +278,101 @@ def test_core_process_builds_from_the_wire_config_without_transformers(model, tm
     numel = sum(p.numel() for p in expected.parameters())
     assert shape_line == f"{mc.head_dim} {mc.num_kv_heads} {mc.dtype} {numel}"
     assert imports_line == "False False"
+
+
+# ---- the spare core (pagellm serve --restart-engine) ------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["loaded", "imported"])
+def test_restart_hands_over_to_the_spare_and_does_without_a_lost_one(
+    tiny_chat_model, mode, monkeypatch
+):
+    """restart_engine_core() takes the spare (loading it first if it only imported), which
+    serves the same greedy tokens with the first core's CPU GEMM plan, then starts the next
+    spare SPARE_DELAY_S later; a spare that died is replaced by a new process. Shutdown stops
+    every core, the spare too, and removes their IPC files."""
+    from pagellm.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "SPARE_DELAY_S", 0.5)
+
+    async def greedy(engine: AsyncLLM, request_id: str) -> list[int]:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        (out,) = [out async for out in engine.generate(PROMPTS[0], params, request_id)]
+        return out.outputs[0].token_ids
+
+    async def kill_and_restart(engine: AsyncLLM) -> None:
+        os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(engine.wait_dead(), DEATH_DEADLINE_S)
+        await engine.restart_engine_core()
+
+    async def main() -> list:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_chat_model, max_model_len=256))
+        engine.keep_spare(mode)
+        first, plan = await greedy(engine, "a"), engine.engine_core.ready.cpu_gemm_plan
+        spare = engine.spare.client
+        if mode == "loaded":
+            await engine.spare.ready
+        await kill_and_restart(engine)
+        assert engine.engine_core is spare and engine.engine_core.ready.cpu_gemm_plan == plan
+        assert engine.spare is None  # not yet
+        assert await greedy(engine, "b") == first
+        await asyncio.sleep(1.0)
+        lost = engine.spare.client
+        os.kill(lost.proc.pid, signal.SIGKILL)  # while it loads, or waits for its config
+        await kill_and_restart(engine)
+        assert engine.engine_core not in (spare, lost) and await greedy(engine, "c") == first
+        await asyncio.sleep(1.0)
+        clients = [spare, lost, engine.engine_core, engine.spare.client]
+        engine.shutdown()
+        return [(c.proc.pid, c.ipc_dir) for c in clients]
+
+    for pid, ipc_dir in asyncio.run(main()):
+        assert _wait_gone(pid, timeout=5) and not os.path.exists(ipc_dir)
+
+
+_SPARE_SCRIPT = r"""
+import asyncio, json, sys
+from pagellm import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
+
+async def main():
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], max_model_len=256))
+    engine.keep_spare(sys.argv[2])
+    if engine.spare.ready is not None:
+        await engine.spare.ready
+    clients = [engine.engine_core, engine.spare.client]
+    print(json.dumps([[c.proc.pid, c.ipc_dir] for c in clients]), flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    "spare, sig",
+    [("loaded", signal.SIGKILL), ("loaded", signal.SIGTERM), ("imported", signal.SIGKILL)],
+)
+def test_no_orphan_spare_when_parent_is_killed(tiny_chat_model, spare, sig):
+    """A loaded spare's parent watchdog, or an imported one's stdin at EOF (read once its
+    imports are done), ends it."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _SPARE_SCRIPT, tiny_chat_model, spare],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,  # the cores' too
+    )
+    log: list[bytes] = []
+    threading.Thread(target=lambda: log.extend(parent.stderr), daemon=True).start()
+    cores = json.loads(parent.stdout.readline())
+    assert all(_alive(pid) for pid, _ in cores)
+    imported = f"EngineCore process {cores[1][0]}: imports done".encode()
+    deadline = time.monotonic() + 120
+    while not any(imported in line for line in log):
+        assert time.monotonic() < deadline, b"".join(log)[-2000:]
+        time.sleep(0.1)
+    parent.send_signal(sig)
+    parent.wait(timeout=10)
+    for pid, ipc_dir in cores:
+        assert _wait_gone(pid, timeout=5) and not os.path.exists(ipc_dir)

@@ -6,7 +6,9 @@ them, through the OutputProcessor, to one asyncio.Queue per request. Cancelling 
 
 Text prompts are tokenized in a worker thread (the tokenizers library releases the GIL), so a
 long prompt never holds the event loop. When the core dies, every waiting iterator raises
-EngineDeadError and `wait_dead()` returns; `restart_engine_core()` starts a new core in place.
+EngineDeadError and `wait_dead()` returns; `restart_engine_core()` puts a new core in its place:
+the spare that `keep_spare()` keeps ready (`SpareCore`), or a new process. Every core after the
+first computes with the first one's CPU GEMM plan (not timed anew), so it gives the same outputs.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.core_client import EngineDeadError, start_engine
+from pagellm.engine.core_client import AsyncMPClient, EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out
+from pagellm.engine.spare_core import SpareCore, resolve_spare
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.protocol import SchedulerStats
@@ -27,6 +30,10 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.tracing import trace_caller
 
 logger = logging.getLogger(__name__)
+
+# after a hand-over the next spare starts this much later: its imports and loading beside the
+# new core slowed that core's first requests by 0.5-3 s on 2 cores (docs/benchmarks.md)
+SPARE_DELAY_S = 5.0
 
 
 class AsyncLLM:
@@ -36,6 +43,10 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
+        self.core_env = _core_env(engine_core)  # the environment of the cores started later
+        self.spare_mode = "none"  # keep_spare()
+        self.spare: SpareCore | None = None
+        self.spare_timer: asyncio.TimerHandle | None = None  # the next spare's start
         self.output_handler: asyncio.Task | None = None
         self.dead_error: BaseException | None = None
         self.dead = asyncio.Event()  # set with dead_error
@@ -131,27 +142,51 @@ class AsyncLLM:
         await self.dead.wait()
         return self.dead_error
 
+    def keep_spare(self, mode: str) -> None:
+        """Keep a spare EngineCore process for `restart_engine_core()` from now on: "loaded",
+        "imported", "none" or "auto" (`SpareCore`). Call it in the running event loop."""
+        self.spare_mode = resolve_spare(mode, self.config.device)
+        self._start_spare()
+
+    def _start_spare(self) -> None:
+        self.spare_timer = None
+        if self.spare_mode != "none" and isinstance(self.engine_core, AsyncMPClient):
+            self.spare = SpareCore(self.config, self.spare_mode == "loaded", self.core_env)
+
     async def restart_engine_core(self) -> None:
-        """A new EngineCore process (the same config) in place of a dead one. Requests of the
-        old one have already failed with EngineDeadError; new ones are refused until it is up."""
+        """A new EngineCore (the same config) in place of a dead one: the spare, or a new
+        process. Requests of the old one have already failed with EngineDeadError; new ones
+        are refused until it is up. The next spare starts SPARE_DELAY_S later."""
+        if self.spare_timer is not None:  # the core died again before the spare started
+            self.spare_timer.cancel()
         if self.output_handler is not None:
             self.output_handler.cancel()
             self.output_handler = None
-        old = self.engine_core
-        await asyncio.to_thread(old.shutdown)
-        client = type(old)()
-        try:
-            client.start_core(self.config)
-            await asyncio.to_thread(client.wait_for_ready)
-        except BaseException:
-            client.shutdown()
-            raise
-        self.engine_core = client
+        await asyncio.to_thread(self.engine_core.shutdown)
+        self.engine_core = await self._new_core()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_stats = None
+        self.stat_logger = StatLogger(self.config.log_stats_interval, self.config.device)
         self.dead_error = None
         self.dead.clear()
         self.start()
+        self.spare_timer = asyncio.get_running_loop().call_later(SPARE_DELAY_S, self._start_spare)
+
+    async def _new_core(self) -> AsyncMPClient:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            try:
+                return await spare.take()
+            except Exception as e:
+                logger.warning("the spare engine core is lost (%s): starting a new one", e)
+        client = AsyncMPClient(self.core_env)
+        try:
+            client.start_core(self.config)
+            await client.wait_for_ready_async()
+        except BaseException:
+            client.shutdown()
+            raise
+        return client
 
     async def _run_output_handler(self) -> None:
         try:
@@ -181,9 +216,20 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self.output_handler is not None:
             self.output_handler.cancel()
+        if self.spare_timer is not None:
+            self.spare_timer.cancel()
+        if self.spare is not None:
+            self.spare.shutdown()
         self.engine_core.shutdown()
         if self.tracer is not None:
             self.tracer.write(self.config.trace)
+
+
+def _core_env(engine_core: Any) -> dict[str, str]:
+    """The first core's CPU GEMM plan (if it chose one) for the cores started after it."""
+    ready = getattr(engine_core, "ready", None)
+    plan = None if ready is None else ready.cpu_gemm_plan
+    return {} if plan is None else {"PAGELLM_CPU_GEMM_PLAN": plan}
 
 
 def _needs_tokenizing(prompt: PromptType) -> bool:

@@ -173,6 +173,7 @@ def init_app_state(
         options.restart_engine,
         options.max_engine_restarts,
         on_restart=state.metrics.on_engine_restart,
+        spare=options.engine_spare,
     )
 
 

@@ -3,7 +3,8 @@
 Requests in flight fail at once (AsyncLLM hands each one EngineDeadError: a 503). Then, by
 default, the server exits with status 1 within a few seconds, so that whatever supervises it
 (systemd, Docker, Kubernetes) starts it again: vLLM's behaviour. With `--restart-engine` a new
-EngineCore starts in place instead; while it loads, requests get 503 with Retry-After and
+EngineCore takes over in place instead: the spare the engine keeps (`--engine-spare`,
+`SpareCore`), or a new process; until it serves, requests get 503 with Retry-After and
 `/health` says "restarting". More than `max_restarts` deaths within a minute mean something is
 wrong with every core (the model, the machine): the server exits then too.
 """
@@ -32,8 +33,10 @@ class EngineSupervisor:
         restart: bool = False,
         max_restarts: int = 3,  # per minute
         on_restart: Callable[[], None] | None = None,
+        spare: str = "none",  # the engine's spare core with `restart` (AsyncLLM.keep_spare)
     ) -> None:
         self.engine = engine
+        self.spare = spare
         self.request_exit = request_exit
         self.restart = restart
         self.max_restarts = max_restarts
@@ -43,6 +46,8 @@ class EngineSupervisor:
         self._recent: collections.deque[float] = collections.deque()  # restart times
 
     async def run(self) -> None:
+        if self.restart and self.spare != "none":
+            self.engine.keep_spare(self.spare)
         while True:
             error = await self.engine.wait_dead()
             logger.error("the engine core died: %s", error)

@@ -85,8 +85,10 @@ class ServerMetrics:
                 self.core_seen[field] = value
 
     def on_engine_restart(self) -> None:
-        """A new core holds nothing yet: the gauges start from zero (counters go on)."""
+        """A new core holds nothing yet: the gauges start from zero; the counters go on, and
+        the new core's own counters (from zero) add to them."""
         self.engine_restarts.inc()
+        self.core_seen.clear()
         self.set_scheduler_stats({})
 
     def render(self) -> bytes:
