@@ -216,6 +216,15 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def long_rope_switch(self) -> int | None:
+        """A longrope model's original_max_position_embeddings: a request of more tokens is
+        rotated with the long factors throughout (pagellm/models/rope.py); else None."""
+        from pagellm.models.rope import long_rope
+
+        rope = long_rope(self.hf_config)
+        return None if rope is None else rope[0]
+
 
 def _architecture(hf_config: PretrainedConfig | HFConfigView) -> str:
     return (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]

@@ -32,6 +32,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.models.rope import long_rope
 
 TINY_CONFIG = dict(
     vocab_size=512,
@@ -125,6 +126,7 @@ class _Seq:
     tokens: list[int]  # every token known so far (prompt, then generated)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    rope_offset: int = 0  # a longrope model's long-factor rows, for a sequence longer than k
 
 
 class PagedRunner:
@@ -148,11 +150,14 @@ class PagedRunner:
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.seqs: dict[int, _Seq] = {}
+        self.long_rope = long_rope(cfg)  # (k, rows) or None
 
     def add(self, seq_id: int, tokens: list[int], share_blocks_of: int | None = None) -> None:
         """A new sequence; `share_blocks_of` reuses another sequence's full blocks of the same
         leading tokens (a prefix-cache hit), so they count as already computed."""
         seq = _Seq(list(tokens))
+        if self.long_rope is not None and len(tokens) > self.long_rope[0]:
+            seq.rope_offset = self.long_rope[1]  # as HF's forward over a longer sequence
         if share_blocks_of is not None:
             seq.blocks = _shared_full_blocks(self.seqs[share_blocks_of], seq, self.block_size)
             seq.num_computed = len(seq.blocks) * self.block_size
@@ -187,7 +192,7 @@ class PagedRunner:
             seq = self.seqs[seq_id]
             span = range(seq.num_computed, seq.num_computed + n)
             ids += seq.tokens[span.start : span.stop]
-            pos += list(span)
+            pos += [p + seq.rope_offset for p in span]
             slots += [seq.blocks[p // bs] * bs + p % bs for p in span]
             query_lens.append(n)
             seq_lens.append(span.stop)

@@ -61,6 +61,7 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
             sliding_window=self.model_executor.kv_sliding_window(),
+            long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
