@@ -45,7 +45,11 @@ LONGROPE = {
 FAMILIES = {
     # weights of std 0.3 (make_tiny_hf_model's argument): at 0.5, uncapped logits reach ~34
     # and float32's summation noise (~4e-6 of that) passes the 1e-4 bar of test_logits_equal_hf
-    "gemma": dict(head_dim=16, pad_token_id=0, tie_word_embeddings=True, std=0.3),
+    # Gemma 2's soft-caps in a Gemma 1 config (transformers keeps them): HF ignores them
+    "gemma": dict(
+        head_dim=16, pad_token_id=0, tie_word_embeddings=True, std=0.3,
+        final_logit_softcapping=5.0, attn_logit_softcapping=5.0,
+    ),  # fmt: skip
     "gemma2": dict(
         num_hidden_layers=3,  # sliding, global, sliding
         sliding_window=12,

@@ -213,13 +213,17 @@ def trained(request, tmp_path_factory):
         torch.cuda.empty_cache()
 
 
-def hf_greedy(model, batch: list[list[int]]) -> list[list[int]]:
-    """HF `generate`'s greedy continuations, one batch per prompt length (no padding)."""
+def _rows_by_length(batch: list[list[int]]) -> dict[int, list[int]]:
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(batch):
         by_length.setdefault(len(p), []).append(i)
+    return by_length
+
+
+def hf_greedy(model, batch: list[list[int]]) -> list[list[int]]:
+    """HF `generate`'s greedy continuations, one batch per prompt length (no padding)."""
     out: list[list[int]] = [[] for _ in batch]
-    for n, rows in by_length.items():
+    for n, rows in _rows_by_length(batch).items():
         ids = torch.tensor([batch[i] for i in rows], device=DEVICE)
         with torch.inference_mode():
             generated = model.generate(
@@ -292,8 +296,13 @@ def test_greedy_no_further_from_fp32_than_hf_bf16(trained, monkeypatch):
         max_num_seqs=NUM_PROMPTS,
     ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    ours = agreement([list(o.outputs[0].token_ids) for o in outs], reference)
-    peer = agreement(hf_greedy(hf16, batch), reference)
+    got, peer_got = [list(o.outputs[0].token_ids) for o in outs], hf_greedy(hf16, batch)
+    ours, peer = agreement(got, reference), agreement(peer_got, reference)
+    by_length = {
+        n: [sum(x[i] == reference[i] for i in rows) for x in (peer_got, got)]
+        for n, rows in _rows_by_length(batch).items()
+    }
+    print(f"\n{arch} identical continuations by prompt length (HF bf16, ours): {by_length}")
     print(f"\n{arch} greedy vs HF fp32 ({len(batch)} x {NUM_NEW} tokens): HF bf16 "
           f"{peer[0]:.1%} identical, {peer[1]:.1%} of tokens before a divergence; ours "
           f"{ours[0]:.1%}, {ours[1]:.1%}")  # fmt: skip
