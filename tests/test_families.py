@@ -47,8 +47,12 @@ FAMILIES = {
     # and float32's summation noise (~4e-6 of that) passes the 1e-4 bar of test_logits_equal_hf
     # Gemma 2's soft-caps in a Gemma 1 config (transformers keeps them): HF ignores them
     "gemma": dict(
-        head_dim=16, pad_token_id=0, tie_word_embeddings=True, std=0.3,
-        final_logit_softcapping=5.0, attn_logit_softcapping=5.0,
+        head_dim=16,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        std=0.3,
+        final_logit_softcapping=5.0,
+        attn_logit_softcapping=5.0,
     ),  # fmt: skip
     "gemma2": dict(
         num_hidden_layers=3,  # sliding, global, sliding
