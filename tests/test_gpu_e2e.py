@@ -15,7 +15,7 @@ back) and saved in bf16. Three runs of that checkpoint:
   for prefill logits.
 
 Checks, ours against the peer, both measured against the reference:
-- prefill logits of 8 prompts (teacher-forced): relative distance at most PREFILL_SLACK times
+- prefill logits of 16 prompts (teacher-forced): relative distance at most PREFILL_SLACK times
   the peer's, argmax agreement at most ARGMAX_SLACK below the peer's;
 - greedy continuations of NUM_NEW tokens for 64 prompts (HF: `generate`, so Phi-3 switches to
   its long rope factors as HF does): the share identical to the reference, and the mean share
@@ -26,7 +26,7 @@ them within a few tokens; a trained model's margins sit above bf16 rounding, as 
 checkpoint's do, so the comparison tests kernels and not coin flips. Mixtral's router still
 has near-tied experts after training (HF bf16 flips ~10% of its continuations): judged
 against HF's own bf16 run, that is the peer's noise too. The slacks are the sampling noise
-of 64 continuations and 8 prompts (a binomial standard deviation is ~4 points at 90%).
+of 64 continuations and 16 prompts (a binomial standard deviation is ~4 points at 90%).
 `PAGELLM_E2E_DEVICE=cpu` runs the same checks on the CPU (slow: minutes a family on 2
 cores).
 """
@@ -262,7 +262,7 @@ def test_prefill_logits_no_further_from_fp32_than_hf_bf16(trained):
     arch, folder, hf32, hf16 = trained
     backend = get_attn_backend_cls(DEVICE)
     ours = load_our_model(folder, torch.bfloat16, device=DEVICE, attn_backend_cls=backend)
-    batch = prompts(seed=2)[:: NUM_PROMPTS // 8]  # 8 prompts, one of each length
+    batch = prompts(seed=2)[:: PROMPTS_PER_LENGTH // 2]  # 16 prompts, two of each length
     results = run_paged(ours, batch, num_decode_steps=0, chunk_size=40)
     peer, mine = [], []
     for prompt, (_, logits) in zip(batch, results):
