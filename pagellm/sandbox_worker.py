@@ -22,6 +22,7 @@ import msgspec
 
 _HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = (1 << 32) - 1
+MAX_MESSAGE_CHARS = 1000  # of an error message sent back
 
 
 class LaneSpec(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -93,11 +94,18 @@ def run(data: bytes) -> Reply:
     except MemoryError:
         return Reply(error="limit", limit="memory", message="the memory limit")
     except LimitExceeded as e:
-        return Reply(error="limit", limit=e.limit, message=str(e))
+        return Reply(error="limit", limit=e.limit, message=_shortened(str(e)))
     except ValueError as e:
-        return Reply(error="value", message=str(e))
+        return Reply(error="value", message=_shortened(str(e)))
     except Exception as e:
         return Reply(error="failed", message=type(e).__name__)
+
+
+def _shortened(message: str) -> str:
+    """At most MAX_MESSAGE_CHARS: a message may quote its input (a template's own words)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def _die_with_parent(parent: int) -> None:

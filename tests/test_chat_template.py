@@ -273,6 +273,9 @@ def test_a_lane_kills_what_passes_its_limits_and_carries_on():
             assert time.monotonic() - start < spec.timeout_s + 0.5
             assert await sandbox.call("t", RENDER, "{{ messages[0].content }}", HI) == "hi"
             assert (worker not in lane.workers) == (limit != "output")  # killed, replaced
+        with pytest.raises(ValueError, match="refuses them: xxx") as refused:  # kept short
+            await sandbox.call("t", RENDER, "{{ raise_exception('x' * 10**6) }}", HI)
+        assert len(str(refused.value)) <= 1000
         (worker,) = lane.workers
         call = asyncio.ensure_future(sandbox.call("t", RENDER, hostile["time"], HI))
         await asyncio.sleep(0.3)

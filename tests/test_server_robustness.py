@@ -33,6 +33,7 @@ from server_utils import (
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 HELLO = [{"role": "user", "content": "Hello!"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,16 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": 0}, "max_completion"),
     ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"messages": HELLO, "tools": TOOLS, "tool_choice": {"function": 5}},
+        "tool_choice",
+    ),  # fmt: skip
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}]},
+        "tool_calls",
+    ),  # fmt: skip
 ]
 
 

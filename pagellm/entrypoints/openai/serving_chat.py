@@ -45,7 +45,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     until_disconnect,
     usage,
 )
-from pagellm.entrypoints.openai.structured import named_tool, tool_constraint
+from pagellm.entrypoints.openai.structured import function_name, named_tool, tool_constraint
 from pagellm.outputs import CompletionOutput, Logprob
 
 
@@ -139,7 +139,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError("tool_choice needs tools", 400, "tool_choice")
             return None
         for tool in request.tools:
-            if tool.get("type") != "function" or not (tool.get("function") or {}).get("name"):
+            if tool.get("type") != "function" or function_name(tool) is None:
                 raise APIError("tools: each tool must be a function with a name", 400, "tools")
         choice = "auto" if choice is None else choice
         if choice == "none":
