@@ -27,8 +27,9 @@ MAX_MESSAGE_CHARS = 1000  # of an error message sent back
 
 class LaneSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     """A lane of sandbox workers: how many, how much work may wait for them, and each call's
-    limits. `initializer` ("package.module:function") runs once in each new worker, before its
-    memory limit is set (so it may build tables the calls share)."""
+    limits. `initializer` ("package.module:function") runs once in each new worker with
+    `initializer_args` (plain data), before its memory limit is set (so it may build tables the
+    calls share)."""
 
     name: str
     workers: int = 1
@@ -37,6 +38,7 @@ class LaneSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     memory_limit_mb: int = 256  # RLIMIT_DATA above the worker's size after its initializer; 0: none
     nice: int = 0  # added to the worker's niceness: 19 runs it only on otherwise idle CPUs
     initializer: str | None = None
+    initializer_args: tuple = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.max_queued < 0 or self.memory_limit_mb < 0:
@@ -145,7 +147,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     _die_with_parent(parent)
     if spec.initializer:
-        resolve(spec.initializer)()
+        resolve(spec.initializer)(*spec.initializer_args)
     _limit_memory(spec.memory_limit_mb)
     encoder = msgspec.msgpack.Encoder()
     write_frame(out, encoder.encode(Reply(value="ready")))

@@ -284,5 +284,11 @@ def test_a_lane_kills_what_passes_its_limits_and_carries_on():
         assert worker.proc.returncode is not None  # killed as its caller left
         assert await sandbox.call("t", RENDER, "{{ messages[0].content }}", HI) == "hi"
         await sandbox.close()
+        # a lane of other functions, its initializer given arguments
+        init = LaneSpec("init", initializer="sys:setrecursionlimit", initializer_args=(4321,))
+        sandbox = Sandbox([init])
+        await sandbox.start()
+        assert await sandbox.call("init", "sys:getrecursionlimit") == 4321
+        await sandbox.close()
 
     asyncio.run(main())
