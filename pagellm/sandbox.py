@@ -105,7 +105,7 @@ class Lane:
         self.idle: list[_Worker] = []
         self.waiting: collections.deque[asyncio.Future] = collections.deque()
         self.workers: set[_Worker] = set()  # started: idle or busy
-        self.tasks: set[asyncio.Task] = set()  # starting and reaping workers
+        self.tasks: set[asyncio.Task] = set()  # starting replacements
         self.closed = False
 
     async def start(self) -> None:
@@ -161,7 +161,7 @@ class Lane:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self._release(waiter.result())  # handed over as its caller left
-            else:
+            elif waiter in self.waiting:  # (else `_release` dropped it already)
                 self.waiting.remove(waiter)
             raise
 
@@ -177,7 +177,6 @@ class Lane:
         """Kills a worker (its memory is freed at once) and starts another in its place."""
         worker.kill()
         self.workers.discard(worker)
-        self._spawn(self._reap(worker))
         if not self.closed:
             self._spawn(self._replace())
 
@@ -185,9 +184,6 @@ class Lane:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-
-    async def _reap(self, worker: _Worker) -> None:
-        await worker.proc.wait()
 
     async def _replace(self) -> None:
         while not self.closed:

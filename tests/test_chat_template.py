@@ -18,7 +18,7 @@ from pagellm.engine.chat_template import (
     special_tokens_of,
     template_of,
 )
-from pagellm.sandbox import Sandbox, SandboxLimitError
+from pagellm.sandbox import Sandbox, SandboxBusy, SandboxLimitError
 from pagellm.sandbox_worker import LaneSpec
 
 QWEN3_STYLE = """
@@ -284,10 +284,20 @@ def test_a_lane_kills_what_passes_its_limits_and_carries_on():
         assert worker.proc.returncode is not None  # killed as its caller left
         assert await sandbox.call("t", RENDER, "{{ messages[0].content }}", HI) == "hi"
         await sandbox.close()
-        # a lane of other functions, its initializer given arguments
-        init = LaneSpec("init", initializer="sys:setrecursionlimit", initializer_args=(4321,))
+        # a lane of other functions, its initializer given arguments; its queue
+        init = LaneSpec("init", max_queued=1, initializer="sys:setrecursionlimit",
+                        initializer_args=(4321,))  # fmt: skip
         sandbox = Sandbox([init])
         await sandbox.start()
+        assert await sandbox.call("init", "sys:getrecursionlimit") == 4321
+        (worker,) = sandbox.lanes["init"].workers
+        running = asyncio.ensure_future(sandbox.call("init", "time:sleep", 0.5))
+        queued = asyncio.ensure_future(sandbox.call("init", "time:sleep", 0))
+        await asyncio.sleep(0.1)
+        with pytest.raises(SandboxBusy):
+            await sandbox.call("init", "time:sleep", 0)
+        queued.cancel()  # a queued call leaves without a trace
+        assert await running is None and worker.proc.returncode is None
         assert await sandbox.call("init", "sys:getrecursionlimit") == 4321
         await sandbox.close()
 
