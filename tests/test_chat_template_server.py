@@ -10,14 +10,16 @@ without the flag is tested on conftest's shared server (test_server_robustness.p
 from __future__ import annotations
 
 import itertools
+import json
+import socket
 import threading
 import time
 
 import httpx
 import pytest
-from server_utils import Server, error_of, post, start_server, stop_server, wait_healthy
+from server_utils import Server, error_of, post, start_server, stat, stop_server, wait_healthy
 
-TIMEOUT_S = 1.5  # --chat-template-timeout
+TIMEOUT_S = 3.0  # --chat-template-timeout (the default)
 MEMORY_MB = 128  # --chat-template-max-memory-mb
 WORKERS = 2  # --chat-template-workers: per lane
 HI = [{"role": "user", "content": "Hi"}]
@@ -122,8 +124,9 @@ def test_hostile_templates_get_a_400_within_the_limit_and_memory_stays_bounded(s
             assert words in error["message"], (shape, error)
             assert error["param"] == "chat_template"
             assert time.monotonic() - start < TIMEOUT_S + 1.0, shape
-            tokenize = post(server, "/tokenize", {"messages": HI, "chat_template": template})
-            assert words in error_of(tokenize, 400)["message"], shape
+            if shape != "cycler and joiner":  # (one time-limited shape is enough here)
+                tokenize = post(server, "/tokenize", {"messages": HI, "chat_template": template})
+                assert words in error_of(tokenize, 400)["message"], shape
     finally:
         done.set()
         sampler.join()
@@ -152,9 +155,9 @@ def _latencies(server: Server, rounds: int) -> list[float]:
 
 def test_plain_requests_keep_their_latency_under_attack(server):
     """Eight renders that run to their time limit (four times what the request lane's workers
-    take at once) do not hold the others up: none is slower than twice the slowest measured
-    without them, plus a slice of the 2-core machine (without the sandbox, they wait for the
-    renders' threads: for ever)."""
+    take at once) do not hold the others up: none is slower than three times the slowest
+    measured without them, before or after (without the sandbox, they wait for the renders'
+    threads: for ever)."""
     baseline = _latencies(server, 3)
     attackers = [
         threading.Thread(target=lambda: _chat(server, NESTED_LOOPS)) for _ in range(4 * WORKERS)
@@ -165,17 +168,48 @@ def test_plain_requests_keep_their_latency_under_attack(server):
     under_attack = _latencies(server, 3)
     for t in attackers:
         t.join()
-    assert max(under_attack) < 2 * max(baseline) + 0.1, (baseline, under_attack)
+    baseline += _latencies(server, 1)
+    assert max(under_attack) < 3 * max(baseline) + 0.1, (baseline, under_attack)
+
+
+def _idle_lane(server: Server, lane: str) -> set[int]:
+    """The lane's workers, once all of them have started and wait (state S twice)."""
+    deadline = time.monotonic() + 30
+    seen: set[int] = set()
+    while time.monotonic() < deadline:
+        pids = _wait_for_lane(server, lane, WORKERS)
+        if all(stat(pid)[:1] == ["S"] for pid in pids) and pids == seen:
+            return pids
+        seen = pids if all(stat(pid)[:1] == ["S"] for pid in pids) else set()
+        time.sleep(0.05)
+    pytest.fail(f"the workers of lane {lane} never all waited")
+
+
+def _busy_worker(workers: set[int]) -> int:
+    """One of the workers that runs (state R in two looks 20 ms apart): it renders."""
+    deadline = time.monotonic() + 30
+    seen: set[int] = set()
+    while time.monotonic() < deadline:
+        running = {pid for pid in workers if stat(pid)[:1] == ["R"]}
+        if running & seen:
+            return (running & seen).pop()
+        seen = running
+        time.sleep(0.02)
+    pytest.fail(f"none of the workers {workers} started rendering")
 
 
 def test_a_client_that_leaves_has_its_render_killed(server):
-    lane = "request_chat_template"
-    before = _wait_for_lane(server, lane, WORKERS)
-    body = {"messages": HI, "chat_template": NESTED_LOOPS}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.3)
+    """The client leaves once its render runs; the worker dies well before the time limit."""
+    workers = _idle_lane(server, "request_chat_template")
+    body = json.dumps({"messages": HI, "chat_template": NESTED_LOOPS}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json"
+        head += "\r\nContent-Length: {}\r\n\r\n"
+        client.sendall(head.format(host, len(body)).encode() + body)
+        busy = _busy_worker(workers)
     left = time.monotonic()
-    while server.sandbox_pids(lane) >= before:  # one worker killed (then replaced)
+    while stat(busy):
         assert time.monotonic() - left < TIMEOUT_S / 2, "the render outlived its client"
         time.sleep(0.02)
-    _wait_for_lane(server, lane, WORKERS)
+    _wait_for_lane(server, "request_chat_template", WORKERS)  # replaced
