@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import os
 import sys
@@ -63,10 +62,11 @@ class _Worker:
     async def start(cls, spec: LaneSpec) -> _Worker:
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, path]))}
+        # no preexec_fn (the worker sets its own niceness): with one, Popen would fork() the
+        # whole API server, on the event loop, instead of vfork()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pagellm.sandbox_worker", msgspec.json.encode(spec).decode(),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
-            preexec_fn=functools.partial(os.nice, spec.nice) if spec.nice else None,  # at once
         )  # fmt: skip
         worker = cls(proc)
         try:

@@ -1,7 +1,7 @@
 """A sandbox worker process, `python -m pagellm.sandbox_worker LANE_SPEC_JSON`: it runs
 module-level functions named by import path for its parent (`pagellm/sandbox.py`), one call at
-a time, under the lane's memory limit (its parent starts it at the lane's CPU priority and
-enforces the time limit by killing it); it dies with its parent.
+a time, under the lane's memory limit and CPU priority (both set by itself as it starts). The
+parent enforces the time limit by killing it; it dies with its parent.
 
 Frames on stdin and stdout: a 4-byte big-endian length, then msgpack (`Call` in, `Reply` out).
 The process's own stdout goes to stderr, so a print() cannot corrupt them. This module imports
@@ -146,6 +146,7 @@ def main() -> None:
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle
     _die_with_parent(parent)
+    os.nice(spec.nice)
     if spec.initializer:
         resolve(spec.initializer)(*spec.initializer_args)
     _limit_memory(spec.memory_limit_mb)
