@@ -149,11 +149,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="the same as MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize",
-    )
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -168,33 +163,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerOptions field."""
     from pagellm.entrypoints.openai.server_options import ServerOptions
 
-    default = ServerOptions()
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=default.max_request_body_bytes,
-        help="larger request bodies are refused with 413",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=default.max_waiting_requests,
-        help="engine requests (n x prompts) queued beyond --max-num-seqs; more: 429",
-    )
-    p.add_argument(
-        "--restart-engine",
-        action=argparse.BooleanOptionalAction,
-        default=default.restart_engine,
-        help="start a new engine core when it dies (default: the server exits with status 1)",
-    )
-    p.add_argument(
-        "--max-engine-restarts",
-        type=int,
-        default=default.max_engine_restarts,
-        help="engine restarts allowed within a minute before the server exits",
-    )
+    hints = typing.get_type_hints(ServerOptions)
+    for f in dataclasses.fields(ServerOptions):
+        flag, kind = "--" + f.name.replace("_", "-"), _scalar_type(hints[f.name])
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata["help"])  # fmt: skip
+        else:
+            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
 
 
 _TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
@@ -212,13 +191,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagellm.entrypoints.openai.server_options import ServerOptions
 
     ns.model = ns.model_tag or ns.model
-    options = ServerOptions(
-        api_key=ns.api_key,
-        max_request_body_bytes=ns.max_request_body_bytes,
-        max_waiting_requests=ns.max_waiting_requests,
-        restart_engine=ns.restart_engine,
-        max_engine_restarts=ns.max_engine_restarts,
-    )
+    fields = dataclasses.fields(ServerOptions)
+    options = ServerOptions(**{f.name: getattr(ns, f.name) for f in fields})
     if ns.trace_dir is not None:
         os.makedirs(ns.trace_dir, exist_ok=True)
         ns.trace = os.path.join(ns.trace_dir, f"journey-{os.getpid()}.json")

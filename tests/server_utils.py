@@ -31,12 +31,28 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def child_pids(self) -> dict[int, str]:
+        """pid -> command line of the server's child processes."""
+        children = {}
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            if stat(pid)[1:2] == [str(self.proc.pid)]:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        children[pid] = f.read().replace(b"\0", b" ").decode()
+                except OSError:
+                    pass
+        return children
+
     def engine_pids(self) -> list[int]:
-        return [
+        return [pid for pid, cmd in self.child_pids().items() if "sandbox_worker" not in cmd]
+
+    def sandbox_pids(self, lane: str = "") -> set[int]:
+        """The chat-template sandbox's workers (of one lane)."""
+        return {
             pid
-            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if stat(pid)[1:2] == [str(self.proc.pid)]
-        ]
+            for pid, cmd in self.child_pids().items()
+            if "sandbox_worker" in cmd and f'"name":"{lane}' in cmd
+        }
 
 
 def stat(pid: int) -> list[str]:
@@ -74,9 +90,10 @@ def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
 
 
 def stop_server(server: Server, expect_engine: bool = True) -> None:
-    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process must go too."""
-    engine_pids = server.engine_pids()
-    assert engine_pids or not expect_engine, "the server has no engine core process"
+    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process and the sandbox's
+    workers must go too."""
+    children = list(server.child_pids())
+    assert server.engine_pids() or not expect_engine, "the server has no engine core process"
     server.proc.send_signal(signal.SIGTERM)
     try:
         code = server.proc.wait(timeout=30)
@@ -86,8 +103,8 @@ def stop_server(server: Server, expect_engine: bool = True) -> None:
     assert code in (0, -signal.SIGTERM), server.log()[-4000:]
     assert "Traceback" not in server.log(), server.log()[-4000:]
     deadline = time.monotonic() + 10
-    while any(stat(pid) for pid in engine_pids):
-        assert time.monotonic() < deadline, f"orphan engine processes: {engine_pids}"
+    while any(stat(pid) for pid in children):
+        assert time.monotonic() < deadline, f"orphan processes: {children}"
         time.sleep(0.1)
 
 

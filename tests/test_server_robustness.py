@@ -33,6 +33,7 @@ from server_utils import (
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 HELLO = [{"role": "user", "content": "Hello!"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,16 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages"),
     ("/v1/chat/completions", {"messages": HELLO, "max_completion_tokens": 0}, "max_completion"),
     ("/tokenize", {"prompt": "a\ud800b"}, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"messages": HELLO, "tools": TOOLS, "tool_choice": {"function": 5}},
+        "tool_choice",
+    ),  # fmt: skip
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": 5}]}]},
+        "tool_calls",
+    ),  # fmt: skip
 ]
 
 
@@ -181,6 +192,39 @@ def test_tokenizing_a_long_prompt_does_not_hold_the_loop(server):
     worker.join()
     assert result["r"].status_code == 200
     assert max(latencies) < 0.5, latencies
+
+
+# ---- chat templates (issue 36; the sandbox's limits: test_chat_template_server.py) -------------
+
+HANGS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("where", ["field", "kwargs"])
+def test_request_chat_templates_are_refused_by_default(server, path, where):
+    """Without --trust-request-chat-template, at once: nothing is rendered."""
+    body = {"messages": HELLO, "max_tokens": 1}
+    if where == "field":
+        body["chat_template"] = HANGS
+    else:
+        body["chat_template_kwargs"] = {"chat_template": HANGS}
+    start = time.monotonic()
+    error = error_of(post(server, path, body), 400)
+    assert time.monotonic() - start < 1.0
+    assert "--trust-request-chat-template" in error["message"], error
+    assert error["param"] == "chat_template"
+    _healthy(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_template_kwargs_the_render_sets_are_a_400_naming_the_key(server, path):
+    for key in ("messages", "conversation", "tools", "add_generation_prompt", "tokenize"):
+        body = {"messages": HELLO, "max_tokens": 1, "chat_template_kwargs": {key: 5}}
+        error = error_of(post(server, path, body), 400)
+        assert f"'{key}'" in error["message"] and error["param"] == "chat_template_kwargs"
+        assert "argument" not in error["message"], error  # not Python's TypeError
+    body = {"messages": HELLO, "chat_template_kwargs": {"deep": 2**70}}
+    assert "JSON data" in error_of(post(server, path, body), 400)["message"]
 
 
 # ---- smaller fixes --------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-from jinja2 import TemplateError
 
 from pagellm.config import ModelConfig
 from pagellm.loader.source import TOKENIZER_FILES
@@ -110,30 +109,6 @@ class InputProcessor:
                     f"SamplingParams.{name}={k} is more than the {limit} allowed "
                     "(max_logprobs, at most the vocabulary size)"
                 )
-
-
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    **template_kwargs: Any,  # tools=..., and chat_template_kwargs
-) -> str:
-    """The prompt text of a conversation; a template's own error (Gemma's templates refuse
-    a system message) becomes a ValueError carrying its message."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **template_kwargs,
-        )
-    except TemplateError as e:  # the template's own words (`raise_exception`), if any
-        reason = str(e) if type(e) is TemplateError else "the messages do not fit it"
-        raise ValueError(f"messages: the model's chat template refuses them: {reason}") from e
-    except Exception as e:  # not echoed: it may be an internal error of the tokenizer
-        raise ValueError("messages: the model's chat template cannot render them") from e
 
 
 @functools.lru_cache(maxsize=1024)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 import pagellm
 from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
 from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -46,6 +47,7 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_engine import Admission
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.sampling_params import INT64_MAX
+from pagellm.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +116,7 @@ _TOKENIZE_ERRORS = _errors(400, 401, 404, 413, 415, 500)
 @open_routes.post("/tokenize", responses=_TOKENIZE_ERRORS)
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
-    return await serving.tokenize(request)
+    return await serving.tokenize(request, raw_request)
 
 
 @open_routes.post("/detokenize", responses=_TOKENIZE_ERRORS)
@@ -151,8 +153,10 @@ async def _scheduler_stats(engine: AsyncLLM) -> dict[str, Any]:
 def init_app_state(
     app: FastAPI, engine: AsyncLLM, options: ServerOptions, chat_options: dict | None = None
 ) -> None:
-    """`chat_options`: OpenAIServingChat's tool_parser, enable_auto_tool_choice and
-    chat_template (the text)."""
+    """`chat_options`: OpenAIServingChat's tool_parser and enable_auto_tool_choice, and the
+    server's chat_template (the text). The sandbox's lanes are started by the caller
+    (`state.sandbox.start()`)."""
+    chat_options = dict(chat_options or {})
     model_config = engine.config.model_config
     names = [model_config.served_model_name]
     state = app.state
@@ -164,9 +168,17 @@ def init_app_state(
     max_num_seqs = engine.config.scheduler_config.max_num_seqs
     admission = Admission(max_num_seqs + options.max_waiting_requests)
     args = (engine, names, state.metrics, admission)
+    state.sandbox = Sandbox(chat_template_lanes(options))
+    templates = ChatTemplates(
+        engine.tokenizer,
+        state.sandbox,
+        options,
+        model_config.max_model_len,
+        chat_options.pop("chat_template", None),
+    )
     state.serving_completion = OpenAIServingCompletion(*args)
-    state.serving_chat = OpenAIServingChat(*args, **(chat_options or {}))
-    state.serving_tokenization = OpenAIServingTokenization(*args)
+    state.serving_chat = OpenAIServingChat(*args, templates=templates, **chat_options)
+    state.serving_tokenization = OpenAIServingTokenization(*args, templates=templates)
     state.supervisor = EngineSupervisor(
         engine,
         getattr(state, "request_exit", _no_exit),
@@ -222,6 +234,7 @@ def build_app(
         supervision = None
         try:
             init_app_state(app, engine, options, chat_options)
+            await app.state.sandbox.start()
             engine.start()
             supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(
@@ -236,6 +249,8 @@ def build_app(
                 supervision.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervision
+            if getattr(app.state, "sandbox", None) is not None:
+                await app.state.sandbox.close()
             engine.shutdown()
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)

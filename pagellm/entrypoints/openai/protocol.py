@@ -200,12 +200,17 @@ class ChatMessage(RequestModel):
             message["content"] = "".join(_text_part(part) for part in self.content)
         message.setdefault("content", "")  # an assistant's null content
         if message.get("tool_calls"):  # templates take arguments as objects, as vLLM gives
+            if not isinstance(message["tool_calls"], list):
+                raise ValueError("tool_calls must be a list of calls")
             message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
         return message
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError('tool_calls: each call must be {"function": {"name", "arguments"}}')
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:

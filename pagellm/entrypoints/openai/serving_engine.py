@@ -380,7 +380,9 @@ def _unicode_to_byte() -> dict[str, int]:
 _UNICODE_TO_BYTE = _unicode_to_byte()
 
 
-async def until_disconnect(raw_request: Request, work: Awaitable, generation: Generation) -> Any:
+async def until_disconnect(
+    raw_request: Request, work: Awaitable, generation: Generation | None = None
+) -> Any:
     """Awaits `work`; if the client disconnects first, cancels it and the engine requests."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
@@ -390,7 +392,8 @@ async def until_disconnect(raw_request: Request, work: Awaitable, generation: Ge
         watcher.cancel()
         if not task.done() or task.cancelled() or task.exception() is not None:
             task.cancel()
-            generation.cancel()
+            if generation is not None:
+                generation.cancel()
     if task not in done:
         raise APIError("the client disconnected", 499)
     return task.result()
