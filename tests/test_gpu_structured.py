@@ -97,6 +97,8 @@ def test_padded_vocabulary_is_masked():
         for out in outputs:
             ids = out.outputs[0].token_ids
             assert out.outputs[0].finish_reason == "stop"
-            assert ids[-1] in (2, 151645)  # an EOS of the tokenizer or of the model's config
+            # an EOS of the tokenizer (the GGUF file's <|im_end|>: transformers 5.17's
+            # conversion made it <|im_start|>, 1, and the grammar ended on that) or the config's
+            assert ids[-1] in (2, 151645)
             assert all(t < 49152 for t in ids[:-1]), ids  # never a padding id of the logits
             check_regex(out.outputs[0].text, r"[a-z]{4,8}")
