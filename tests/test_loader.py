@@ -415,7 +415,6 @@ def test_gguf_special_tokens_are_the_files(tmp_path, monkeypatch):
     A conversion (or a cache written by one) that mislabels them is corrected on load."""
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
     source = resolve_model_source(None, "auto", None)
-    folder, name = os.path.split(source.path)
     real = AutoTokenizer.from_pretrained
 
     def mislabelled(*args, **kwargs):
