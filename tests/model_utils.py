@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,34 @@ def load_our_model(
     model_config = ModelConfig.from_args(args, torch.device(device))
     backend = attn_backend_cls or TorchAttentionBackend
     return load_model(model_config, torch.device(device), backend)
+
+
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (EOS not special) of equally long prompts, one batch, as HF's
+    `generate` makes them, in a loop of HF forwards with HF's cache, so that every
+    transformers version gives the same reference: transformers 5.25's Phi-3 `generate`
+    drops its cache and recomputes the sequence with its long rope factors at the step where
+    it passes original_max_position_embeddings tokens, while 5.17's (the GPU machines') kept
+    the short-rotated cache."""
+    config = model.config
+    switch = getattr(config, "original_max_position_embeddings", None)
+    switch = switch if config.model_type == "phi3" else None
+    cache_arg = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    cache = None
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            if switch is not None and ids.shape[1] > switch and cache is not None:
+                if cache.get_seq_length() <= switch:
+                    cache = None  # recompute everything with the long factors
+            feed = ids if cache is None else ids[:, -1:]
+            out = model(input_ids=feed, use_cache=True, **{cache_arg: cache})
+            cache = out.past_key_values
+            ids = torch.cat([ids, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, len(prompts[0]) :].tolist()
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

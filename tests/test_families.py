@@ -26,6 +26,7 @@ from model_utils import (
     GEMMA_CHAT_TEMPLATE,
     TINY_CONFIG,
     _randomize,
+    hf_generate_greedy,
     hf_logits,
     load_our_model,
     make_tiny_hf_model,
@@ -134,10 +135,10 @@ def _prompts() -> list[list[int]]:
 
 
 def test_greedy_equals_hf_batched_and_preempted(family):
-    """HF's `generate` is the reference: Phi-3's recomputes a sequence that passes its
-    original length with the long factors; its extra first prompt is longer than that and
-    shares the 45-token prompt's first 44 tokens (keyed apart in the prefix cache, they must
-    not serve that prompt's short-factor prefill)."""
+    """HF's `generate` is the reference (`hf_generate_greedy`): Phi-3's recomputes a sequence
+    that passes its original length with the long factors; its extra first prompt is longer
+    than that and shares the 45-token prompt's first 44 tokens (keyed apart in the prefix
+    cache, they must not serve that prompt's short-factor prefill)."""
     _, hf, llm = family
     prompts = _prompts()
     if hf.config.model_type == "phi3":
@@ -147,17 +148,8 @@ def test_greedy_equals_hf_batched_and_preempted(family):
     outputs = llm.generate(requests, [GREEDY] * len(prompts) + [sampled], use_tqdm=False)
     assert llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0
     for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_generate(hf, prompt, NEW_TOKENS), len(prompt)
-
-
-def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(prompt_ids) :].tolist()
+        expected = hf_generate_greedy(hf, [prompt], NEW_TOKENS)[0]
+        assert out.outputs[0].token_ids == expected, len(prompt)
 
 
 def test_logits_equal_hf(family):

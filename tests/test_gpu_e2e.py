@@ -17,9 +17,10 @@ back) and saved in bf16. Three runs of that checkpoint:
 Checks, ours against the peer, both measured against the reference:
 - prefill logits of 16 prompts (teacher-forced): relative distance at most PREFILL_SLACK times
   the peer's, argmax agreement at most ARGMAX_SLACK below the peer's;
-- greedy continuations of NUM_NEW tokens for 64 prompts (HF: `generate`, so Phi-3 switches to
-  its long rope factors as HF does): the share identical to the reference, and the mean share
-  of tokens before the first divergence, at most GREEDY_SLACK below the peer's.
+- greedy continuations of NUM_NEW tokens for 64 prompts (HF: `generate`'s, Phi-3 switching to
+  its long rope factors as transformers 5.25's does): the share identical to the reference,
+  and the mean share of tokens before the first divergence, at most GREEDY_SLACK below the
+  peer's.
 
 Why train: with random weights the top two logits are near-ties and any bf16 run flips
 them within a few tokens; a trained model's margins sit above bf16 rounding, as a real
@@ -37,7 +38,7 @@ import os
 
 import pytest
 import torch
-from model_utils import load_our_model, run_paged
+from model_utils import hf_generate_greedy, load_our_model, run_paged
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -224,20 +225,11 @@ def _rows_by_length(batch: list[list[int]]) -> dict[int, list[int]]:
 
 
 def hf_greedy(model, batch: list[list[int]]) -> list[list[int]]:
-    """HF `generate`'s greedy continuations, one batch per prompt length (no padding)."""
+    """HF's greedy continuations (`hf_generate_greedy`: as 5.25's `generate`, whatever the
+    installed version), one batch per prompt length (no padding)."""
     out: list[list[int]] = [[] for _ in batch]
-    for n, rows in _rows_by_length(batch).items():
-        ids = torch.tensor([batch[i] for i in rows], device=DEVICE)
-        with torch.inference_mode():
-            generated = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NUM_NEW,
-                min_new_tokens=NUM_NEW,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        for i, row in zip(rows, generated[:, n:].tolist()):
+    for rows in _rows_by_length(batch).values():
+        for i, row in zip(rows, hf_generate_greedy(model, [batch[i] for i in rows], NUM_NEW)):
             out[i] = row
     return out
 
