@@ -116,6 +116,17 @@ def load_our_model(
     return load_model(model_config, torch.device(device), backend)
 
 
+def hf_model(folder: str, dtype: torch.dtype = torch.float32, **kwargs):
+    """HF's model of a folder, in eval mode; eager attention where the config soft-caps
+    attention scores (Gemma 2): transformers 5.17 (the GPU machines') defaulted Gemma 2 to
+    SDPA, which drops the soft-cap silently (5.25 picks eager itself)."""
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "attn_logit_softcapping", None):
+        kwargs["attn_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).eval()
+
+
 def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (EOS not special) of equally long prompts, one batch, as HF's
     `generate` makes them, in a loop of HF forwards with HF's cache, so that every

@@ -28,12 +28,12 @@ from model_utils import (
     _randomize,
     hf_generate_greedy,
     hf_logits,
+    hf_model,
     load_our_model,
     make_tiny_hf_model,
     run_paged,
     save_tiny_tokenizer,
 )
-from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
 
@@ -114,7 +114,7 @@ def family(request, tmp_path_factory):
     name = request.param
     folder = make_tiny_hf_model(name, tmp_path_factory.mktemp(name), **FAMILIES[name])
     save_tiny_tokenizer(folder, GEMMA_CHAT_TEMPLATE)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_model(folder)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
         # blocks of 4 tokens, too few for ~230 tokens: preemption; 32-token steps: chunks
