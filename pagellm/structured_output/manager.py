@@ -161,14 +161,14 @@ class StructuredOutputManager:
 
 def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> Any:
     from pagellm.loader import load_tokenizer
-    from pagellm.structured_output.backend import XgrammarBackend
+    from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_config.source)
     if tokenizer is None:
         raise ValueError(f"the model {model_config.model!r} has no tokenizer (pass tokenizer=...)")
     stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
-    backend = XgrammarBackend(tokenizer, model_config.vocab_size, stop_ids)
+    backend = XgrammarBackend(tokenizer_info(tokenizer, model_config.vocab_size, stop_ids))
     if reasoning_parser is not None:
         backend.reasoning_ids = reasoning_token_ids(tokenizer)
     logger.info("grammar backend (xgrammar) ready in %.1f s", time.perf_counter() - start)

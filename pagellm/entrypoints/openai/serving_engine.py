@@ -303,7 +303,8 @@ class OpenAIServing:
             )
         constraint = params[0].structured_outputs if params else None
         if constraint is not None:
-            await asyncio.to_thread(check_structured_outputs, constraint.key())
+            limits = self.engine.config.structured_outputs_config
+            await asyncio.to_thread(check_structured_outputs, constraint.key(), limits)
 
     def start(
         self,
