@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS
@@ -18,7 +17,7 @@ from pagellm.config import EngineArgs, EngineConfig, StructuredOutputsConfig
 from pagellm.structured_output import backend
 from pagellm.structured_output.limits import json_depth, regex_repetition
 from pagellm.structured_output.params import StructuredOutputsParams
-from pagellm.structured_output.validator import init_worker, validate, vocab_id, vocabulary_json
+from pagellm.structured_output.validator import validate, write_vocabulary
 
 LIMITS = StructuredOutputsConfig()
 # what must never reach a user: C++ log lines and checks, Python exception names, tracebacks
@@ -141,7 +140,7 @@ EMPTY = [
             },
             "$ref": "#/$defs/n",
         }
-    },  # fmt: skip
+    },
 ]
 
 
@@ -311,27 +310,45 @@ def test_serve_has_a_flag_per_limit():
     assert limits == StructuredOutputsConfig(max_json_depth=9, compile_timeout_s=2.5)
 
 
-# ---- the validator in a worker process -------------------------------------------------------
+# ---- the validator in a sandbox lane ----------------------------------------------------------
 
 
-def test_validator_in_a_worker_compiles_against_the_vocabulary():
-    """As the server's sandbox lane runs it: a spawned process, the vocabulary tables built
-    once by the initializer, `validate` by name with the tables' id; errors come back as
-    ValueErrors. Token ids outside the vocabulary only the compile catches."""
-    import multiprocessing
+def test_the_validator_runs_in_a_sandbox_lane(tmp_path):
+    """As the server's lane will run it: a worker process of pagellm.sandbox, the vocabulary
+    tables loaded once by the lane's initializer from a file, `validate` by import path with
+    plain data (the key a list, the limits a dict); its ValueErrors come back as ValueErrors.
+    A Token(...) id outside the vocabulary only the compile catches."""
+    import asyncio
+    import dataclasses
 
     from pagellm.loader import load_tokenizer
+    from pagellm.sandbox import Lane
+    from pagellm.sandbox_worker import LaneSpec
 
     model_config = EngineArgs(dtype="float32").create_engine_config().model_config
-    tables = vocabulary_json(load_tokenizer(model_config.source), model_config)
-    vocab = vocab_id(tables)
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, context, initializer=init_worker, initargs=(tables,)) as pool:
-        assert pool.submit(validate, key(json=SCHEMAS[0]), LIMITS, vocab).result() is None
-        validate(key(grammar="root ::= Token(100000)"), LIMITS)  # parses: no vocabulary here
-        bad = pool.submit(validate, key(grammar="root ::= Token(100000)"), LIMITS, vocab)
-        with pytest.raises(ValueError, match="a Token.*id is outside the vocabulary"):
-            bad.result()
-        empty = pool.submit(validate, key(grammar="root ::= root"), LIMITS, vocab)
-        with pytest.raises(ValueError, match="matches no string"):
-            empty.result()
+    vocabulary = str(tmp_path / "vocabulary.json")
+    write_vocabulary(load_tokenizer(model_config.source), model_config, vocabulary)
+    spec = LaneSpec(
+        "structured_outputs", timeout_s=60, memory_limit_mb=512,
+        initializer="pagellm.structured_output.validator:init_worker",
+        initializer_args=(vocabulary,),
+    )  # fmt: skip
+    validate_by_name = "pagellm.structured_output.validator:validate"
+    limits = dataclasses.asdict(LIMITS)
+
+    async def run() -> None:
+        lane = Lane(spec)
+        await lane.start()
+        try:
+            good = list(key(json=SCHEMAS[0]))
+            assert await lane.call(validate_by_name, good, limits, vocabulary) is None
+            validate(key(grammar="root ::= Token(100000)"), LIMITS)  # parses: no vocabulary
+            for grammar, says in (("root ::= Token(100000)", "outside the vocabulary"),
+                                  ("root ::= root", "matches no string")):  # fmt: skip
+                bad = list(key(grammar=grammar))
+                with pytest.raises(ValueError, match=says):
+                    await lane.call(validate_by_name, bad, limits, vocabulary)
+        finally:
+            await lane.close()
+
+    asyncio.run(run())

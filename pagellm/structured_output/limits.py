@@ -33,10 +33,15 @@ _NAMED_SCHEMAS = frozenset(
 _MAX_SHOWN = 80  # characters of a user's text quoted back in an error
 
 
+def limit_message(what: str, limit: str, limits: StructuredOutputsConfig) -> str:
+    """'<what>, over the limit <limit>=<value> (raise it with ...)'."""
+    value = getattr(limits, limit)
+    return f"{what}, over the limit {limit}={value} ({limits.how_to_raise(limit)})"
+
+
 def over_limit(what: str, limit: str, limits: StructuredOutputsConfig) -> None:
     """Raise the ValueError for a constraint over the limit `limit`, saying how to raise it."""
-    value = getattr(limits, limit)
-    raise ValueError(f"{what}, over the limit {limit}={value} ({limits.how_to_raise(limit)})")
+    raise ValueError(limit_message(what, limit, limits))
 
 
 def check_limits(key: tuple[str, str], limits: StructuredOutputsConfig) -> None:
