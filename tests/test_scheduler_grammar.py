@@ -167,6 +167,19 @@ def test_aborting_a_request_cancels_its_queued_compile():
     manager.shutdown()
 
 
+def test_an_internal_compile_error_is_logged_not_echoed():
+    manager, backend = _manager()
+    backend.compile = lambda key, grammar: {}["grammar_expr_data"]  # a bug of ours
+    scheduler, runner = make_scheduler(), FakeRunner()
+    request = _regex("r", "a+", manager)
+    scheduler.add_request(request)
+    request.structured_output.future.exception(timeout=30)
+    _, outs = step(scheduler, runner)
+    error = next(o.error for o in outs.outputs if o.request_id == "r")
+    assert error == "its grammar failed to compile (an internal error, logged)"
+    manager.shutdown()
+
+
 def _admission_order(policy: str) -> list[str]:
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.policy = policy

@@ -66,8 +66,12 @@ class StructuredOutputRequest:
             self.error = "its grammar's compile was cancelled"
             return True
         error = self.future.exception()
-        if error is not None:
+        if isinstance(error, ValueError):  # in our words: the constraint's fault
             self.error = str(error)
+            return True
+        if error is not None:  # ours: logged, not echoed
+            logger.error("a grammar failed to compile", exc_info=error)
+            self.error = "its grammar failed to compile (an internal error, logged)"
             return True
         import xgrammar as xgr  # already imported by the compile thread
 

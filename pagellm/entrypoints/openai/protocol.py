@@ -354,7 +354,7 @@ class TokenizeRequest(RequestModel):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True  # prompts only: a chat template adds its own
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # rendered by the template as in a chat request
