@@ -146,6 +146,9 @@ def test_prefix_cache_shared_by_constrained_requests(batch):
         ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "JSON schema"),
         ({"regex": "([a-z"}, "regex"),
         ({"grammar": 'root ::= "a" undefined_rule'}, "grammar"),
+        ({"grammar": "root ::= root"}, "matches no string"),
+        ({"regex": "(a|b){1,100000}"}, "over the limit max_repetition=1000"),
+        ({"json": {"$ref": "https://example.com/s.json"}}, "points outside the schema"),
     ],
 )
 def test_invalid_constraint_is_a_value_error_before_queueing(llm, kwargs, message):
