@@ -60,7 +60,10 @@ def _add_structured_outputs_flags(group: argparse._ArgumentGroup) -> None:
     hints = typing.get_type_hints(StructuredOutputsConfig)
     for f in dataclasses.fields(StructuredOutputsConfig):
         flag = "--structured-outputs-config." + f.name.replace("_", "-")
-        group.add_argument(flag, dest=_SO_PREFIX + f.name, type=hints[f.name], default=f.default)
+        group.add_argument(
+            flag, dest=_SO_PREFIX + f.name, type=hints[f.name], default=f.default,
+            metavar="N", help=f"{f.metadata['help']} (default {f.default})",
+        )  # fmt: skip
 
 
 _SO_PREFIX = "structured_outputs_config."

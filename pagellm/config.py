@@ -304,6 +304,10 @@ class SchedulerConfig:
             )
 
 
+def _limit(default: float, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Limits on output constraints (`pagellm/structured_output/`), checked before xgrammar
@@ -311,14 +315,17 @@ class StructuredOutputsConfig:
     ValueError (a 400) naming it. Defaults that real schemas do not reach; the measurements
     behind them: docs/structured_outputs.md."""
 
-    # characters of a regex, a grammar, a JSON schema (as compact JSON) or a choice list's grammar
-    max_spec_chars: int = 256 << 10
-    max_json_depth: int = 64  # nesting of a JSON schema's objects and arrays
-    # a counted repetition {m,n}'s count, times those of the repetitions around it (regex,
-    # JSON `pattern`, grammar)
-    max_repetition: int = 1000
-    max_enum_values: int = 4096  # a choice list's strings, or all `enum` values of a schema
-    compile_timeout_s: float = 30.0  # EngineCore: a longer compile fails its request
+    max_spec_chars: int = _limit(
+        256 << 10, "characters of a regex, grammar, choice list or JSON schema (compact JSON)"
+    )
+    max_json_depth: int = _limit(64, "nesting of a JSON schema's objects and arrays")
+    max_repetition: int = _limit(
+        1000,
+        "a counted repetition {m,n}'s count times those it is nested in (regex, JSON pattern, "
+        "grammar)",
+    )
+    max_enum_values: int = _limit(4096, "alternatives of one choice: choice list, enum, rule")
+    compile_timeout_s: float = _limit(30.0, "seconds a grammar's compile may take in the engine")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
