@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.name in ("model", "trace"):  # trace: --trace FILE (generate), --trace-dir (serve)
             continue
+        if f.name == "structured_outputs_config":
+            _add_structured_outputs_flags(group)
+            continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
@@ -50,11 +53,30 @@ def _scalar_type(hint: typing.Any) -> type:
     return args[0] if args else hint
 
 
+def _add_structured_outputs_flags(group: argparse._ArgumentGroup) -> None:
+    """vLLM's dotted flags, one per limit: --structured-outputs-config.max-json-depth N."""
+    from pagellm.config import StructuredOutputsConfig
+
+    hints = typing.get_type_hints(StructuredOutputsConfig)
+    for f in dataclasses.fields(StructuredOutputsConfig):
+        flag = "--structured-outputs-config." + f.name.replace("_", "-")
+        group.add_argument(
+            flag, dest=_SO_PREFIX + f.name, type=hints[f.name], default=f.default,
+            metavar="N", help=f"{f.metadata['help']} (default {f.default})",
+        )  # fmt: skip
+
+
+_SO_PREFIX = "structured_outputs_config."
+
+
 def engine_args_from(ns: argparse.Namespace):
     from pagellm.config import EngineArgs
 
     fields = dataclasses.fields(EngineArgs)
-    return EngineArgs(**{f.name: getattr(ns, f.name, f.default) for f in fields})
+    args = {f.name: getattr(ns, f.name, f.default) for f in fields}
+    limits = {k[len(_SO_PREFIX) :]: v for k, v in vars(ns).items() if k.startswith(_SO_PREFIX)}
+    args["structured_outputs_config"] = limits or None
+    return EngineArgs(**args)
 
 
 # SamplingParams fields that are flags: name -> (dest, argparse keywords); --seed is the engine's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -107,6 +108,45 @@ def test_messages_speak_of_the_request_not_of_internals(server):
     assert "Unicode" in error_of(post(server, "/v1/completions", surrogate), 400)["message"]
     assistant = {"messages": [*HELLO, {"role": "assistant", "content": None}], "max_tokens": 1}
     assert post(server, "/v1/chat/completions", assistant).status_code == 200
+
+
+# ---- hostile output constraints: refused before any grammar is compiled, in our words -----------
+
+
+def _nested_arrays(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+_REMOTE = {"type": "json_schema", "json_schema": {"schema": {"$ref": "https://example.com/s"}}}
+HOSTILE_CONSTRAINTS = [
+    ({"guided_json": _nested_arrays(899)}, "max_json_depth"),  # 95 s in xgrammar
+    ({"guided_regex": "((a{1,100}){1,100}){1,100}"}, "max_repetition"),
+    ({"guided_json": {"type": "string", "pattern": "((a?){1,100}){1,100}"}}, "max_repetition"),
+    ({"guided_choice": [f"c{i}" for i in range(5000)]}, "max_enum_values"),
+    ({"guided_grammar": "root ::= root"}, "matches no string"),
+    ({"guided_grammar": 'root ::= "a" root'}, "matches no string"),
+    ({"response_format": _REMOTE}, "points outside the schema"),
+    ({"structured_outputs": {"json": {"$ref": "#/$defs/gone"}}}, "does not resolve"),
+    ({"guided_grammar": "root ::= Token(100000)"}, "outside the vocabulary"),  # the core's compile
+    ({"guided_json": '{"type": "object"'}, "not valid JSON"),
+    ({"guided_json": {"type": "integer", "minimum": 1e308}}, "64-bit range"),
+]
+INTERNAL = re.compile(r"\.cc:|Check failed|is false|\[\d\d:\d\d|Traceback|Error\b|Expecting")
+
+
+def test_hostile_constraints_are_quick_400s_in_our_words(server):
+    pids = server.engine_pids()
+    for constraint, says in HOSTILE_CONSTRAINTS:
+        start = time.monotonic()
+        body = {"prompt": "Hello", "max_tokens": 4, **constraint}
+        message = error_of(post(server, "/v1/completions", body), 400)["message"]
+        assert says in message and not INTERNAL.search(message), message
+        assert time.monotonic() - start < 5, (says, time.monotonic() - start)
+    _healthy(server)
+    assert server.engine_pids() == pids
 
 
 # ---- what is checked before the body is read -------------------------------------------------

@@ -193,7 +193,11 @@ class Scheduler:
             self.waiting_for_grammar = [r for r in self.waiting_for_grammar if not r.is_finished]
 
     def _release(self, request: Request) -> None:
-        """Free a finished request's blocks and forget it; the runner hears at the next step."""
+        """Free a finished request's blocks and forget it; the runner hears at the next step.
+        A grammar it still waited for is let go (a queued compile nobody waits for is
+        cancelled)."""
+        if request.structured_output is not None:
+            request.structured_output.release()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)

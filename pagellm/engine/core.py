@@ -47,6 +47,7 @@ class EngineCore:
             config.scheduler_config.max_num_seqs,
             config.async_scheduling,
             config.reasoning_parser,
+            config.structured_outputs_config,
         )
         if envs.warm_grammar_backend(config.device):
             self.structured_output.warm_up()  # in a compile thread, beside the model's loading

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pagellm.config import ModelConfig
+from pagellm.config import ModelConfig, StructuredOutputsConfig
 from pagellm.loader.source import TOKENIZER_FILES
 from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
@@ -24,9 +24,15 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any | None,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
 
     def process_inputs(
@@ -47,7 +53,8 @@ class InputProcessor:
         self._validate(token_ids)
         self._validate_sampling_fields(params)
         if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs.key())
+            key = params.structured_outputs.key()
+            check_structured_outputs(key, self.structured_outputs_config)
         if params.bad_words:
             ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = msgspec.structs.replace(params, bad_words_token_ids=ids)
@@ -112,13 +119,14 @@ class InputProcessor:
 
 
 @functools.lru_cache(maxsize=1024)
-def check_structured_outputs(key: tuple[str, str]) -> None:
-    """ValueError naming the problem if a constraint (StructuredOutputsParams.key()) is not a
-    valid schema, regex or grammar; valid keys are remembered. The first call imports
-    xgrammar (seconds): a server calls this off its event loop."""
-    from pagellm.structured_output.backend import parse
+def check_structured_outputs(key: tuple[str, str], limits: StructuredOutputsConfig) -> None:
+    """ValueError naming the problem if a constraint (StructuredOutputsParams.key()) is over a
+    limit, is not a valid schema, regex or grammar, or matches no string (the validator's steps
+    without the vocabulary: `structured_output/validator.py`); valid keys are remembered. The
+    first call imports xgrammar (seconds): a server calls this off its event loop."""
+    from pagellm.structured_output.validator import validate
 
-    parse(key)
+    validate(key, limits)
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:

@@ -9,6 +9,8 @@ With a reasoning parser, tokens up to the end of the thinking are not the gramma
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,7 +24,8 @@ logger = logging.getLogger(__name__)
 class StructuredOutputRequest:
     __slots__ = (
         "params", "future", "matcher", "error", "num_seen", "num_matched",
-        "reasoning_end_id", "reasoning_ended", "ended_in_prompt",
+        "reasoning_end_id", "reasoning_ended", "ended_in_prompt", "deadline", "timeout_error",
+        "on_release",
     )  # fmt: skip
 
     def __init__(
@@ -30,10 +33,16 @@ class StructuredOutputRequest:
         params: StructuredOutputsParams,
         future: Future,
         prompt_token_ids: list[int] | None = None,
+        deadline: float = float("inf"),
+        timeout_error: str = "",
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self.params = params
         # -> (CompiledGrammar, (think start, think end) ids or None), or raises ValueError
         self.future = future
+        self.deadline = deadline  # time.monotonic() past which the compile has failed
+        self.timeout_error = timeout_error  # what the request fails with then
+        self.on_release = on_release  # called once, when the request no longer waits
         self.matcher: Any = None  # xgrammar.GrammarMatcher once compiled
         self.error: str | None = None
         self.num_seen = 0  # output tokens looked at
@@ -43,14 +52,26 @@ class StructuredOutputRequest:
         self.reasoning_ended = True
 
     def poll(self) -> bool:
-        """True once compiled (the matcher is made) or failed (`error` says why)."""
+        """True once compiled (the matcher is made) or failed (`error` says why): the compile
+        raised, or it was not done by the deadline (it is let go: `release`)."""
         if self.matcher is not None or self.error is not None:
             return True
         if not self.future.done():
-            return False
+            if time.monotonic() < self.deadline:
+                return False
+            self.error = self.timeout_error
+            self.release()
+            return True
+        if self.future.cancelled():  # not while it waits: see StructuredOutputManager
+            self.error = "its grammar's compile was cancelled"
+            return True
         error = self.future.exception()
-        if error is not None:
+        if isinstance(error, ValueError):  # in our words: the constraint's fault
             self.error = str(error)
+            return True
+        if error is not None:  # ours: logged, not echoed
+            logger.error("a grammar failed to compile", exc_info=error)
+            self.error = "its grammar failed to compile (an internal error, logged)"
             return True
         import xgrammar as xgr  # already imported by the compile thread
 
@@ -67,6 +88,12 @@ class StructuredOutputRequest:
             self.reasoning_end_id = reasoning_ids[1]
             self.ended_in_prompt = _closed(prompt, *reasoning_ids)
         self.reasoning_ended = self.ended_in_prompt
+
+    def release(self) -> None:
+        """The request no longer waits for its grammar (it finished, or timed out)."""
+        on_release, self.on_release = self.on_release, None
+        if on_release is not None:
+            on_release()
 
     @property
     def constrains_next(self) -> bool:

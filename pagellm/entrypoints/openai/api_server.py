@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
-from pagellm.config import EngineArgs
+from pagellm.config import EngineArgs, StructuredOutputsConfig
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
@@ -270,15 +270,18 @@ def build_app(
 
 def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
     """FastAPI's document, without the 422 it declares for every body (this server sends 400),
-    with the API key declared as a bearer scheme where it is required, and token ids bounded
-    by the served model's vocabulary."""
+    with the API key declared as a bearer scheme where it is required, integer bounds exact,
+    token ids bounded by the served model's vocabulary and the structured-output limits this
+    server enforces."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, routes=app.routes, description=__doc__
         )
+        _exact_integer_bounds(schema)
         engine = getattr(app.state, "engine", None)
         if engine is not None:
             _bound_token_ids(schema, engine.config.model_config.vocab_size)
+            _state_limits(schema["components"]["schemas"], engine.config.structured_outputs_config)
         components = schema.setdefault("components", {})
         for path, operations in schema["paths"].items():
             for operation in operations.values():
@@ -291,6 +294,40 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI writes every bound as a float: 2^63 - 1 becomes 2^63, a value this server
+    refuses. An integer's bounds go back to exact integers."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(node.get(key), float):
+                    node[key] = min(int(node[key]), INT64_MAX)  # float(2^63 - 1) is 2^63
+        for value in node.values():
+            _exact_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integer_bounds(value)
+
+
+def _state_limits(models: dict[str, Any], limits: StructuredOutputsConfig) -> None:
+    """The structured-output limits a document can state: a regex's or grammar's length and
+    a choice list's size (the rest, a schema's nesting or cost, only the server can tell)."""
+    for name in ("CompletionRequest", "ChatCompletionRequest", "StructuredOutputsBody"):
+        for field, node in models.get(name, {}).get("properties", {}).items():
+            for branch in node.get("anyOf", [node]):
+                if field in _TEXT_CONSTRAINTS and branch.get("type") == "string":
+                    branch["maxLength"] = limits.max_spec_chars
+                elif field in _CHOICES and branch.get("type") == "array":
+                    branch["maxItems"] = limits.max_enum_values
+
+
+_TEXT_CONSTRAINTS = {"regex", "grammar", "guided_regex", "guided_grammar"}
+_CHOICES = {"choice", "guided_choice"}
 
 
 def _bound_token_ids(node: Any, vocab_size: int) -> None:

@@ -40,6 +40,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_engine import (
     Generation,
     OpenAIServing,
+    api_logprob,
     gather_choices,
     random_id,
     until_disconnect,
@@ -223,7 +224,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.decode_token(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=self.token_bytes(token_id))
+        return TopLogprob(
+            token=token, logprob=api_logprob(logprob), bytes=self.token_bytes(token_id)
+        )
 
     async def _stream_events(
         self,

@@ -32,6 +32,15 @@ _START_BATCH = 32  # engine requests a Generation adds before it lets the event 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
+def api_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token the sampling masks ruled out (-inf; NaN when
+    every token was) is -9999.0, as vLLM reports it."""
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+_MIN_LOGPROB = -9999.0
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -303,7 +312,8 @@ class OpenAIServing:
             )
         constraint = params[0].structured_outputs if params else None
         if constraint is not None:
-            await asyncio.to_thread(check_structured_outputs, constraint.key())
+            limits = self.engine.config.structured_outputs_config
+            await asyncio.to_thread(check_structured_outputs, constraint.key(), limits)
 
     def start(
         self,

@@ -46,7 +46,7 @@ def structured_outputs(request: Any) -> StructuredOutputsParams | None:
     if response_format is not None:
         found.append(("response_format", response_format))
     if request.structured_outputs is not None:
-        found.append(("structured_outputs", _params(request.structured_outputs)))
+        found.append(("structured_outputs", _params(request.structured_outputs.fields())))
     for field, kind in GUIDED_FIELDS.items():
         value = getattr(request, field)
         if value is not None:
@@ -76,11 +76,6 @@ def from_response_format(response_format: dict[str, Any] | None) -> StructuredOu
 
 
 def _params(fields: dict[str, Any]) -> StructuredOutputsParams:
-    if not isinstance(fields, dict):
-        raise ValueError("structured_outputs must be an object")
-    unknown = set(fields) - set(StructuredOutputsParams.__struct_fields__)
-    if unknown:
-        raise ValueError(f"structured_outputs: unsupported field(s) {sorted(unknown)}")
     return StructuredOutputsParams(**fields)
 
 
