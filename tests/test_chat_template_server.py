@@ -1,7 +1,9 @@
 """Hostile chat templates against `pagellm serve --trust-request-chat-template` (issue 36):
 each is a 400 naming the limit it passed, within that limit; its sandbox worker is killed and
 replaced; the server's memory (API server and workers) stays bounded; plain chat, completions
-and /tokenize keep their latency meanwhile; a client that leaves has its render killed.
+and /tokenize keep their latency meanwhile; a client that leaves has its render killed. And an
+output constraint whose compile outlasts `--structured-outputs-check-timeout` (the static
+limits raised to let it through) is a 400 from its own sandbox lane, its worker replaced.
 
 One server on the tiny random Llama (the embedded tokenizer), with small limits. The refusal
 without the flag is tested on conftest's shared server (test_server_robustness.py).
@@ -20,6 +22,9 @@ import pytest
 from server_utils import Server, error_of, post, start_server, stat, stop_server, wait_healthy
 
 TIMEOUT_S = 3.0  # --chat-template-timeout (the default)
+CHECK_TIMEOUT_S = 2.0  # --structured-outputs-check-timeout
+# past the default max_repetition (1000): compiles for ~100 s once that limit is raised
+SLOW_CONSTRAINT = {"guided_json": {"type": "string", "pattern": "((a?){1,100}){1,100}"}}
 MEMORY_MB = 128  # --chat-template-max-memory-mb
 WORKERS = 2  # --chat-template-workers: per lane
 HI = [{"role": "user", "content": "Hi"}]
@@ -61,6 +66,8 @@ def server(tiny_chat_model, tmp_path_factory):
     args += ["--chat-template-timeout", str(TIMEOUT_S)]
     args += ["--chat-template-max-memory-mb", str(MEMORY_MB)]
     args += ["--chat-template-workers", str(WORKERS)]
+    args += ["--structured-outputs-check-timeout", str(CHECK_TIMEOUT_S)]
+    args += ["--structured-outputs-config.max-repetition", "1000000"]
     srv = start_server(args, str(tmp_path_factory.mktemp("templates") / "server.log"))
     try:
         wait_healthy(srv)
@@ -213,3 +220,18 @@ def test_a_client_that_leaves_has_its_render_killed(server):
         assert time.monotonic() - left < TIMEOUT_S / 2, "the render outlived its client"
         time.sleep(0.02)
     _wait_for_lane(server, "request_chat_template", WORKERS)  # replaced
+
+
+def test_a_constraint_compiling_past_its_time_is_a_400_from_its_sandbox(server):
+    lane = "structured_outputs"
+    body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    plain = post(server, "/v1/completions", {**body, "guided_regex": "[a-z]+"}, {})
+    assert plain.status_code == 200  # the lane started with it
+    workers = _wait_for_lane(server, lane, 1)
+    start = time.monotonic()
+    error = error_of(post(server, "/v1/completions", {**body, **SLOW_CONSTRAINT}, {}), 400)
+    assert "--structured-outputs-check-timeout" in error["message"], error
+    assert time.monotonic() - start < CHECK_TIMEOUT_S + 1.0
+    assert _wait_for_lane(server, lane, 1, timeout=60) != workers  # killed and replaced
+    again = post(server, "/v1/completions", {**body, "guided_regex": "[0-9]+"}, {})
+    assert again.status_code == 200

@@ -25,6 +25,7 @@ import pagellm
 from pagellm.config import EngineArgs, StructuredOutputsConfig
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
+from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
 from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -179,6 +180,10 @@ def init_app_state(
     state.serving_completion = OpenAIServingCompletion(*args)
     state.serving_chat = OpenAIServingChat(*args, templates=templates, **chat_options)
     state.serving_tokenization = OpenAIServingTokenization(*args, templates=templates)
+    state.constraints = ConstraintChecks(
+        engine.tokenizer, model_config, engine.config.structured_outputs_config, options
+    )
+    state.serving_completion.constraints = state.serving_chat.constraints = state.constraints
     state.supervisor = EngineSupervisor(
         engine,
         getattr(state, "request_exit", _no_exit),
@@ -251,6 +256,8 @@ def build_app(
                     await supervision
             if getattr(app.state, "sandbox", None) is not None:
                 await app.state.sandbox.close()
+            if getattr(app.state, "constraints", None) is not None:
+                await app.state.constraints.close()
             engine.shutdown()
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)

@@ -40,6 +40,17 @@ class ServerOptions:
     chat_template_max_output_chars: int | None = _flag(
         None, "characters a rendered chat may have; more: 400 (default: 32 x max_model_len)"
     )
+    structured_outputs_check_timeout: float = _flag(
+        5.0,
+        "seconds a request's output constraint (schema, regex, grammar) may take to check and "
+        "compile, in a sandbox process; longer: the check is killed, 400",
+    )
+    structured_outputs_check_max_memory_mb: int = _flag(
+        512, "memory (MB) an output constraint's check may take; more: it is killed, 400"
+    )
+    structured_outputs_check_queue: int = _flag(
+        64, "output constraints that may wait for their check; more: 429"
+    )
     chat_template_workers: int = _flag(
         2,
         "sandbox processes rendering chat templates, for the server's template and (with "
@@ -51,7 +62,9 @@ class ServerOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         for name in ("chat_template_timeout", "chat_template_max_memory_mb",
-                     "chat_template_max_output_chars", "chat_template_workers"):  # fmt: skip
+                     "chat_template_max_output_chars", "chat_template_workers",
+                     "structured_outputs_check_timeout",
+                     "structured_outputs_check_max_memory_mb"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")

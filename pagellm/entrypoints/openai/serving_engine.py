@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import check_structured_outputs, truncate_prompt
+from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -225,6 +226,7 @@ class OpenAIServing:
         self.model_names = model_names
         self.metrics = metrics
         self.admission = admission or Admission(1 << 30)
+        self.constraints: ConstraintChecks | None = None  # set by the server
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
         self._token_bytes: dict[int, list[int]] = {}
@@ -302,8 +304,9 @@ class OpenAIServing:
 
     async def check(self, request: SamplingRequest, params: list[SamplingParams]) -> None:
         """What the engine would refuse later, refused now: a priority without the priority
-        policy, a constraint that does not parse (off the event loop: the first parse
-        imports xgrammar; the result is cached for the engine's own check)."""
+        policy, a constraint over a limit, that does not parse or compile, or that matches
+        nothing (`constraints`: the server's sandboxed check; without it, the check without
+        the compile off the event loop, cached for the engine's own)."""
         if request.priority and self.engine.config.scheduler_config.policy != "priority":
             raise APIError(
                 "priority needs the server started with --scheduling-policy priority",
@@ -311,7 +314,11 @@ class OpenAIServing:
                 "priority",
             )
         constraint = params[0].structured_outputs if params else None
-        if constraint is not None:
+        if constraint is None:
+            return
+        if self.constraints is not None:  # the server: in a sandbox process, compile included
+            await self.constraints.check(constraint.key())
+        else:
             limits = self.engine.config.structured_outputs_config
             await asyncio.to_thread(check_structured_outputs, constraint.key(), limits)
 
