@@ -22,6 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
+from pagellm import envs
 from pagellm.config import EngineArgs, StructuredOutputsConfig
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
@@ -240,6 +241,8 @@ def build_app(
         try:
             init_app_state(app, engine, options, chat_options)
             await app.state.sandbox.start()
+            if envs.warm_grammar_backend(engine.config.device):
+                app.state.constraints.warm_up()
             engine.start()
             supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(

@@ -8,7 +8,8 @@ are checked here first, without a worker. What passes is remembered; the EngineC
 it again (within `compile_timeout_s`).
 
 The lane's single worker imports xgrammar (and with it torch: ~260 MB) and loads the
-vocabulary tables once; it starts with the first constrained request, not with the server.
+vocabulary tables once; it starts with the first constrained request, or with the server
+where the EngineCore warms its grammar backend too (CUDA; `PAGELLM_WARM_GRAMMAR_BACKEND`).
 The server writes those tables (xgrammar's `TokenizerInfo`) to a temporary file for it.
 """
 
@@ -76,9 +77,14 @@ class ConstraintChecks:
         if len(self.passed) > _REMEMBERED:
             self.passed.popitem(last=False)
 
-    async def _started(self) -> Lane:
+    def warm_up(self) -> None:
+        """Start the lane now, in the background (the first constrained request waits for
+        what is left of its start)."""
         if self._starting is None:
             self._starting = asyncio.create_task(self._start())
+
+    async def _started(self) -> Lane:
+        self.warm_up()
         try:
             await asyncio.shield(self._starting)  # a caller that leaves does not stop the start
         except (OSError, RuntimeError, ImportError) as e:
