@@ -326,6 +326,11 @@ class StructuredOutputsConfig:
     )
     max_enum_values: int = _limit(4096, "alternatives of one choice: choice list, enum, rule")
     compile_timeout_s: float = _limit(30.0, "seconds a grammar's compile may take in the engine")
+    max_matcher_ms: float = _limit(
+        50.0,
+        "CPU milliseconds the engine may spend following one token of a request's grammar (its "
+        "bitmask, its accept: ambiguous grammars grow them without bound); more: it fails",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

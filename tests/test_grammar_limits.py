@@ -6,6 +6,7 @@ model's vocabulary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -352,3 +353,60 @@ def test_the_validator_runs_in_a_sandbox_lane(tmp_path):
             await lane.close()
 
     asyncio.run(run())
+
+
+# ---- the matcher's cost a token -----------------------------------------------------------------
+
+
+def test_an_ambiguous_grammar_fails_once_a_token_costs_more_than_its_budget():
+    """`root ::= root root | "a"` compiles at once, but every "aaaa" makes its matcher's next
+    bitmask and accept dearer (~0.6 s a token after 150 tokens here): past max_matcher_ms of
+    CPU the request fails at its next token (ValueError: the scheduler fails it alone) instead
+    of stalling every step of the engine. An unambiguous grammar stays far below."""
+    from concurrent.futures import Future
+
+    import xgrammar as xgr
+
+    from pagellm.loader import load_tokenizer
+    from pagellm.structured_output.request import StructuredOutputRequest
+
+    model_config = EngineArgs(dtype="float32").create_engine_config().model_config
+    tokenizer = load_tokenizer(model_config.source)
+    info = backend.tokenizer_info(tokenizer, model_config.vocab_size, [tokenizer.eos_token_id])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    aaaa = tokenizer.convert_tokens_to_ids("aaaa")
+    bitmask = xgr.allocate_token_bitmask(1, model_config.vocab_size)
+    budget = 0.005  # 5 ms
+    for grammar, fails in (('root ::= root root | "a"', True), ('root ::= "a"+', False)):
+        future: Future = Future()
+        future.set_result((compiler.compile_grammar(grammar), None))
+        so = StructuredOutputRequest(StructuredOutputsParams(grammar=grammar), future,
+                                     max_matcher_s=budget)  # fmt: skip
+        assert so.poll()
+        with pytest.raises(ValueError) if fails else contextlib.nullcontext() as info:
+            for _ in range(400):
+                so.fill(bitmask, 0)
+                so.accept(aaaa)
+        if fails:
+            assert "max_matcher_ms=5" in str(info.value) and not INTERNAL.search(str(info.value))
+            assert so.num_seen < 400
+
+
+def test_the_checks_matcher_probe_refuses_an_ambiguous_grammar_and_keeps_real_ones(tmp_path):
+    """With the vocabulary (the server's lane), the check follows PROBE_TOKENS of the longest
+    tokens a grammar allows: an ambiguous one is a 400 naming max_matcher_ms before it runs,
+    every real case of structured_cases passes."""
+    from pagellm.loader import load_tokenizer
+    from pagellm.structured_output.validator import init_worker
+
+    model_config = EngineArgs(dtype="float32").create_engine_config().model_config
+    vocabulary = str(tmp_path / "vocabulary.json")
+    write_vocabulary(load_tokenizer(model_config.source), model_config, vocabulary)
+    init_worker(vocabulary)
+    for grammar in ('root ::= root root | "a"', 'root ::= ("a"{1,1000})+'):
+        with pytest.raises(ValueError, match="max_matcher_ms") as info:
+            validate(key(grammar=grammar), LIMITS, vocabulary)
+        assert not INTERNAL.search(str(info.value))
+    cases = [{"json": s} for s in SCHEMAS] + [{"regex": r} for r in REGEXES]
+    for constraint in [*cases, *({"choice": c} for c in CHOICES), {"json_object": True}]:
+        validate(key(**constraint), LIMITS, vocabulary)

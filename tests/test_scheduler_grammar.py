@@ -198,3 +198,32 @@ def _admission_order(policy: str) -> list[str]:
 def test_priority_policy_orders_the_waiting_queue():
     assert _admission_order("fcfs") == ["a", "b", "c", "d"]
     assert _admission_order("priority") == ["d", "b", "a", "c"]
+
+
+def test_a_grammar_over_its_budget_fails_its_request_alone():
+    """A grammar whose matcher went over max_matcher_ms raises ValueError at its next token:
+    that request ends (abort, the message in our words), its blocks free; the other goes on."""
+
+    class DearGrammar(FakeGrammar):
+        def accept(self, token_id: int) -> bool:
+            if len(self.accepted) == 2:
+                raise ValueError("its grammar took 80 ms of CPU to mask the next token")
+            return super().accept(token_id)
+
+    scheduler, runner = make_scheduler(), FakeRunner()
+    grammar = DearGrammar(stop_after=100)
+    grammar.ready = True
+    scheduler.add_request(_constrained("dear", grammar, max_tokens=8))
+    scheduler.add_request(make_request("ok", [1, 2, 3], max_tokens=6, eos=None))
+    outputs: dict[str, list] = {}
+    for _ in range(12):
+        _, outs = step(scheduler, runner)
+        for out in outs.outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    last = outputs["dear"][-1]
+    assert last.finish_reason == FinishReason.ABORT
+    assert last.error == "its grammar took 80 ms of CPU to mask the next token"
+    assert sum(len(o.new_token_ids) for o in outputs["ok"]) == 6
+    assert not scheduler.has_unfinished_requests()
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1

@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 def error_output(request_id: str, error: Exception) -> EngineCoreOutput:
-    """The last output of a request that failed on its own: no tokens, aborted, the error."""
-    message = f"{type(error).__name__}: {error}"
+    """The last output of a request that failed on its own: no tokens, aborted, the error (a
+    ValueError's message is the request's fault in our words; others carry their type)."""
+    message = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
     return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
 
 

@@ -105,6 +105,7 @@ class StructuredOutputManager:
                 self.limits,
             ),
             on_release=functools.partial(self._stop_waiting, key, future),
+            max_matcher_s=self.limits.max_matcher_ms / 1e3,
         )
 
     def _stop_waiting(self, key: tuple[str, str], future: Future) -> None:
