@@ -1,5 +1,6 @@
 """Tensor parallelism through Ray (RayDistributedExecutor): one actor per rank in a
-placement group of {"CPU": 1} bundles, on a local Ray instance this module starts.
+placement group of {"CPU": 1} bundles, on a local Ray head this module starts
+(`ray_utils.start_ray_head`: one that a loaded machine does not time out).
 
 Qwen3 with one KV head over 2 ranks (each holds a copy), async scheduling, chunked prefill,
 prefix-cache hits and preemptions: the same greedy tokens as one rank. Then an actor is
@@ -15,6 +16,7 @@ import time
 
 import pytest
 from model_utils import make_tiny_hf_model
+from ray_utils import local_ray_head
 from test_tensor_parallel import (
     GREEDY,
     SMALL_KV,
@@ -33,9 +35,12 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    with local_ray_head(num_cpus=2) as head:
+        ray.init(address=head.address, logging_level="WARNING")
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def test_ray_ranks_same_tokens_then_a_dead_actor(ray_cluster, tmp_path, monkeypatch):
