@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from timing import scaled, wait_until
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -76,6 +77,7 @@ def start_server(args: list[str], log_path: str) -> Server:
 
 
 def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -96,16 +98,14 @@ def stop_server(server: Server, expect_engine: bool = True) -> None:
     assert server.engine_pids() or not expect_engine, "the server has no engine core process"
     server.proc.send_signal(signal.SIGTERM)
     try:
-        code = server.proc.wait(timeout=30)
+        code = server.proc.wait(timeout=scaled(30))
     except subprocess.TimeoutExpired:
         server.proc.kill()  # leave nothing behind, then fail
         pytest.fail(f"the server ignored SIGTERM:\n{server.log()[-4000:]}")
     assert code in (0, -signal.SIGTERM), server.log()[-4000:]
     assert "Traceback" not in server.log(), server.log()[-4000:]
-    deadline = time.monotonic() + 10
-    while any(stat(pid) for pid in children):
-        assert time.monotonic() < deadline, f"orphan processes: {children}"
-        time.sleep(0.1)
+    gone = wait_until(lambda: not any(stat(pid) for pid in children), 10, interval=0.1)
+    assert gone, f"orphan processes: {children}"
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -129,13 +129,15 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
-def wait_kv_free(server: Server, timeout: float = 5.0) -> float:
-    """Seconds until no request runs or waits and no KV block is in use (fails after timeout)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        m = metrics(server)
+def wait_kv_free(server: Server, timeout: float = 5.0) -> None:
+    """Until no request runs or waits and no KV block is in use; fails after `timeout` (an
+    idle machine's, scaled by the load: `timing.wait_until`)."""
+    m: dict[str, float] = {}
+
+    def free() -> bool:
+        m.update(metrics(server))
         idle = m["pagellm:num_requests_running"] == 0 and m["pagellm:num_requests_waiting"] == 0
-        if idle and m["pagellm:kv_cache_usage_perc"] == 0:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    pytest.fail(f"KV blocks still in use {timeout} s after the client left: {m}")
+        return idle and m["pagellm:kv_cache_usage_perc"] == 0
+
+    if not wait_until(free, timeout):
+        pytest.fail(f"KV blocks still in use {timeout} s (scaled) after the client left: {m}")

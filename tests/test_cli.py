@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from timing import scaled
 
 from pagellm import CompletionOutput, RequestOutput, SamplingParams
 from pagellm.cli import build_parser, engine_args_from, main, sampling_params_from
@@ -27,7 +28,7 @@ def _pagellm() -> list[str]:
 
 def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _pagellm() + args, input=stdin, capture_output=True, text=True, timeout=300
+        _pagellm() + args, input=stdin, capture_output=True, text=True, timeout=scaled(300)
     )
 
 

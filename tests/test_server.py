@@ -22,6 +22,7 @@ from server_utils import error_of as _error
 from server_utils import metrics as _metrics
 from server_utils import post as _post
 from server_utils import wait_kv_free as _wait_kv_free
+from timing import scaled
 
 from pagellm import SamplingParams
 
@@ -330,7 +331,9 @@ def test_prefix_cache_counters_and_the_stats_line(server, client):
 def test_bench_serve(server):
     cmd = [sys.executable, "-m", "pagellm", "bench", "serve", "--url", server.url]
     cmd += ["--num-prompts", "4", "--concurrency", "4", "--input-len", "8", "--output-len", "3"]
-    out = subprocess.run(cmd + ["--api-key", API_KEY], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        cmd + ["--api-key", API_KEY], capture_output=True, text=True, timeout=scaled(120)
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["completed"] == 4 and summary["failed"] == 0
