@@ -302,6 +302,14 @@ def _children(pid: int) -> list[int]:
     ]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -353,9 +361,14 @@ def test_two_rank_server_answers_as_one_rank_then_dies_whole(tmp_path, monkeypat
         assert texts == [o.outputs[0].text for o in constrained]
         assert all(re.fullmatch(REGEX, t) for t in texts)
         assert "rank1" in server.log()  # the second rank logged its shard
-        (core,) = _children(server.proc.pid)
+        children = _children(server.proc.pid)
+        # the server's sandbox lanes (the constraint check) are its children beside the core
+        lanes = [pid for pid in children if "pagellm.sandbox_worker" in _cmdline(pid)]
+        (core,) = [pid for pid in children if pid not in lanes]
+        assert len(lanes) >= 1
         processes = [core, *_children(core)]
         assert len(processes) == 3
+        processes += lanes
         dirs = _worker_dirs() - before
         assert len(dirs) == 1
     finally:
