@@ -11,8 +11,10 @@ Schemathesis also loads this file as its hooks module (SCHEMATHESIS_HOOKS). The 
 valid request cheap to serve on a CPU (max_tokens and min_tokens at most 4, n at most 2, at most
 3 prompts), without touching requests that break the schema. The server answers a request that
 fits the schema but not this model (a prompt longer than the context, a token id outside the
-vocabulary, more work than it queues) with a 400 that says so: those 400s are expected for
-positive data too (the only check this script configures).
+vocabulary, a regex that does not compile) with a 400 that says so, so 400s are expected for
+positive data (the only built-in check this script configures); a check of our own,
+`schema_valid_requests_are_served`, fails any other 400 a schema-valid request gets: a limit
+the server enforces and its OpenAPI document does not state.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +38,26 @@ _CONFIG = """
 [checks.positive_data_acceptance]
 expected-statuses = ["2xx", "400", "401", "404", "429"]
 """
+
+
+# why a schema-valid request may still be refused: what no OpenAPI document can state
+_UNSTATABLE = re.compile(
+    "|".join(
+        (
+            r"maximum context length",  # the prompt's tokens and max_tokens against the context
+            r"out of vocabulary|outside any vocabulary",  # logit_bias's keys (strings) as ids
+            r"chat template",  # the model's template refusing the messages
+            r"^invalid (regex|grammar|JSON schema)",  # a constraint xgrammar cannot compile
+            r"^the (regex|grammar|JSON schema)|^a pattern",  # ... or one over a limit of its cost
+            r"StructuredOutputsParams\.json (is not valid JSON|nests)",  # JSON text in a string
+            r"only one output constraint",  # fields that exclude one another
+            r"^tool_choice|^tools",  # a tool_choice naming a function not in tools
+            r"^best_of",  # best_of above n
+            r"priority needs",  # a priority without --scheduling-policy priority
+            r"more than this server queues",  # n x prompts beyond the queue
+        )
+    )
+)
 
 
 def _cap(body: dict) -> dict:
@@ -57,11 +80,24 @@ def _register_hooks() -> None:
 
     @schemathesis.hook
     def map_case(context, case):
-        meta = case.meta
-        positive = meta is not None and meta.generation.mode.is_positive
-        if positive and isinstance(case.body, dict):
+        if _positive(case) and isinstance(case.body, dict):
             case.body = _cap(case.body)
         return case
+
+    @schemathesis.check
+    def schema_valid_requests_are_served(ctx, response, case):
+        """A request that fits the schema gets 2xx, or a 400 for what no document can state."""
+        if not _positive(case) or response.status_code != 400:
+            return None
+        message = str((response.json().get("error") or {}).get("message"))
+        if not _UNSTATABLE.search(message):
+            raise AssertionError(f"a schema-valid request was refused: {message[:300]}")
+        return None
+
+
+def _positive(case) -> bool:
+    meta = case.meta
+    return meta is not None and meta.generation.mode.is_positive
 
 
 def _free_port() -> int:
@@ -70,11 +106,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_flags(api_key: str, max_model_len: int) -> list[str]:
+    """The `pagellm serve` flags of a fuzzed server (tests/test_server_fuzz.py uses them too)."""
+    return ["--api-key", api_key, "--max-model-len", str(max_model_len), "--max-num-seqs", "16"]
+
+
 def _start_server(args: argparse.Namespace, log_path: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "pagellm", "serve", "--port", str(port)]
-    cmd += ["--api-key", args.api_key, "--max-model-len", str(args.max_model_len)]
-    cmd += ["--max-num-seqs", "16", *args.server_args]
+    cmd += [*server_flags(args.api_key, args.max_model_len), *args.server_args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -92,15 +132,18 @@ def _start_server(args: argparse.Namespace, log_path: str) -> tuple[subprocess.P
     raise SystemExit(f"the server did not start; see {log_path}")
 
 
-def _run_schemathesis(args: argparse.Namespace, url: str, workdir: str) -> dict:
+def run_schemathesis(
+    url: str, api_key: str, workdir: str, max_examples: int, workers: int = 1, seed: int = 0
+) -> dict:
+    """`st run --checks all` against a server, with these hooks; its summary (`_summarize`)."""
     config = os.path.join(workdir, "schemathesis.toml")
     with open(config, "w") as f:
         f.write(_CONFIG)
     report = os.path.join(workdir, "events.ndjson")
     st = shutil.which("st", path=os.path.dirname(sys.executable)) or "st"
     cmd = [st, "--config-file", config, "run", f"{url}/openapi.json", "--checks", "all"]
-    cmd += ["--max-examples", str(args.max_examples), "--workers", str(args.workers)]
-    cmd += ["-H", f"Authorization: Bearer {args.api_key}", "--seed", str(args.seed)]
+    cmd += ["--max-examples", str(max_examples), "--workers", str(workers)]
+    cmd += ["-H", f"Authorization: Bearer {api_key}", "--seed", str(seed)]
     cmd += ["--request-timeout", "300", "--max-response-time", "300"]
     cmd += ["--report", "ndjson", "--report-ndjson-path", report]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": os.path.abspath(__file__)}
@@ -149,7 +192,9 @@ def main() -> None:
     if url is None:
         proc, url = _start_server(args, os.path.join(workdir, "server.log"))
     try:
-        summary = _run_schemathesis(args, url, workdir)
+        summary = run_schemathesis(
+            url, args.api_key, workdir, args.max_examples, args.workers, args.seed
+        )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -160,5 +205,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-else:  # loaded by schemathesis as its hooks module
+elif "SCHEMATHESIS_HOOKS" in os.environ:  # loaded by schemathesis as its hooks module
     _register_hooks()

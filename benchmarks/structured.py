@@ -74,12 +74,13 @@ def run_round(llm, prompts: list[list[int]], params) -> float:
 
 def compile_ms(llm, repeats: int) -> float:
     """Median cold compile time of SCHEMA on the model's vocabulary, in ms."""
-    from pagellm.structured_output.backend import XgrammarBackend
+    from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
     from pagellm.structured_output.manager import stop_token_ids
     from pagellm.structured_output.params import StructuredOutputsParams
 
     tokenizer, mc = llm.get_tokenizer(), llm.llm_engine.config.model_config
-    backend = XgrammarBackend(tokenizer, mc.vocab_size, stop_token_ids(mc, tokenizer.eos_token_id))
+    stop_ids = stop_token_ids(mc, tokenizer.eos_token_id)
+    backend = XgrammarBackend(tokenizer_info(tokenizer, mc.vocab_size, stop_ids))
     key = StructuredOutputsParams(json=SCHEMA).key()
     times = []
     for _ in range(repeats):

@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.name in ("model", "trace"):  # trace: --trace FILE (generate), --trace-dir (serve)
             continue
+        if f.name == "structured_outputs_config":
+            _add_structured_outputs_flags(group)
+            continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
@@ -50,11 +53,30 @@ def _scalar_type(hint: typing.Any) -> type:
     return args[0] if args else hint
 
 
+def _add_structured_outputs_flags(group: argparse._ArgumentGroup) -> None:
+    """vLLM's dotted flags, one per limit: --structured-outputs-config.max-json-depth N."""
+    from pagellm.config import StructuredOutputsConfig
+
+    hints = typing.get_type_hints(StructuredOutputsConfig)
+    for f in dataclasses.fields(StructuredOutputsConfig):
+        flag = "--structured-outputs-config." + f.name.replace("_", "-")
+        group.add_argument(
+            flag, dest=_SO_PREFIX + f.name, type=hints[f.name], default=f.default,
+            metavar="N", help=f"{f.metadata['help']} (default {f.default})",
+        )  # fmt: skip
+
+
+_SO_PREFIX = "structured_outputs_config."
+
+
 def engine_args_from(ns: argparse.Namespace):
     from pagellm.config import EngineArgs
 
     fields = dataclasses.fields(EngineArgs)
-    return EngineArgs(**{f.name: getattr(ns, f.name, f.default) for f in fields})
+    args = {f.name: getattr(ns, f.name, f.default) for f in fields}
+    limits = {k[len(_SO_PREFIX) :]: v for k, v in vars(ns).items() if k.startswith(_SO_PREFIX)}
+    args["structured_outputs_config"] = limits or None
+    return EngineArgs(**args)
 
 
 # SamplingParams fields that are flags: name -> (dest, argparse keywords); --seed is the engine's
@@ -149,11 +171,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="the same as MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize",
-    )
     p.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -168,41 +185,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
-    from pagellm.entrypoints.openai.server_options import ENGINE_SPARES, ServerOptions
+    """One flag per ServerOptions field."""
+    from pagellm.entrypoints.openai.server_options import ServerOptions
 
-    default = ServerOptions()
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=default.max_request_body_bytes,
-        help="larger request bodies are refused with 413",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=default.max_waiting_requests,
-        help="engine requests (n x prompts) queued beyond --max-num-seqs; more: 429",
-    )
-    p.add_argument(
-        "--restart-engine",
-        action=argparse.BooleanOptionalAction,
-        default=default.restart_engine,
-        help="start a new engine core when it dies (default: the server exits with status 1)",
-    )
-    p.add_argument(
-        "--max-engine-restarts",
-        type=int,
-        default=default.max_engine_restarts,
-        help="engine restarts allowed within a minute before the server exits",
-    )
-    p.add_argument(
-        "--engine-spare",
-        choices=ENGINE_SPARES,
-        default=default.engine_spare,
-        help="with --restart-engine, a spare engine core kept for a fast restart: loaded "
-        "(the model too: a second core's memory), imported (torch only), none; auto: loaded "
-        "on the CPU, imported on GPUs",
-    )
+    hints = typing.get_type_hints(ServerOptions)
+    for f in dataclasses.fields(ServerOptions):
+        flag, kind = "--" + f.name.replace("_", "-"), _scalar_type(hints[f.name])
+        if kind is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata["help"])  # fmt: skip
+        else:
+            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
+                           choices=f.metadata["choices"])  # fmt: skip
 
 
 _TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
@@ -220,14 +214,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from pagellm.entrypoints.openai.server_options import ServerOptions
 
     ns.model = ns.model_tag or ns.model
-    options = ServerOptions(
-        api_key=ns.api_key,
-        max_request_body_bytes=ns.max_request_body_bytes,
-        max_waiting_requests=ns.max_waiting_requests,
-        restart_engine=ns.restart_engine,
-        max_engine_restarts=ns.max_engine_restarts,
-        engine_spare=ns.engine_spare,
-    )
+    fields = dataclasses.fields(ServerOptions)
+    options = ServerOptions(**{f.name: getattr(ns, f.name) for f in fields})
     if ns.trace_dir is not None:
         os.makedirs(ns.trace_dir, exist_ok=True)
         ns.trace = os.path.join(ns.trace_dir, f"journey-{os.getpid()}.json")

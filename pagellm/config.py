@@ -74,6 +74,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
     quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
+    # vLLM's name: the limits on output constraints, StructuredOutputsConfig's fields by name
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -107,6 +109,7 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
         )
+        structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         model_config = ModelConfig.from_args(self, device)
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
@@ -133,6 +136,7 @@ class EngineArgs:
             trace=self.trace,
             trace_kv=self.trace_kv,
             reasoning_parser=self.reasoning_parser,
+            structured_outputs_config=structured_outputs_config,
         )
 
 
@@ -216,6 +220,15 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def long_rope_switch(self) -> int | None:
+        """A longrope model's original_max_position_embeddings: a request of more tokens is
+        rotated with the long factors throughout (pagellm/models/rope.py); else None."""
+        from pagellm.models.rope import long_rope
+
+        rope = long_rope(self.hf_config)
+        return None if rope is None else rope[0]
+
 
 def _architecture(hf_config: PretrainedConfig | HFConfigView) -> str:
     return (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
@@ -289,6 +302,67 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+
+
+def _limit(default: float, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Limits on output constraints (`pagellm/structured_output/`), checked before xgrammar
+    sees a constraint, so that a small hostile one stays cheap; a constraint over one is a
+    ValueError (a 400) naming it. Defaults that real schemas do not reach; the measurements
+    behind them: docs/structured_outputs.md."""
+
+    max_spec_chars: int = _limit(
+        256 << 10, "characters of a regex, grammar, choice list or JSON schema (compact JSON)"
+    )
+    max_json_depth: int = _limit(64, "nesting of a JSON schema's objects and arrays")
+    max_repetition: int = _limit(
+        1000,
+        "a counted repetition {m,n}'s count times those it is nested in (regex, JSON pattern, "
+        "grammar)",
+    )
+    max_enum_values: int = _limit(4096, "alternatives of one choice: choice list, enum, rule")
+    compile_timeout_s: float = _limit(30.0, "seconds a grammar's compile may take in the engine")
+    max_matcher_ms: float = _limit(
+        50.0,
+        "CPU milliseconds the engine may spend following one token of a request's grammar (its "
+        "bitmask, its accept: ambiguous grammars grow them without bound); more: it fails",
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = int if f.type == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+                what = "integer" if f.type == "int" else "number"
+                raise ValueError(
+                    f"structured_outputs_config {f.name} must be a positive {what}, got {value!r}"
+                )
+
+    @classmethod
+    def of(cls, value: dict[str, Any] | StructuredOutputsConfig | None) -> StructuredOutputsConfig:
+        """From EngineArgs.structured_outputs_config: a dict of field names, or the config."""
+        if isinstance(value, cls):
+            return value
+        unknown = set(value or {}) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config: unknown field(s) {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(f.name for f in dataclasses.fields(cls))}"
+            )
+        return cls(**(value or {}))
+
+    @staticmethod
+    def how_to_raise(name: str) -> str:
+        """How a user raises the limit `name`: the LLM argument and the server flag."""
+        flag = name.replace("_", "-")
+        return (
+            f"raise it with LLM(structured_outputs_config={{'{name}': N}}) or "
+            f"pagellm serve --structured-outputs-config.{flag} N"
+        )
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -382,6 +456,9 @@ class EngineConfig:
     trace: str | None = None  # the journey trace's file (caller side); None: no tracing
     trace_kv: str | None = None  # a request id whose paging the trace dumps
     reasoning_parser: str | None = None  # structured outputs start after the thinking
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for the EngineCore process (msgpack): the HF config as its dict."""
@@ -398,6 +475,7 @@ class EngineConfig:
             cache_config=dataclasses.asdict(self.cache_config),
             scheduler_config=dataclasses.asdict(self.scheduler_config),
             parallel_config=dataclasses.asdict(self.parallel_config),
+            structured_outputs_config=dataclasses.asdict(self.structured_outputs_config),
         )
         return wire
 
@@ -418,5 +496,8 @@ class EngineConfig:
                 "cache_config": CacheConfig(**wire["cache_config"]),
                 "scheduler_config": SchedulerConfig(**wire["scheduler_config"]),
                 "parallel_config": ParallelConfig(**wire["parallel_config"]),
+                "structured_outputs_config": StructuredOutputsConfig(
+                    **wire["structured_outputs_config"]
+                ),
             }
         )

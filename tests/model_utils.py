@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.models.rope import long_rope
 
 TINY_CONFIG = dict(
     vocab_size=512,
@@ -114,6 +116,45 @@ def load_our_model(
     return load_model(model_config, torch.device(device), backend)
 
 
+def hf_model(folder: str, dtype: torch.dtype = torch.float32, **kwargs):
+    """HF's model of a folder, in eval mode; eager attention where the config soft-caps
+    attention scores (Gemma 2): transformers 5.17 (the GPU machines') defaulted Gemma 2 to
+    SDPA, which drops the soft-cap silently (5.25 picks eager itself)."""
+    config = AutoConfig.from_pretrained(folder, **kwargs)
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "attn_logit_softcapping", None):
+        kwargs["attn_implementation"] = "eager"
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).eval()
+
+
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (EOS not special) of equally long prompts, one batch, as HF's
+    `generate` makes them, in a loop of HF forwards with HF's cache, so that every
+    transformers version gives the same reference: transformers 5.25's Phi-3 `generate`
+    drops its cache and recomputes the sequence with its long rope factors at the step where
+    it passes original_max_position_embeddings tokens, while 5.17's (the GPU machines') kept
+    the short-rotated cache."""
+    config = model.config
+    switch = getattr(config, "original_max_position_embeddings", None)
+    switch = switch if config.model_type == "phi3" else None
+    cache_arg = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    cache = None
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            if switch is not None and ids.shape[1] > switch and cache is not None:
+                if cache.get_seq_length() <= switch:
+                    cache = None  # recompute everything with the long factors
+            feed = ids if cache is None else ids[:, -1:]
+            out = model(input_ids=feed, use_cache=True, **{cache_arg: cache})
+            cache = out.past_key_values
+            ids = torch.cat([ids, out.logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[:, len(prompts[0]) :].tolist()
+
+
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """HF's logits for every position of one sequence: [len, vocab] float32."""
     with torch.inference_mode():
@@ -125,6 +166,7 @@ class _Seq:
     tokens: list[int]  # every token known so far (prompt, then generated)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    rope_offset: int = 0  # a longrope model's long-factor rows, for a sequence longer than k
 
 
 class PagedRunner:
@@ -148,11 +190,14 @@ class PagedRunner:
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.seqs: dict[int, _Seq] = {}
+        self.long_rope = long_rope(cfg)  # (k, rows) or None
 
     def add(self, seq_id: int, tokens: list[int], share_blocks_of: int | None = None) -> None:
         """A new sequence; `share_blocks_of` reuses another sequence's full blocks of the same
         leading tokens (a prefix-cache hit), so they count as already computed."""
         seq = _Seq(list(tokens))
+        if self.long_rope is not None and len(tokens) > self.long_rope[0]:
+            seq.rope_offset = self.long_rope[1]  # as HF's forward over a longer sequence
         if share_blocks_of is not None:
             seq.blocks = _shared_full_blocks(self.seqs[share_blocks_of], seq, self.block_size)
             seq.num_computed = len(seq.blocks) * self.block_size
@@ -187,7 +232,7 @@ class PagedRunner:
             seq = self.seqs[seq_id]
             span = range(seq.num_computed, seq.num_computed + n)
             ids += seq.tokens[span.start : span.stop]
-            pos += list(span)
+            pos += [p + seq.rope_offset for p in span]
             slots += [seq.blocks[p // bs] * bs + p % bs for p in span]
             query_lens.append(n)
             seq_lens.append(span.stop)

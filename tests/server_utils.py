@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from timing import scaled, wait_until
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -31,12 +32,24 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def child_pids(self) -> dict[int, str]:
+        """pid -> command line of the server's child processes."""
+        children = {}
+        for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+            if stat(pid)[1:2] == [str(self.proc.pid)]:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        children[pid] = f.read().replace(b"\0", b" ").decode()
+                except OSError:
+                    pass
+        return children
+
     def engine_pids(self) -> list[int]:
         """The server's engine core processes (the serving one and a spare), oldest first."""
         children = [
             (int(fields[19]), pid)  # (start time, pid)
-            for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-            if (fields := stat(pid, all_fields=True))[1:2] == [str(self.proc.pid)]
+            for pid, cmd in self.child_pids().items()
+            if "sandbox_worker" not in cmd and (fields := stat(pid, all_fields=True))
         ]
         return [pid for _, pid in sorted(children)]
 
@@ -46,7 +59,7 @@ class Server:
 
     def spare_pid(self, timeout: float = START_TIMEOUT_S, ready: bool = True) -> int:
         """The latest spare engine core, once it is ready (or started), as the log says."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             log = self.log()
             started = re.findall(r"spare engine core (\d+) started", log)
@@ -54,6 +67,14 @@ class Server:
                 return int(started[-1])
             time.sleep(0.25)
         pytest.fail(f"no spare engine core within {timeout} s:\n{self.log()[-4000:]}")
+
+    def sandbox_pids(self, lane: str = "") -> set[int]:
+        """The chat-template sandbox's workers (of one lane)."""
+        return {
+            pid
+            for pid, cmd in self.child_pids().items()
+            if "sandbox_worker" in cmd and f'"name":"{lane}' in cmd
+        }
 
 
 def stat(pid: int, all_fields: bool = False) -> list[str]:
@@ -78,6 +99,7 @@ def start_server(args: list[str], log_path: str) -> Server:
 
 
 def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
@@ -92,21 +114,20 @@ def wait_healthy(server: Server, timeout: float = START_TIMEOUT_S) -> None:
 
 
 def stop_server(server: Server, expect_engine: bool = True) -> None:
-    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process must go too."""
-    engine_pids = server.engine_pids()
-    assert engine_pids or not expect_engine, "the server has no engine core process"
+    """SIGTERM, as a user's Ctrl-C or a supervisor would; the engine process and the sandbox's
+    workers must go too."""
+    children = list(server.child_pids())
+    assert server.engine_pids() or not expect_engine, "the server has no engine core process"
     server.proc.send_signal(signal.SIGTERM)
     try:
-        code = server.proc.wait(timeout=30)
+        code = server.proc.wait(timeout=scaled(30))
     except subprocess.TimeoutExpired:
         server.proc.kill()  # leave nothing behind, then fail
         pytest.fail(f"the server ignored SIGTERM:\n{server.log()[-4000:]}")
     assert code in (0, -signal.SIGTERM), server.log()[-4000:]
     assert "Traceback" not in server.log(), server.log()[-4000:]
-    deadline = time.monotonic() + 10
-    while any(stat(pid) for pid in engine_pids):
-        assert time.monotonic() < deadline, f"orphan engine processes: {engine_pids}"
-        time.sleep(0.1)
+    gone = wait_until(lambda: not any(stat(pid) for pid in children), 10, interval=0.1)
+    assert gone, f"orphan processes: {children}"
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -130,13 +151,15 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
-def wait_kv_free(server: Server, timeout: float = 5.0) -> float:
-    """Seconds until no request runs or waits and no KV block is in use (fails after timeout)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        m = metrics(server)
+def wait_kv_free(server: Server, timeout: float = 5.0) -> None:
+    """Until no request runs or waits and no KV block is in use; fails after `timeout` (an
+    idle machine's, scaled by the load: `timing.wait_until`)."""
+    m: dict[str, float] = {}
+
+    def free() -> bool:
+        m.update(metrics(server))
         idle = m["pagellm:num_requests_running"] == 0 and m["pagellm:num_requests_waiting"] == 0
-        if idle and m["pagellm:kv_cache_usage_perc"] == 0:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    pytest.fail(f"KV blocks still in use {timeout} s after the client left: {m}")
+        return idle and m["pagellm:kv_cache_usage_perc"] == 0
+
+    if not wait_until(free, timeout):
+        pytest.fail(f"KV blocks still in use {timeout} s (scaled) after the client left: {m}")

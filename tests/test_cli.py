@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+from timing import scaled
 
 from pagellm import CompletionOutput, RequestOutput, SamplingParams
 from pagellm.cli import build_parser, engine_args_from, main, sampling_params_from
@@ -26,7 +28,7 @@ def _pagellm() -> list[str]:
 
 def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _pagellm() + args, input=stdin, capture_output=True, text=True, timeout=300
+        _pagellm() + args, input=stdin, capture_output=True, text=True, timeout=scaled(300)
     )
 
 
@@ -81,11 +83,13 @@ class FakeEngine:
     def get_tokenizer(self) -> FakeEngine:
         return self
 
-    def apply_chat_template(self, messages: list[dict], **kwargs) -> list[dict]:
-        return [dict(m) for m in messages]
+    special_tokens_map: dict = {}
 
-    def add_request(self, request_id: str, prompt: list[dict], params: object) -> None:
-        self.prompts.append(prompt)
+    def get_chat_template(self, chat_template: str | None, tools: list | None) -> str:
+        return "{{ messages | tojson }}"  # the prompt is the conversation, as JSON
+
+    def add_request(self, request_id: str, prompt: str, params: object) -> None:
+        self.prompts.append(json.loads(prompt))
         self.pending = ["reply ", str(len(self.prompts))]
 
     def has_unfinished_requests(self) -> bool:

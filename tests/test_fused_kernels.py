@@ -259,3 +259,18 @@ def test_sample_follows_the_distribution_across_chunks_and_blocks(monkeypatch):
     freq = torch.bincount(torch.bucketize(out, edges, right=True), minlength=3).float() / rows
     expected = torch.tensor([2 * block, chunk - 2 * block, vocab - chunk]) / vocab
     torch.testing.assert_close(freq[:3], expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])  # one rounding
+def test_rms_norm_weight_first_is_gemmas_order(dtype):
+    """Gemma's norm multiplies x / rms(x) by its float32 (1 + w) before the one rounding
+    (HF's GemmaRMSNorm); Llama's rounds x / rms(x) first. Their outputs part in a good share
+    of bf16 / fp16 elements, so each order's kernel must match its own reference."""
+    x, r = _randn(64, 256, dtype=dtype), _randn(64, 256, dtype=dtype, seed=1)
+    w = 1.0 + 3.0 * _randn(256, dtype=torch.float32, seed=2)
+    gemma = (torch.nn.functional.rms_norm((x + r).float(), w.shape, eps=1e-6) * w).to(dtype)
+    llama = _torch_rms_norm(x + r, w, 1e-6).to(dtype)
+    out, res = fused.rms_norm(x, w, 1e-6, r, weight_first=True)
+    assert torch.equal(res, x + r)
+    assert (out == gemma).float().mean() > 0.99
+    assert (out == llama).float().mean() < 0.95

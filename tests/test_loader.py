@@ -400,11 +400,32 @@ def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch):
             assert tok.encode(text) == fresh.encode(text), text
             ids = fresh.encode(text)
             assert tok.decode(ids) == fresh.decode(ids)
-        assert (tok.bos_token_id, tok.eos_token_id) == (fresh.bos_token_id, fresh.eos_token_id)
-        assert tok.chat_template == read_gguf(source.path).get("tokenizer.chat_template")
+        gguf = read_gguf(source.path)  # the file's ids, whatever the conversion made of them
+        ids = (gguf.get("tokenizer.ggml.bos_token_id"), gguf.get("tokenizer.ggml.eos_token_id"))
+        assert (tok.bos_token_id, tok.eos_token_id) == ids == (1, 2)
+        assert tok.chat_template == gguf.get("tokenizer.chat_template")
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     rendered = cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered.endswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_gguf_special_tokens_are_the_files(tmp_path, monkeypatch):
+    """transformers 5.17 converted the embedded SmolLM2 with <|im_start|> as its EOS (the
+    file says <|im_end|>): grammars and replies ended on the wrong token on a GPU machine.
+    A conversion (or a cache written by one) that mislabels them is corrected on load."""
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path))
+    source = resolve_model_source(None, "auto", None)
+    real = AutoTokenizer.from_pretrained
+
+    def mislabelled(*args, **kwargs):
+        tok = real(*args, **kwargs)
+        tok.eos_token, tok.bos_token = "<|im_start|>", "<|im_end|>"
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", mislabelled)
+    for _ in ("converted", "cached"):
+        tok = load_tokenizer(source)
+        assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
 
 
 def test_tokenizer_override(tmp_path):

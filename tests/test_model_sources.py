@@ -14,6 +14,7 @@ import pytest
 import torch
 from model_utils import fake_hub_snapshot, load_our_model, make_tiny_hf_model, save_tiny_tokenizer
 from safetensors.torch import load_file, save_file
+from timing import scaled
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, EngineArgs
@@ -60,7 +61,7 @@ def test_hf_home_is_the_default_cache(tiny, tmp_path):
     env.pop("HF_HUB_CACHE", None)
     code = "from pagellm.loader.source import resolve_model_source as r; print(r('org/tiny').path)"
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=scaled(120)
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == snapshot

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, Phi3Config
 
 from pagellm.config import HFConfigView, _resolve_max_model_len
-from pagellm.models.rope import cos_sin_table, rope_parameters, rotary_dim
+from pagellm.models.rope import cos_sin_table, long_rope, rope_parameters, rotary_dim
 
 ORIGINAL_32 = {"original_max_position_embeddings": 32}
 BASE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
@@ -103,11 +103,18 @@ def test_table_equals_hf(case):
     theta, scaling = rope_parameters(view)
     dim = rotary_dim(view, 32)
     ours = cos_sin_table(dim, num_positions, theta, scaling)  # [P, dim]: cos | sin
-    cos, sin = _hf_rows(config, num_positions, one_at_a_time)  # [1, P, dim], halves repeated
-    assert cos.shape[-1] == dim == (16 if case == "longrope-partial" else 32)
-    # float32 rounding of angles up to ~100 rad (dynamic: torch's vectorized pow is 1 ulp off)
-    torch.testing.assert_close(ours[:, : dim // 2], cos[0, :, : dim // 2], atol=1e-5, rtol=0)
-    torch.testing.assert_close(ours[:, dim // 2 :], sin[0, :, : dim // 2], atol=1e-5, rtol=0)
+    pairs = [(ours, _hf_rows(config, num_positions, one_at_a_time))]
+    if long_rope(view) is not None:  # HF's rows of a sequence of k tokens (short factors),
+        k, rows = long_rope(view)  # and of a longer one (long factors throughout)
+        assert ours.shape[0] == 2 * rows == 2 * num_positions
+        pairs = [(ours[:k], _hf_rows(config, k, False))]
+        pairs.append((ours[rows:], _hf_rows(config, num_positions, False)))
+    for table, (cos, sin) in pairs:  # cos, sin: [1, P, dim], halves repeated
+        assert cos.shape[-1] == dim == (16 if case == "longrope-partial" else 32)
+        # float32 rounding of angles up to ~100 rad (dynamic: torch's vectorized pow 1 ulp off)
+        half = dim // 2
+        torch.testing.assert_close(table[:, :half], cos[0, :, :half], atol=1e-5, rtol=0)
+        torch.testing.assert_close(table[:, half:], sin[0, :, :half], atol=1e-5, rtol=0)
 
 
 def test_max_model_len_grows_with_yarn_and_dynamic():

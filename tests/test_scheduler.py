@@ -600,3 +600,41 @@ def test_stats_counts_and_log_stats_off():
     quiet.add_request(make_request("a", [1, 2, 3]))
     so = quiet.schedule()
     assert quiet.update_from_output(so, ModelRunnerOutput(["a"], [[5]])).scheduler_stats is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_long_rope_switch_recomputes_with_the_long_factors(async_scheduling):
+    """A longrope model (switch k = 10 tokens): a prompt over k is long from its first step;
+    a request that computes its position k is recomputed whole as a long one (as HF Phi-3's
+    `generate` does), not counted as a preemption; long and short requests never share
+    prefix-cache blocks, long ones do."""
+    scheduler = Scheduler(
+        SchedulerConfig(16, 64, 64),
+        CacheConfig(block_size=BLOCK_SIZE),
+        64,
+        async_scheduling=async_scheduling,
+        long_rope_switch=10,
+    )
+    runner, results = FakeRunner(), {}
+    arrivals: dict[str, list[tuple[bool, int]]] = {}  # (long_rope, num_computed) per arrival
+    execute = runner.execute_model
+
+    def recording(so: SchedulerOutput) -> ModelRunnerOutput:
+        for new in so.scheduled_new_reqs:
+            arrivals.setdefault(new.req_id, []).append((new.long_rope, new.num_computed_tokens))
+        return execute(so)
+
+    runner.execute_model = recording
+    stepper = AsyncStepper(scheduler, runner) if async_scheduling else step
+    long_prompt = list(range(20, 32))  # 12 tokens
+    for req_id, prompt, max_tokens in (("long", long_prompt, 4), ("short", long_prompt[:8], 8)):
+        scheduler.add_request(make_request(req_id, prompt, eos=None, max_tokens=max_tokens))
+        for _ in range(40):
+            stepper(scheduler, runner, results)
+        assert results[req_id][0] == reference_outputs(prompt, max_tokens, 64), req_id
+    assert arrivals["long"] == [(True, 0)]
+    # short: no hit on long's blocks of the same 8 tokens; at 11 tokens, back whole as long,
+    # its first 8 tokens now found in long's blocks
+    assert arrivals["short"] == [(False, 0), (True, 8)]
+    assert scheduler.num_preemptions == 0
+    assert_all_blocks_free(scheduler)

@@ -1,8 +1,14 @@
 """Sliding-window attention, logit soft-capping and custom scales.
 
-- the torch backend and the paged Triton kernel (under Triton's interpreter on CPU) against
-  a naive reference, with every cache slot outside all of a request's windows NaN-poisoned
-  (a read of one shows up as NaN in the output);
+- the torch backend, in both its CPU paths (every row through the C++ in-place kernel, or its
+  own masks over gathered keys for SDPA), and the paged Triton kernel (under Triton's
+  interpreter on CPU) against a naive reference, with every cache slot outside all of a
+  request's windows NaN-poisoned (a read of one shows up as NaN in the output);
+- a windowed Mistral's logits equal HF's through either CPU path and both of the kernel's
+  loops (scalar, vector): chunked prefill and decodes across the window's edge;
+- the KV blocks freed outside the window, and which layers are windowed, per family;
+- the engine's greedy ids equal HF's, blocks outside the window freed (Mistral: in either CPU
+  path).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
-from model_utils import TINY_CONFIG, make_tiny_hf_model
+from model_utils import TINY_CONFIG, hf_logits, load_our_model, make_tiny_hf_model, run_paged
 from test_kernels import DEVICE, Batch, assert_close  # first: sets TRITON_INTERPRET=1 on CPU
 from test_kv_cache_manager import BLOCK_SIZE, admit, free_ids, make_request
 from test_torch_attention import _Case as TorchCase
+from test_torch_attention import decode_path  # noqa: F401 (the fixture: C++ kernel or SDPA)
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention.torch_backend import TorchAttentionBackend
@@ -75,9 +82,11 @@ class WindowCase(TorchCase):
 WINDOW_MIX = [(1, 3), (20, 0), (1, 30), (6, 4), (9, 25), (1, 7), (3, 0), (1, 11), (12, 40)]
 
 
-@pytest.mark.parametrize("window", [1, 5, 8, 64])
+# 51: the longest request (52 keys) has exactly one key outside its window
+@pytest.mark.parametrize("window", [1, 5, 8, 51, 64])
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(4, 4, 4), (8, 2, 1), (6, 1, 16)])
+@pytest.mark.usefixtures("decode_path")
 def test_torch_backend_window_and_soft_cap(window, soft_cap, heads, kv_heads, block_size):
     reqs = list(WINDOW_MIX)
     random.Random(window).shuffle(reqs)
@@ -376,6 +385,32 @@ def test_layer_windows_are_hfs(name):
     assert name.endswith(("-none", "-off")) == (set(expected) == {None})
 
 
+# ---------------------------------------------------------------- logits equal HF's
+
+# all longer than the window; the first a key longer (its second chunk, and the step that
+# holds it, reach exactly one key outside the window)
+WINDOW_PROMPT_LENGTHS = (8, 16, 23)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # the C++ kernel's scalar loop, a vector path
+@pytest.mark.usefixtures("decode_path")
+def test_windowed_logits_equal_hf(head_dim, tmp_path):
+    """Mistral with a 7-token window: the logits of every prompt token (prefill chunks of 5,
+    so chunks begin before, at and past the window's edge) and of 6 decodes past it, in
+    staggered, shuffled batches that mix prefills and decodes, are HF's."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_hf_model("mistral", tmp_path, sliding_window=7, head_dim=head_dim, std=0.3)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_our_model(folder)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in WINDOW_PROMPT_LENGTHS]
+    runs = run_paged(ours, prompts, num_decode_steps=6, block_size=4, chunk_size=5,
+                     stagger=True, shuffle=True)  # fmt: skip
+    for tokens, logits in runs:
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- greedy ids equal HF's
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -403,6 +438,7 @@ def assert_greedy_matches_hf(folder: str, prompts: list[list[int]], **engine_arg
     return stats
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_mistral_window_matches_hf_in_a_cache_only_window_blocks_fit(tmp_path, monkeypatch):
     """Every layer windowed (12 tokens): 19 usable blocks of 4 hold 76 tokens, less than one
     prompt and its outputs (up to 112), so requests get through only because the blocks

@@ -146,6 +146,9 @@ def test_prefix_cache_shared_by_constrained_requests(batch):
         ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "JSON schema"),
         ({"regex": "([a-z"}, "regex"),
         ({"grammar": 'root ::= "a" undefined_rule'}, "grammar"),
+        ({"grammar": "root ::= root"}, "matches no string"),
+        ({"regex": "(a|b){1,100000}"}, "over the limit max_repetition=1000"),
+        ({"json": {"$ref": "https://example.com/s.json"}}, "points outside the schema"),
     ],
 )
 def test_invalid_constraint_is_a_value_error_before_queueing(llm, kwargs, message):
@@ -165,7 +168,7 @@ def test_params_need_exactly_one_constraint():
 
 def test_core_fails_a_bad_grammar_alone(llm, monkeypatch):
     """A constraint that reaches the core and fails to compile fails that request only."""
-    monkeypatch.setattr(input_processor, "check_structured_outputs", lambda key: None)
+    monkeypatch.setattr(input_processor, "check_structured_outputs", lambda key, limits: None)
     engine = llm.llm_engine
     bad = SamplingParams(structured_outputs=_constrained(regex="(unclosed"), max_tokens=8)
     good = SamplingParams(
@@ -278,11 +281,11 @@ def test_constraint_starts_after_the_thinking(llm):
     filled for them; a prompt that closed its thinking starts constrained."""
     from concurrent.futures import Future
 
-    from pagellm.structured_output.backend import XgrammarBackend
+    from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
     from pagellm.structured_output.request import StructuredOutputRequest
 
     tokenizer = llm.get_tokenizer()
-    backend = XgrammarBackend(tokenizer, 49152, [tokenizer.eos_token_id])
+    backend = XgrammarBackend(tokenizer_info(tokenizer, 49152, [tokenizer.eos_token_id]))
     params = _constrained(regex="ab")
     think, end = 100, 101  # stand-ins for <think> and </think>
     a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")

@@ -27,6 +27,8 @@ from pagellm.core.request import Request
 # Parent hash of a request's first block. A fixed int, not None: hash(None) is not stable
 # across processes before Python 3.12.
 ROOT_BLOCK_HASH = 0x5DEECE66D
+# the first block's parent for a request rotated with longrope's long factors: its K/V differ
+LONG_ROPE_ROOT_HASH = hash((ROOT_BLOCK_HASH, "long_rope"))
 
 
 def hash_block_tokens(parent_hash: int, block_token_ids: tuple[int, ...]) -> int:
@@ -224,7 +226,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size = self.block_size
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        root = LONG_ROPE_ROOT_HASH if request.long_rope else ROOT_BLOCK_HASH
+        parent = hashes[-1] if hashes else root
         for start in range(len(hashes) * size, num_tokens - size + 1, size):
             parent = hash_block_tokens(parent, tuple(tokens[start : start + size]))
             hashes.append(parent)

@@ -66,6 +66,7 @@ class Request:
         "priority",
         "structured_output",
         "error",
+        "long_rope",
     )
 
     def __init__(
@@ -101,6 +102,8 @@ class Request:
         # its grammar and matcher (pagellm.structured_output), set by the EngineCore
         self.structured_output: StructuredOutputRequest | None = None
         self.error: str | None = None  # why it failed before running (a grammar's compile)
+        # a longrope model's long factors rotate all its tokens (pagellm/models/rope.py)
+        self.long_rope = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]  # all its blocks, in order
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
     eos_token_ids: tuple[int, ...] = ()  # the sampler bans them (and stop ids) before min_tokens
+    long_rope: bool = False  # rotated with a longrope model's long factors (its second rows)
 
 
 @dataclass

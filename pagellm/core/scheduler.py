@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 def error_output(request_id: str, error: Exception) -> EngineCoreOutput:
-    """The last output of a request that failed on its own: no tokens, aborted, the error."""
-    message = f"{type(error).__name__}: {error}"
+    """The last output of a request that failed on its own: no tokens, aborted, the error (a
+    ValueError's message is the request's fault in our words; others carry their type)."""
+    message = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
     return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
 
 
@@ -84,6 +85,7 @@ class Scheduler:
         async_scheduling: bool = False,
         sliding_window: int | None = None,  # every layer's window is at most this (None: no)
         policy: str = "fcfs",
+        long_rope_switch: int | None = None,  # longrope: past this many tokens, long factors
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -107,6 +109,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self.finished_on_arrival: list[Request] = []  # prompts too long: reported next update
         self.num_preemptions = 0
+        self.long_rope_switch = long_rope_switch
         self.num_prompt_tokens = 0  # computed, since start (stats)
         self.num_generation_tokens = 0  # sampled, since start (stats)
 
@@ -135,6 +138,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self._needs_long_rope(request, request.num_tokens):
+            request.long_rope = True
         if request.num_prompt_tokens > self.max_request_len:
             request.status = RequestStatus.FINISHED_LENGTH
             self.finished_on_arrival.append(request)
@@ -189,7 +194,11 @@ class Scheduler:
             self.waiting_for_grammar = [r for r in self.waiting_for_grammar if not r.is_finished]
 
     def _release(self, request: Request) -> None:
-        """Free a finished request's blocks and forget it; the runner hears at the next step."""
+        """Free a finished request's blocks and forget it; the runner hears at the next step.
+        A grammar it still waited for is let go (a queued compile nobody waits for is
+        cancelled)."""
+        if request.structured_output is not None:
+            request.structured_output.release()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -233,6 +242,9 @@ class Scheduler:
             if num_new == 0:  # async: its last useful token is already in flight
                 i += 1
                 continue
+            if self._needs_long_rope(request, request.num_computed_tokens + num_new):
+                self._switch_to_long_rope(self.running.pop(i), step)
+                continue
             new_block_ids = self._allocate_or_preempt(request, num_new, step)
             if new_block_ids is None:
                 return  # it preempted itself, the last running request
@@ -256,12 +268,31 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def _needs_long_rope(self, request: Request, num_tokens: int) -> bool:
+        """Whether computing the request's first `num_tokens` turns it to longrope's long
+        factors (HF: a sequence of more than original_max_position_embeddings tokens)."""
+        switch = self.long_rope_switch
+        return switch is not None and not request.long_rope and num_tokens > switch
+
+    def _switch_to_long_rope(self, request: Request, step: _Step) -> None:
+        """Its cached tokens were rotated with the short factors: recompute them all with the
+        long ones, as HF's Phi-3 `generate` does at this step (a preemption, without a victim
+        of memory), their blocks keyed apart from the short ones."""
+        self._recompute_later(request)
+        request.long_rope = True
+        request.block_hashes = []
+        step.preempted = True
+
     def _preempt(self, request: Request) -> None:
+        self._recompute_later(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _recompute_later(self, request: Request) -> None:
+        """Free the request's blocks; it waits at the front to compute its tokens again."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self._enqueue(request, front=True)
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
 
@@ -291,6 +322,7 @@ class Scheduler:
             block_ids=kv.get_block_ids(request.request_id),
             num_computed_tokens=num_computed,
             eos_token_ids=request.eos_token_ids,
+            long_rope=request.long_rope,
         )
         step.new_reqs.append(new_req)
         self._advance(request, num_new, step)

@@ -40,7 +40,9 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer: Any | None, engine_core: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(config.model_config, tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, tokenizer, config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
         self.core_env = _core_env(engine_core)  # the environment of the cores started later

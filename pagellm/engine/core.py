@@ -47,6 +47,7 @@ class EngineCore:
             config.scheduler_config.max_num_seqs,
             config.async_scheduling,
             config.reasoning_parser,
+            config.structured_outputs_config,
         )
         if envs.warm_grammar_backend(config.device):
             self.structured_output.warm_up()  # in a compile thread, beside the model's loading
@@ -61,6 +62,7 @@ class EngineCore:
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
             sliding_window=self.model_executor.kv_sliding_window(),
+            long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported

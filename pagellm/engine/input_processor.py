@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-from jinja2 import TemplateError
 
-from pagellm.config import ModelConfig
+from pagellm.config import ModelConfig, StructuredOutputsConfig
 from pagellm.loader.source import TOKENIZER_FILES
 from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
@@ -25,9 +24,15 @@ PromptType = str | dict[str, Any]
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any | None,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
 
     def process_inputs(
@@ -48,7 +53,8 @@ class InputProcessor:
         self._validate(token_ids)
         self._validate_sampling_fields(params)
         if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs.key())
+            key = params.structured_outputs.key()
+            check_structured_outputs(key, self.structured_outputs_config)
         if params.bad_words:
             ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = msgspec.structs.replace(params, bad_words_token_ids=ids)
@@ -112,38 +118,15 @@ class InputProcessor:
                 )
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-    **template_kwargs: Any,  # tools=..., and chat_template_kwargs
-) -> str:
-    """The prompt text of a conversation; a template's own error (Gemma's templates refuse
-    a system message) becomes a ValueError carrying its message."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **template_kwargs,
-        )
-    except TemplateError as e:  # the template's own words (`raise_exception`), if any
-        reason = str(e) if type(e) is TemplateError else "the messages do not fit it"
-        raise ValueError(f"messages: the model's chat template refuses them: {reason}") from e
-    except Exception as e:  # not echoed: it may be an internal error of the tokenizer
-        raise ValueError("messages: the model's chat template cannot render them") from e
-
-
 @functools.lru_cache(maxsize=1024)
-def check_structured_outputs(key: tuple[str, str]) -> None:
-    """ValueError naming the problem if a constraint (StructuredOutputsParams.key()) is not a
-    valid schema, regex or grammar; valid keys are remembered. The first call imports
-    xgrammar (seconds): a server calls this off its event loop."""
-    from pagellm.structured_output.backend import parse
+def check_structured_outputs(key: tuple[str, str], limits: StructuredOutputsConfig) -> None:
+    """ValueError naming the problem if a constraint (StructuredOutputsParams.key()) is over a
+    limit, is not a valid schema, regex or grammar, or matches no string (the validator's steps
+    without the vocabulary: `structured_output/validator.py`); valid keys are remembered. The
+    first call imports xgrammar (seconds): a server calls this off its event loop."""
+    from pagellm.structured_output.validator import validate
 
-    parse(key)
+    validate(key, limits)
 
 
 def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:

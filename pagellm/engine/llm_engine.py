@@ -29,7 +29,9 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.input_processor = InputProcessor(config.model_config, tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, tokenizer, config.structured_outputs_config
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
         self.last_stats: SchedulerStats | None = None

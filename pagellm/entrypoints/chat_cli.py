@@ -12,7 +12,7 @@ import itertools
 from typing import Any
 
 from pagellm.config import EngineArgs
-from pagellm.engine.input_processor import render_chat
+from pagellm.engine.chat_template import render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 

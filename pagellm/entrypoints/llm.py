@@ -15,7 +15,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
-from pagellm.engine.input_processor import PromptType, render_chat
+from pagellm.engine.chat_template import render_chat
+from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.logger import ensure_library_logging
 from pagellm.outputs import RequestOutput
@@ -88,12 +89,7 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts = [
             render_chat(
-                tokenizer,
-                conv,
-                add_generation_prompt,
-                chat_template,
-                tools=tools,
-                **(chat_template_kwargs or {}),
+                tokenizer, conv, add_generation_prompt, chat_template, tools, chat_template_kwargs
             )
             for conv in conversations
         ]

@@ -43,6 +43,7 @@ def _rms_norm_kernel(
     FP8_GROUP: tl.constexpr = 0,  # > 0 (heads == 1): out is fp8, scales of FP8_GROUP columns
     scale_ptr=None,  # FP8_GROUP: [T, cdiv(n, FP8_GROUP)] float32
     stride_st=0,
+    WEIGHT_FIRST: tl.constexpr = False,  # Gemma: times the weight in float32, rounded once
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
@@ -62,7 +63,8 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, 1) / n  # [HEADS_PAD]
     y = x * tl.rsqrt(var + eps)[:, None]
     dtype = x_ptr.dtype.element_ty  # the activations': the unfused norm's output dtype
-    y = y.to(dtype).to(tl.float32)  # normalized, rounded, then * weight
+    if not WEIGHT_FIRST:
+        y = y.to(dtype).to(tl.float32)  # HF's Llama: normalized, rounded, then * weight
     y = (y * w[None, :]).to(dtype)
     if FP8_GROUP:  # quantized as `fp8_gemm.quantize_fp8` quantizes the unfused norm's output
         groups = tl.arange(0, BLOCK // FP8_GROUP)
@@ -248,9 +250,12 @@ def rms_norm(
     weight: torch.Tensor,  # [n]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, n]: added to x first (x must be 2-D)
+    weight_first: bool = False,  # Gemma's order: x / rms(x) * weight in float32, one rounding
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (normed like x, x + residual or None)
+    """HF's RMSNorm (Llama's order: the normalized x rounded to x's dtype, then times the
+    weight), or Gemma's with `weight_first`."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return out, _rms_norm(x, weight, eps, residual, out)
+    return out, _rms_norm(x, weight, eps, residual, out, weight_first=weight_first)
 
 
 def rms_norm_fp8(
@@ -278,7 +283,7 @@ def _fp8_outputs(op: str, t: int, n: int, group: int, device) -> tuple[torch.Ten
     return q, scale
 
 
-def _rms_norm(x, weight, eps, residual, out, fp8_group: int = 0, scale=None):
+def _rms_norm(x, weight, eps, residual, out, fp8_group: int = 0, scale=None, weight_first=False):
     """Launch `_rms_norm_kernel` into `out`; returns x + residual (None without one)."""
     n = x.shape[-1]
     if x.stride(-1) != 1 or weight.shape != (n,):
@@ -304,6 +309,7 @@ def _rms_norm(x, weight, eps, residual, out, fp8_group: int = 0, scale=None):
         FP8_GROUP=fp8_group,
         scale_ptr=scale,
         stride_st=scale.stride(0) if scale is not None else 0,
+        WEIGHT_FIRST=weight_first,
         launch_pdl=use_pdl,
         num_warps=_num_warps(heads * n),
     )  # fmt: skip

@@ -11,7 +11,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagellm import envs
 from pagellm.loader.gguf_file import read_gguf
@@ -48,13 +48,33 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     cached = tokenizer_cache_dir(path)
+    gguf = read_gguf(path)
     if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return _gguf_special_tokens(AutoTokenizer.from_pretrained(str(cached)), gguf)
     folder, name = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = _gguf_special_tokens(AutoTokenizer.from_pretrained(folder, gguf_file=name), gguf)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = read_gguf(path).get("tokenizer.chat_template")
+        tokenizer.chat_template = gguf.get("tokenizer.chat_template")
     _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+_SPECIAL_TOKENS = {  # the tokenizer's attribute: the GGUF key of its id
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _gguf_special_tokens(tokenizer: PreTrainedTokenizerBase, gguf: Any) -> PreTrainedTokenizerBase:
+    """The special tokens the file names, whatever transformers' conversion made of them
+    (transformers 5.17 gave the embedded SmolLM2 <|im_start|> as its EOS, where the file, and
+    later versions, say <|im_end|>: replies and grammars then ended on the wrong token)."""
+    for attr, key in _SPECIAL_TOKENS.items():
+        token_id = gguf.get(key)
+        if token_id is not None and 0 <= int(token_id) < len(tokenizer):
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(token_id)))
     return tokenizer
 
 

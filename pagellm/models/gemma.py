@@ -33,6 +33,12 @@ class GemmaDecoderLayer1(LlamaDecoderLayer):
 class GemmaForCausalLM(Gemma2ForCausalLM):
     gemma_layer_cls = GemmaDecoderLayer1
 
+    def __init__(self, config: PretrainedConfig, attn_backend_cls: type) -> None:
+        super().__init__(config, attn_backend_cls)
+        # HF's Gemma 1 soft-caps nothing, whatever its config says (a config may carry
+        # Gemma 2's final_logit_softcapping: transformers keeps unknown keys)
+        self.final_soft_cap = None
+
     @classmethod
     def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))

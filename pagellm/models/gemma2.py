@@ -47,7 +47,8 @@ SLIDING = "sliding_attention"
 
 
 class GemmaRMSNorm(RMSNorm):
-    """y = (1 + w) * x / rms(x) in float32, cast back; `weight` holds 1 + w in float32."""
+    """y = (1 + w) * x / rms(x) in float32, cast back once (HF's Gemma order; Llama's rounds
+    x / rms(x) first); `weight` holds 1 + w in float32."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__(size, eps)
@@ -57,9 +58,17 @@ class GemmaRMSNorm(RMSNorm):
         # x: [..., size]; never quantized for the GEMM after it (its weight is float32)
         fused = self._fused(x)
         if fused is not None:
-            return fused.rms_norm(x, self.weight, self.eps)[0]
+            return fused.rms_norm(x, self.weight, self.eps, weight_first=True)[0]
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return (normed * self.weight).to(x.dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None, quant_for: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self._fused(x)
+        if residual is not None and fused is not None and x.dim() == 2:
+            return fused.rms_norm(x, self.weight, self.eps, residual, weight_first=True)
+        return super().forward_with_residual(x, residual)
 
     def _fused(self, x: torch.Tensor):
         """The Triton kernel reads the float32 weight whatever the activations' dtype (the CPU

@@ -14,14 +14,14 @@ first `partial_rotary_factor * head_dim` dims of each head turn, the rest pass t
 HF decides dynamic and longrope frequencies once per forward from its longest position; a
 paged engine decides per position (the row of position p is what HF uses for a token decoded
 at p with its cache). For dynamic NTK the two agree for every prompt up to the original
-length and every decoded token. For longrope they part where a sequence passes
-original_max_position_embeddings: HF's Phi-3 `generate` then drops its cache and recomputes
-the whole sequence with the long factors (and a longer prompt is rotated with them
-throughout), while the cached keys here keep the short factors they were written with: the
-same tokens as HF's forward with a cache, step by step (checked on the CPU in float32), not
-as its `generate` (vLLM, which picks the long table per batch, matches neither). Matching
-`generate` would take a recompute of the request at the crossing and prefix-cache keys that
-tell the two rotations apart; not built.
+length and every decoded token. For longrope, HF's Phi-3 rotates a sequence of more than
+original_max_position_embeddings (k) tokens with the long factors throughout: a longer prompt
+from its first token, and at the step where a sequence reaches k + 1 tokens its `generate`
+drops the cache and recomputes every token with them. So a longrope table holds two sets of
+rows, the short factors' for every position then the long factors' (`long_rope`); a request
+is rotated with the second set from the step that computes its position k on (the scheduler
+recomputes what it had cached, as a preemption does), and its prefix-cache blocks are keyed
+apart. vLLM, which picks the long rows per batch, matches neither HF's forward nor generate.
 """
 
 from __future__ import annotations
@@ -79,16 +79,24 @@ def max_positions(config: Any) -> int:
 def cos_sin_table(
     dim: int, num_positions: int, theta: float, scaling: dict | None = None
 ) -> torch.Tensor:
-    """[num_positions, dim] float32: cos | sin of every position's angles."""
+    """[num_positions, dim] float32: cos | sin of every position's angles (longrope: twice
+    the rows, see `long_rope`)."""
     scaling = scaling or {}
     kind = rope_type(scaling)
     positions = torch.arange(num_positions, dtype=torch.float32, device="cpu")
     if kind == "dynamic":
         freqs = positions[:, None] * dynamic_inv_freq(dim, theta, scaling, positions)
         return _cos_sin(freqs, 1.0)
-    if kind == "longrope":
-        freqs = positions[:, None] * longrope_inv_freq(dim, theta, scaling, positions)
-        return _cos_sin(freqs, longrope_attention_factor(scaling))
+    if kind == "longrope":  # [2 P, dim]: the short factors' rows, then the long factors'
+        factor = longrope_attention_factor(scaling)
+        return torch.cat(
+            [
+                _cos_sin(
+                    torch.outer(positions, longrope_inv_freq(dim, theta, scaling[name])), factor
+                )
+                for name in ("short_factor", "long_factor")
+            ]
+        )
     inv_freq, attention_factor = _static_inv_freq(dim, theta, scaling, kind)
     return _cos_sin(torch.outer(positions, inv_freq), attention_factor)
 
@@ -185,15 +193,22 @@ def longrope_attention_factor(s: dict) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def longrope_inv_freq(
-    dim: int, theta: float, s: dict, positions: torch.Tensor
-) -> torch.Tensor:  # [P, D/2]
-    """Short factors up to the original length, long factors from there on."""
+def longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Tensor:  # [D/2]
+    """The default frequencies divided by per-dimension factors (short or long)."""
     exponents = _arange(0, dim, 2).float() / dim
-    short = 1.0 / (_floats(s["short_factor"]) * theta**exponents)
-    long = 1.0 / (_floats(s["long_factor"]) * theta**exponents)
-    is_long = positions >= s["original_max_position_embeddings"]  # [P]
-    return torch.where(is_long[:, None], long[None, :], short[None, :])
+    return 1.0 / (_floats(factors) * theta**exponents)
+
+
+def long_rope(config: Any) -> tuple[int, int] | None:
+    """For a longrope model, (k, rows): a sequence of more than k tokens
+    (original_max_position_embeddings) is rotated with the long factors throughout, from the
+    table's row `rows + position` (its long rows follow `rows` short ones); else None."""
+    if not hasattr(config, "max_position_embeddings"):
+        return None
+    _, scaling = rope_parameters(config)
+    if rope_type(scaling) != "longrope":
+        return None
+    return int(scaling["original_max_position_embeddings"]), max_positions(config)
 
 
 def _arange(start: int, end: int, step: int) -> torch.Tensor:

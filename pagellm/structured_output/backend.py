@@ -12,75 +12,72 @@ the ids past the tokenizer's are never allowed.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
+from pagellm.structured_output.errors import user_message
+from pagellm.structured_output.limits import NAMES
+
 # the longest whitespace run a JSON schema's grammar allows: enough for indentation, and a
 # model cannot loop on newlines until max_tokens
 MAX_WHITESPACE = 24
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def parse(key: tuple[str, str]) -> None:
-    """Raise ValueError naming what is wrong if a constraint (StructuredOutputsParams.key())
-    is not a valid schema, regex or grammar. Cheap (no vocabulary): the caller runs it before
-    a request is queued."""
+def parse(key: tuple[str, str]) -> Any:
+    """The xgrammar Grammar of a constraint (StructuredOutputsParams.key()), as the compile
+    will see it; ValueError in our words if it is not a valid schema, regex or grammar.
+    No vocabulary: cheap once its limits are checked (`limits.check_limits`)."""
     import xgrammar as xgr
 
-    kind, spec = key[0].split(":")[0], key[1]
+    kind, spec = key
+    compact = kind.endswith(":compact")
+    kind = kind.split(":")[0]
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(spec)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(spec)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(spec)
-    except RuntimeError as e:
-        raise ValueError(f"invalid {_NAMES[kind]}: {clean_error(e)}") from None
+            return xgr.Grammar.from_json_schema(
+                spec, any_whitespace=not compact, max_whitespace_cnt=MAX_WHITESPACE
+            )
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        return xgr.Grammar.from_ebnf(spec)
+    except Exception as e:  # RuntimeError from C++; anything else is not the user's to read
+        raise ValueError(user_message(NAMES[kind], e)) from None
 
 
-_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's vocabulary tables (`TokenizerInfo`) for a HF tokenizer and the model's
+    vocabulary size; `serialize_json()` carries them to another process."""
+    import xgrammar as xgr
 
-
-def clean_error(error: Exception) -> str:
-    """xgrammar's message without its C++ time stamp and source location."""
-    lines = [_CPP_PREFIX.sub("", line).strip() for line in str(error).strip().splitlines()]
-    return " ".join(line for line in lines if line)
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
 
 
 class XgrammarBackend:
-    """A grammar compiler for one vocabulary. Thread-safe: compiles run in worker threads."""
+    """A grammar compiler for one vocabulary (a `TokenizerInfo`). Thread-safe: compiles run
+    in worker threads."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, info: Any) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
+        self.vocab_size = info.vocab_size
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.reasoning_ids: tuple[int, int] | None = None  # (<think>, </think>) if parsed
 
-    def compile(self, key: tuple[str, str]) -> Any:
-        """A CompiledGrammar for StructuredOutputsParams.key(); ValueError if it is invalid."""
-        kind, spec = key
-        compact = kind.endswith(":compact")
-        kind = kind.split(":")[0]
+    def compile(self, key: tuple[str, str], grammar: Any = None) -> Any:
+        """A CompiledGrammar for StructuredOutputsParams.key() (`grammar`: its parse, if
+        done); ValueError if it is invalid."""
+        if grammar is None:
+            grammar = parse(key)
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(
-                    spec, any_whitespace=not compact, max_whitespace_cnt=MAX_WHITESPACE
-                )
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
-            if kind == "regex":
-                return self.compiler.compile_regex(spec)
-            return self.compiler.compile_grammar(spec)
-        except RuntimeError as e:
-            raise ValueError(f"cannot compile the {kind} constraint: {clean_error(e)}") from None
+            return self.compiler.compile_grammar(grammar)
+        except Exception as e:  # e.g. a Token(...) id outside the vocabulary
+            raise ValueError(user_message(NAMES[key[0].split(":")[0]], e)) from None
 
     def matcher(self, compiled: Any) -> Any:
         return self.xgr.GrammarMatcher(compiled)

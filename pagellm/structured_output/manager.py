@@ -4,7 +4,11 @@ A constrained request gets its grammar from a compile cache keyed by the canonic
 constraint (`StructuredOutputsParams.key()`); a miss is compiled in a small thread pool (the
 first compile also loads the tokenizer and builds the vocabulary tables: xgrammar's
 `TokenizerInfo`). Meanwhile the request waits in the scheduler as WAITING_FOR_GRAMMAR, holding
-no blocks, and everything else runs. A constraint that fails to compile fails its request.
+no blocks, and everything else runs. A constraint that fails to compile fails its request, as
+does one not compiled within `compile_timeout_s` (a thread cannot be stopped: the compile
+finishes into the cache; the limits checked before it, `validator.checked_grammar`, keep it
+short). A compile still queued when no request waits for it any more (aborted, timed out) is
+cancelled.
 
 Each step, `sampling_requests()` names the scheduled requests that sample and whose sampling
 reads their last token on the host (a grammar's matcher, a multi-token bad word), and
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -25,13 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagellm.config import StructuredOutputsConfig
 from pagellm.structured_output.bitmask import GrammarBitmask
+from pagellm.structured_output.limits import limit_message
 from pagellm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from pagellm.config import ModelConfig
     from pagellm.core.request import Request
     from pagellm.core.sched_output import SchedulerOutput
+    from pagellm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +54,10 @@ class StructuredOutputManager:
         max_num_seqs: int,
         async_scheduling: bool = False,
         reasoning_parser: str | None = None,
+        limits: StructuredOutputsConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.limits = limits or StructuredOutputsConfig()
         self.max_num_seqs = max_num_seqs
         # async: a step that samples for a request has already counted its placeholder
         self.placeholder = int(async_scheduling)
@@ -59,6 +69,7 @@ class StructuredOutputManager:
         self._backend_error: Exception | None = None
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._waiters: dict[Future, int] = {}  # unfinished compiles -> requests waiting
         # unfinished requests whose sampling reads their last token on the host, by id
         self.live: dict[str, Request] = {}
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, words] int32, host
@@ -69,11 +80,40 @@ class StructuredOutputManager:
         params = request.sampling_params
         constraint = params.structured_outputs
         if constraint is not None:
-            request.structured_output = StructuredOutputRequest(
-                constraint, self.compile(constraint.key()), request.prompt_token_ids
-            )
+            request.structured_output = self._wait_for(constraint, request.prompt_token_ids)
         if constraint is not None or any(len(seq) > 1 for seq in params.bad_words_token_ids or ()):
             self.live[request.request_id] = request
+
+    def _wait_for(
+        self, constraint: StructuredOutputsParams, prompt_token_ids: list[int]
+    ) -> StructuredOutputRequest:
+        """A request's grammar: its compile, the deadline for it, and a release that cancels
+        a queued compile once no request waits for it."""
+        key = constraint.key()
+        future = self.compile(key)
+        if not future.done():
+            self._waiters[future] = self._waiters.get(future, 0) + 1
+        timeout = self.limits.compile_timeout_s
+        return StructuredOutputRequest(
+            constraint,
+            future,
+            prompt_token_ids,
+            deadline=time.monotonic() + timeout,
+            timeout_error=limit_message(
+                f"its grammar did not compile within {timeout:g} s",
+                "compile_timeout_s",
+                self.limits,
+            ),
+            on_release=functools.partial(self._stop_waiting, key, future),
+            max_matcher_s=self.limits.max_matcher_ms / 1e3,
+        )
+
+    def _stop_waiting(self, key: tuple[str, str], future: Future) -> None:
+        waiting = self._waiters.pop(future, 0) - 1
+        if waiting > 0:
+            self._waiters[future] = waiting
+        elif waiting == 0 and future.cancel() and self._cache.get(key) is future:
+            del self._cache[key]  # not started: a later request compiles it anew
 
     def compile(self, key: tuple[str, str]) -> Future:
         """The compiled grammar of `key`, from the cache or a worker thread."""
@@ -88,9 +128,11 @@ class StructuredOutputManager:
         return future
 
     def _compile_now(self, key: tuple[str, str]) -> tuple[Any, tuple[int, int] | None]:
+        from pagellm.structured_output.validator import checked_grammar
+
         start = time.perf_counter()
         backend = self._get_backend()
-        compiled = backend.compile(key)
+        compiled = backend.compile(key, checked_grammar(key, self.limits))
         elapsed_ms = 1e3 * (time.perf_counter() - start)
         logger.debug("compiled a %s grammar in %.1f ms", key[0], elapsed_ms)
         return compiled, backend.reasoning_ids
@@ -100,8 +142,11 @@ class StructuredOutputManager:
             if self._backend is None and self._backend_error is None:
                 try:
                     self._backend = _make_backend(self.model_config, self.reasoning_parser)
-                except Exception as e:
+                except ValueError as e:  # ours: what the model lacks
                     self._backend_error = e
+                except Exception:  # not the user's to read
+                    logger.exception("the grammar backend failed to start")
+                    self._backend_error = ValueError("its grammar backend failed to start")
             if self._backend_error is not None:
                 raise ValueError(f"structured outputs are unavailable: {self._backend_error}")
             return self._backend
@@ -161,14 +206,14 @@ class StructuredOutputManager:
 
 def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> Any:
     from pagellm.loader import load_tokenizer
-    from pagellm.structured_output.backend import XgrammarBackend
+    from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_config.source)
     if tokenizer is None:
         raise ValueError(f"the model {model_config.model!r} has no tokenizer (pass tokenizer=...)")
     stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
-    backend = XgrammarBackend(tokenizer, model_config.vocab_size, stop_ids)
+    backend = XgrammarBackend(tokenizer_info(tokenizer, model_config.vocab_size, stop_ids))
     if reasoning_parser is not None:
         backend.reasoning_ids = reasoning_token_ids(tokenizer)
     logger.info("grammar backend (xgrammar) ready in %.1f s", time.perf_counter() - start)

@@ -27,6 +27,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        for name, (kind, what) in _TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"StructuredOutputsParams.{name} must be {what}")
         named = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(named) != 1:
             raise ValueError(
@@ -38,10 +42,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
         if isinstance(self.json, str):
-            try:
-                json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+            _read_json(self.json)
 
     @property
     def kind(self) -> str:
@@ -51,8 +52,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         """(kind, canonical spec): equal for requests that compile to the same grammar."""
         kind = self.kind
         if kind == "json":
-            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
-            spec = json.dumps(schema, separators=(",", ":"))  # key order is output order
+            schema = _read_json(self.json) if isinstance(self.json, str) else self.json
+            spec = _compact(schema)
         elif kind == "choice":
             spec = choice_grammar(self.choice)
             kind = "grammar"
@@ -63,6 +64,36 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if kind in ("json", "json_object") and self.disable_any_whitespace:
             kind += ":compact"
         return kind, spec
+
+
+_TYPES = {  # field -> (type, what it must be)
+    "json": ((str, dict), "a JSON schema (an object or its text)"),
+    "regex": (str, "a string"),
+    "choice": (list, "a non-empty list of strings"),
+    "grammar": (str, "a string"),
+    "json_object": (bool, "a boolean"),
+    "disable_any_whitespace": (bool, "a boolean"),
+}
+
+
+def _read_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("StructuredOutputsParams.json nests too deeply to be read") from None
+    except ValueError as e:
+        at = f" (at line {e.lineno}, column {e.colno})" if hasattr(e, "lineno") else ""
+        raise ValueError(f"StructuredOutputsParams.json is not valid JSON{at}") from None
+
+
+def _compact(schema: Any) -> str:
+    """The schema as compact JSON text; key order is kept (it is the output's order)."""
+    try:
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except RecursionError:
+        raise ValueError("StructuredOutputsParams.json nests too deeply to be read") from None
+    except (TypeError, ValueError):
+        raise ValueError("StructuredOutputsParams.json must hold only JSON values") from None
 
 
 def choice_grammar(choices: list[str]) -> str:

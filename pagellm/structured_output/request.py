@@ -9,11 +9,14 @@ With a reasoning parser, tokens up to the end of the thinking are not the gramma
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from pagellm.config import StructuredOutputsConfig
 from pagellm.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -22,7 +25,8 @@ logger = logging.getLogger(__name__)
 class StructuredOutputRequest:
     __slots__ = (
         "params", "future", "matcher", "error", "num_seen", "num_matched",
-        "reasoning_end_id", "reasoning_ended", "ended_in_prompt",
+        "reasoning_end_id", "reasoning_ended", "ended_in_prompt", "deadline", "timeout_error",
+        "on_release", "max_matcher_s", "over_budget",
     )  # fmt: skip
 
     def __init__(
@@ -30,10 +34,17 @@ class StructuredOutputRequest:
         params: StructuredOutputsParams,
         future: Future,
         prompt_token_ids: list[int] | None = None,
+        deadline: float = float("inf"),
+        timeout_error: str = "",
+        on_release: Callable[[], None] | None = None,
+        max_matcher_s: float = float("inf"),
     ) -> None:
         self.params = params
         # -> (CompiledGrammar, (think start, think end) ids or None), or raises ValueError
         self.future = future
+        self.deadline = deadline  # time.monotonic() past which the compile has failed
+        self.timeout_error = timeout_error  # what the request fails with then
+        self.on_release = on_release  # called once, when the request no longer waits
         self.matcher: Any = None  # xgrammar.GrammarMatcher once compiled
         self.error: str | None = None
         self.num_seen = 0  # output tokens looked at
@@ -41,16 +52,32 @@ class StructuredOutputRequest:
         self.reasoning_end_id: int | None = None
         self.ended_in_prompt: Any = prompt_token_ids  # the prompt, until poll() decides
         self.reasoning_ended = True
+        # CPU seconds one matcher call (a bitmask, an accept) may take: past them, the request
+        # fails at its next token (`over_budget` says why) instead of stalling every step
+        self.max_matcher_s = max_matcher_s
+        self.over_budget: str | None = None
 
     def poll(self) -> bool:
-        """True once compiled (the matcher is made) or failed (`error` says why)."""
+        """True once compiled (the matcher is made) or failed (`error` says why): the compile
+        raised, or it was not done by the deadline (it is let go: `release`)."""
         if self.matcher is not None or self.error is not None:
             return True
         if not self.future.done():
-            return False
+            if time.monotonic() < self.deadline:
+                return False
+            self.error = self.timeout_error
+            self.release()
+            return True
+        if self.future.cancelled():  # not while it waits: see StructuredOutputManager
+            self.error = "its grammar's compile was cancelled"
+            return True
         error = self.future.exception()
-        if error is not None:
+        if isinstance(error, ValueError):  # in our words: the constraint's fault
             self.error = str(error)
+            return True
+        if error is not None:  # ours: logged, not echoed
+            logger.error("a grammar failed to compile", exc_info=error)
+            self.error = "its grammar failed to compile (an internal error, logged)"
             return True
         import xgrammar as xgr  # already imported by the compile thread
 
@@ -68,6 +95,12 @@ class StructuredOutputRequest:
             self.ended_in_prompt = _closed(prompt, *reasoning_ids)
         self.reasoning_ended = self.ended_in_prompt
 
+    def release(self) -> None:
+        """The request no longer waits for its grammar (it finished, or timed out)."""
+        on_release, self.on_release = self.on_release, None
+        if on_release is not None:
+            on_release()
+
     @property
     def constrains_next(self) -> bool:
         """Whether the next token is constrained (thinking over, grammar not yet done)."""
@@ -75,18 +108,37 @@ class StructuredOutputRequest:
 
     def accept(self, token_id: int) -> bool:
         """Follow one sampled output token; True if the request must stop here: the grammar
-        has terminated, or it refused the token (which a mask should have prevented)."""
+        has terminated, or it refused the token (which a mask should have prevented).
+        ValueError if following its grammar has cost more than its budget (the request fails
+        alone)."""
         self.num_seen += 1
+        if self.over_budget is not None:
+            raise ValueError(self.over_budget)
         if not self.reasoning_ended:
             self.reasoning_ended = token_id == self.reasoning_end_id
             return False
         if self.matcher.is_terminated():
             return True
-        if not self.matcher.accept_token(token_id):
+        start = time.thread_time()
+        accepted = self.matcher.accept_token(token_id)
+        self._charge(start, "accept a token")
+        if self.over_budget is not None:
+            raise ValueError(self.over_budget)
+        if not accepted:
             logger.error("the grammar refused token %d; the request stops", token_id)
             return True
         self.num_matched += 1
         return self.matcher.is_terminated()
+
+    def _charge(self, start: float, what: str) -> None:
+        """Note a matcher call past the budget (CPU time: a loaded machine does not count)."""
+        spent = time.thread_time() - start
+        if spent > self.max_matcher_s and self.over_budget is None:
+            self.over_budget = (
+                f"its grammar took {1e3 * spent:.0f} ms of CPU to {what}, over the limit "
+                f"max_matcher_ms={1e3 * self.max_matcher_s:g} (an ambiguous grammar costs more "
+                f"with every token; {StructuredOutputsConfig.how_to_raise('max_matcher_ms')})"
+            )
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher follow exactly `output_token_ids` (a rollback, or a replay)."""
@@ -101,7 +153,10 @@ class StructuredOutputRequest:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Fill `bitmask[row]` with the tokens allowed next; False when every token is."""
-        return self.matcher.fill_next_token_bitmask(bitmask, row)
+        start = time.thread_time()
+        restricts = self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._charge(start, "mask the next token")
+        return restricts
 
 
 def _closed(token_ids: list[int] | None, start_id: int, end_id: int) -> bool:

@@ -49,6 +49,9 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # added to a request's positions where the rotary table has rows for it apart: a
+        # longrope model's long factors (ModelRunner.long_rope_rows)
+        self.rope_offset = np.zeros(max_num_reqs, dtype=np.int64)
         self.temperature = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -68,7 +71,7 @@ class InputBatch:
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def add_request(self, new: NewRequestData) -> int:
+    def add_request(self, new: NewRequestData, rope_offset: int = 0) -> int:
         row = self._free_rows.pop()
         self.req_id_to_row[new.req_id] = row
         tokens = new.prompt_token_ids + new.output_token_ids
@@ -76,6 +79,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_computed_tokens[row] = new.num_computed_tokens
+        self.rope_offset[row] = rope_offset
         self.num_blocks[row] = 0
         self.append_block_ids(row, new.block_ids)
         self._set_sampling(row, new.sampling_params, new.eos_token_ids)

@@ -39,6 +39,7 @@ from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.models.cpu_gemm import cpu_gemm_plan
 from pagellm.models.layers import Attention
 from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
+from pagellm.models.rope import long_rope
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler
@@ -146,6 +147,9 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
         self.pending = PendingTokens(sc.max_num_seqs)
+        # a longrope model's long-factor rows follow this many short ones in its rotary table
+        rope = long_rope(self.model_config.hf_config)
+        self.long_rope_rows = 0 if rope is None else rope[1]
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -362,7 +366,7 @@ class ModelRunner:
                 self.pending.drop_row(row)
             ib.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
-            ib.add_request(new)
+            ib.add_request(new, self.long_rope_rows if new.long_rope else 0)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -393,7 +397,7 @@ class ModelRunner:
         block_ids = ib.block_table[token_rows, batch.positions // bs]
         return {
             "input_ids": ib.token_ids[token_rows, batch.positions],  # [T]
-            "positions": batch.positions,  # [T]
+            "positions": batch.positions + ib.rope_offset[token_rows],  # [T]: rotary table rows
             "slot_mapping": block_ids.astype(np.int64) * bs + batch.positions % bs,  # [T]
             "query_start_loc": batch.query_start_loc,  # [R + 1]
             "seq_lens": batch.seq_lens,  # [R]

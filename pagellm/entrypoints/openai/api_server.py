@@ -22,8 +22,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
-from pagellm.config import EngineArgs
+from pagellm import envs
+from pagellm.config import EngineArgs, StructuredOutputsConfig
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
+from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
 from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -46,6 +49,7 @@ from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from pagellm.entrypoints.openai.serving_engine import Admission
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.sampling_params import INT64_MAX
+from pagellm.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +118,7 @@ _TOKENIZE_ERRORS = _errors(400, 401, 404, 413, 415, 500)
 @open_routes.post("/tokenize", responses=_TOKENIZE_ERRORS)
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     serving: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
-    return await serving.tokenize(request)
+    return await serving.tokenize(request, raw_request)
 
 
 @open_routes.post("/detokenize", responses=_TOKENIZE_ERRORS)
@@ -151,8 +155,10 @@ async def _scheduler_stats(engine: AsyncLLM) -> dict[str, Any]:
 def init_app_state(
     app: FastAPI, engine: AsyncLLM, options: ServerOptions, chat_options: dict | None = None
 ) -> None:
-    """`chat_options`: OpenAIServingChat's tool_parser, enable_auto_tool_choice and
-    chat_template (the text)."""
+    """`chat_options`: OpenAIServingChat's tool_parser and enable_auto_tool_choice, and the
+    server's chat_template (the text). The sandbox's lanes are started by the caller
+    (`state.sandbox.start()`)."""
+    chat_options = dict(chat_options or {})
     model_config = engine.config.model_config
     names = [model_config.served_model_name]
     state = app.state
@@ -164,9 +170,21 @@ def init_app_state(
     max_num_seqs = engine.config.scheduler_config.max_num_seqs
     admission = Admission(max_num_seqs + options.max_waiting_requests)
     args = (engine, names, state.metrics, admission)
+    state.sandbox = Sandbox(chat_template_lanes(options))
+    templates = ChatTemplates(
+        engine.tokenizer,
+        state.sandbox,
+        options,
+        model_config.max_model_len,
+        chat_options.pop("chat_template", None),
+    )
     state.serving_completion = OpenAIServingCompletion(*args)
-    state.serving_chat = OpenAIServingChat(*args, **(chat_options or {}))
-    state.serving_tokenization = OpenAIServingTokenization(*args)
+    state.serving_chat = OpenAIServingChat(*args, templates=templates, **chat_options)
+    state.serving_tokenization = OpenAIServingTokenization(*args, templates=templates)
+    state.constraints = ConstraintChecks(
+        engine.tokenizer, model_config, engine.config.structured_outputs_config, options
+    )
+    state.serving_completion.constraints = state.serving_chat.constraints = state.constraints
     state.supervisor = EngineSupervisor(
         engine,
         getattr(state, "request_exit", _no_exit),
@@ -223,6 +241,9 @@ def build_app(
         supervision = None
         try:
             init_app_state(app, engine, options, chat_options)
+            await app.state.sandbox.start()
+            if envs.warm_grammar_backend(engine.config.device):
+                app.state.constraints.warm_up()
             engine.start()
             supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(
@@ -237,6 +258,10 @@ def build_app(
                 supervision.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervision
+            if getattr(app.state, "sandbox", None) is not None:
+                await app.state.sandbox.close()
+            if getattr(app.state, "constraints", None) is not None:
+                await app.state.constraints.close()
             engine.shutdown()
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
@@ -256,15 +281,18 @@ def build_app(
 
 def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
     """FastAPI's document, without the 422 it declares for every body (this server sends 400),
-    with the API key declared as a bearer scheme where it is required, and token ids bounded
-    by the served model's vocabulary."""
+    with the API key declared as a bearer scheme where it is required, integer bounds exact,
+    token ids bounded by the served model's vocabulary and the structured-output limits this
+    server enforces."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, routes=app.routes, description=__doc__
         )
+        _exact_integer_bounds(schema)
         engine = getattr(app.state, "engine", None)
         if engine is not None:
             _bound_token_ids(schema, engine.config.model_config.vocab_size)
+            _state_limits(schema["components"]["schemas"], engine.config.structured_outputs_config)
         components = schema.setdefault("components", {})
         for path, operations in schema["paths"].items():
             for operation in operations.values():
@@ -277,6 +305,40 @@ def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """FastAPI writes every bound as a float: 2^63 - 1 becomes 2^63, a value this server
+    refuses. An integer's bounds go back to exact integers."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                if isinstance(node.get(key), float):
+                    node[key] = min(int(node[key]), INT64_MAX)  # float(2^63 - 1) is 2^63
+        for value in node.values():
+            _exact_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integer_bounds(value)
+
+
+def _state_limits(models: dict[str, Any], limits: StructuredOutputsConfig) -> None:
+    """The structured-output limits a document can state: a regex's or grammar's length and
+    a choice list's size (the rest, a schema's nesting or cost, only the server can tell)."""
+    for name in ("CompletionRequest", "ChatCompletionRequest", "StructuredOutputsBody"):
+        for field, node in models.get(name, {}).get("properties", {}).items():
+            for branch in node.get("anyOf", [node]):
+                if field in _TEXT_CONSTRAINTS and branch.get("type") == "string":
+                    branch["maxLength"] = limits.max_spec_chars
+                elif field in _CHOICES and branch.get("type") == "array":
+                    branch["maxItems"] = limits.max_enum_values
+
+
+_TEXT_CONSTRAINTS = {"regex", "grammar", "guided_regex", "guided_grammar"}
+_CHOICES = {"choice", "guided_choice"}
 
 
 def _bound_token_ids(node: Any, vocab_size: int) -> None:

@@ -83,9 +83,12 @@ def from_exception(e: BaseException) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return unavailable(f"the engine is dead: {e}")
-    if isinstance(e, (ValueError, TypeError)):
+    if isinstance(e, ValueError):
         match = _FIELD.search(str(e))
         return APIError(str(e), 400, match.group(1) if match else None)
+    if isinstance(e, TypeError):  # Python's words about our code, not the request's: not echoed
+        logger.info("a request's value of an unexpected type: %s", e)
+        return APIError("the request holds a value of a type that does not fit here", 400)
     logger.exception("unexpected error while serving a request", exc_info=e)
     return APIError(f"internal error: {type(e).__name__}", 500)
 

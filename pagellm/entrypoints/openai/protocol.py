@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
-from pagellm.entrypoints.openai.structured import structured_outputs, unknown_field
+from pagellm.entrypoints.openai.structured import (
+    IGNORED_FIELDS,
+    structured_outputs,
+    unknown_field,
+)
 from pagellm.sampling_params import (
+    FLOAT32_MAX,
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
@@ -46,10 +59,37 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    """JSON's 2.0 is the integer 2, as JSON Schema says; 2.5 stays a float and is refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def IntIn(low: int, high: int) -> Any:  # noqa: N802 (a type)
+    """An integer in [low, high]: the bounds on the integer (so the document states them),
+    integral floats taken as integers."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # what a tokenizer and UTF-8 can take
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary is checked later
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _non_empty(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return _valid_unicode(text)
+
+
+# checked after the Unicode check (a length constraint would refuse a lone surrogate first,
+# in pydantic's words), declared as minLength
+NonEmptyText = Annotated[
+    str, AfterValidator(_non_empty), WithJsonSchema({"type": "string", "minLength": 1})
+]
+TokenId = IntIn(0, INT64_MAX)  # the vocabulary is checked later
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+T = TypeVar("T")
+Prompts = Annotated[list[T], Field(min_length=1, max_length=MAX_PROMPTS)]  # several prompts
+Count = IntIn(0, INT32_MAX)
+Number = Annotated[float, Field(allow_inf_nan=False)]  # and each field's range: float32's at most
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
@@ -67,28 +107,81 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+def _one_of(*branches: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """JSON schema: exactly one of these fields is present and not null (or `schema`)."""
+    return {
+        "oneOf": [
+            {"required": [name], "properties": {name: schema or {"not": {"type": "null"}}}}
+            for name, schema in branches
+        ]
+    }
+
+
+class StructuredOutputsBody(RequestModel):
+    """vLLM's `structured_outputs` (StructuredOutputsParams' fields): exactly one constraint."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra=_one_of(
+            ("json", {}), ("regex", {}), ("choice", {}), ("grammar", {}),
+            ("json_object", {"const": True}),
+        ),
+    )  # fmt: skip
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The fields the request set, by StructuredOutputsParams' names."""
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+def _known_fields_only(schema: dict[str, Any]) -> None:
+    """What the document says of extra="allow" and `unsupported()`: no fields but the declared
+    ones and the OpenAI fields ignored here (`structured.IGNORED_FIELDS`, of any value)."""
+    schema["additionalProperties"] = False
+    for name in sorted(IGNORED_FIELDS):
+        schema.setdefault("properties", {}).setdefault(name, {})
+
+
+def _chat_schema(schema: dict[str, Any]) -> None:
+    _known_fields_only(schema)
+    schema["anyOf"] = [  # top_logprobs above 0 needs logprobs
+        {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        {"properties": {"top_logprobs": {"enum": [0, None]}}},
+    ]
+
+
 class SamplingRequest(RequestModel):
     """The fields completions and chat share; unknown ones are kept, to be refused."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_known_fields_only)
 
     model: Text | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: Number | None = Field(default=None, ge=0)
+    n: IntIn(1, MAX_N) = 1
+    temperature: Number | None = Field(default=None, ge=0, le=FLOAT32_MAX)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    top_k: IntIn(-1, INT32_MAX) | None = None
     min_p: Number | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    seed: IntIn(INT64_MIN, INT64_MAX) | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
     presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: Number | None = Field(default=None, gt=0)  # vLLM's extension
-    logit_bias: dict[str, Number] | None = None  # token id (a string in JSON) -> bias
-    allowed_token_ids: list[TokenId] | None = None  # vLLM's extension
+    repetition_penalty: Number | None = Field(default=None, gt=0, le=FLOAT32_MAX)  # vLLM's
+    # token id (a string in JSON) -> bias, clamped to [-100, 100]
+    logit_bias: dict[str, Annotated[Number, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]] | None = Field(
+        default=None, json_schema_extra={"propertyNames": {"pattern": r"^\s*\+?[0-9]+\s*$"}}
+    )
+    allowed_token_ids: TokenIds | None = None  # vLLM's extension
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    truncate_prompt_tokens: Literal[-1] | IntIn(1, INT32_MAX) | None = None
     ignore_eos: bool = False
     min_tokens: Count = 0
     stop_token_ids: list[TokenId] | None = None
@@ -97,12 +190,12 @@ class SamplingRequest(RequestModel):
     user: Text | None = None
     bad_words: list[Text] | None = None  # vLLM's: never generated
     # vLLM's: lower first, with --scheduling-policy priority
-    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    priority: IntIn(INT64_MIN, INT64_MAX) = 0
     # output constraints: vLLM's body and its older fields (`structured.py`)
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: Text | None = None
-    guided_choice: list[Text] | None = None
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
 
     @property
@@ -159,21 +252,21 @@ class SamplingRequest(RequestModel):
 # ---- requests ------------------------------------------------------------------------------
 
 
-class CompletionRequest(SamplingRequest):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=0, le=INT32_MAX)
+def _completion_schema(schema: dict[str, Any]) -> None:
+    _known_fields_only(schema)
+    schema["properties"]["suffix"] = {"enum": ["", None]}  # unsupported: refused when set
 
-    @field_validator("prompt")
-    @classmethod
-    def _few_enough_prompts(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) > MAX_PROMPTS:
-                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
-        return prompt
+
+class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_completion_schema)
+
+    # a text, texts, token ids, or lists of token ids (OpenAI's forms), none of them empty
+    prompt: NonEmptyText | Prompts[NonEmptyText] | TokenIds | Prompts[TokenIds]
+    max_tokens: IntIn(1, INT32_MAX) | None = 16
+    echo: bool = False
+    logprobs: IntIn(0, MAX_LOGPROBS) | None = None
+    suffix: str | None = None
+    best_of: IntIn(0, INT32_MAX) | None = None
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -183,10 +276,28 @@ class CompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
+class TextPart(RequestModel):
+    """A content part: only text ones are understood."""
+
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(RequestModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`: for the chat template
+    """A message; every role but the assistant's needs content (a string or text parts)."""
+
+    model_config = ConfigDict(
+        extra="allow",  # e.g. `name`: for the chat template
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+            ]
+        },
+    )
     role: Role
-    content: Text | list[dict[str, Any]] | None = None
+    content: Text | list[TextPart] | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -196,16 +307,21 @@ class ChatMessage(RequestModel):
 
     def to_template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # content parts: only text ones are understood
-            message["content"] = "".join(_text_part(part) for part in self.content)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
         message.setdefault("content", "")  # an assistant's null content
         if message.get("tool_calls"):  # templates take arguments as objects, as vLLM gives
+            if not isinstance(message["tool_calls"], list):
+                raise ValueError("tool_calls must be a list of calls")
             message["tool_calls"] = [_template_tool_call(c) for c in message["tool_calls"]]
         return message
 
 
-def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+def _template_tool_call(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError('tool_calls: each call must be {"function": {"name", "arguments"}}')
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
@@ -215,20 +331,13 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
-def _text_part(part: dict[str, Any]) -> str:
-    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-        raise ValueError(
-            f"only text content parts are supported, got type {str(part.get('type'))[:20]!r}"
-        )
-    return _valid_unicode(part["text"])
-
-
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_chat_schema)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: IntIn(1, INT32_MAX) | None = None
+    max_completion_tokens: IntIn(1, INT32_MAX) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: IntIn(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
@@ -239,9 +348,13 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: a prompt, or chat messages through the model's chat template."""
 
+    model_config = ConfigDict(
+        extra="ignore", strict=True, json_schema_extra=_one_of(("prompt", {}), ("messages", {}))
+    )
+
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True  # prompts only: a chat template adds its own
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # rendered by the template as in a chat request

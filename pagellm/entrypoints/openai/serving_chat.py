@@ -21,8 +21,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.engine.input_processor import render_chat
 from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
+from pagellm.entrypoints.openai.chat_templates import ChatTemplates
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -40,11 +40,13 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_engine import (
     Generation,
     OpenAIServing,
+    api_logprob,
     gather_choices,
     random_id,
+    until_disconnect,
     usage,
 )
-from pagellm.entrypoints.openai.structured import named_tool, tool_constraint
+from pagellm.entrypoints.openai.structured import function_name, named_tool, tool_constraint
 from pagellm.outputs import CompletionOutput, Logprob
 
 
@@ -52,14 +54,14 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         *args: Any,
+        templates: ChatTemplates,
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
-        chat_template: str | None = None,
     ) -> None:
         super().__init__(*args)
+        self.templates = templates
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
-        self.chat_template = chat_template  # --chat-template: the file's text
         self.reasoning_parser = self.engine.config.reasoning_parser
 
     async def create_chat_completion(
@@ -85,7 +87,7 @@ class OpenAIServingChat(OpenAIServing):
         mode: str | None,
         release: Any,
     ) -> Response:
-        prompt, prompt_ids = await self.off_loop(self._render_and_encode, request)
+        prompt, prompt_ids = await self.render_and_encode(request, raw_request)
         prompt_ids = self.truncated(request, prompt_ids)
         requested = request.max_completion_tokens or request.max_tokens
         params = request.to_sampling_params(
@@ -119,12 +121,16 @@ class OpenAIServingChat(OpenAIServing):
             self._response(request, model, request_id, len(prompt_ids), outputs).model_dump()
         )
 
-    def _render_and_encode(
-        self, request: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool = True
+    async def render_and_encode(
+        self,
+        request: ChatCompletionRequest | TokenizeRequest,
+        raw_request: Request,
+        add_special_tokens: bool = True,
     ) -> tuple[str, list[int]]:
-        """The prompt text and its tokens (in a worker thread: see `off_loop`)."""
-        prompt = self._render(request)
-        return prompt, self.encode(prompt, add_special_tokens)
+        """The prompt text (rendered in the sandbox, its render killed if the client leaves)
+        and its tokens (in a worker thread: see `off_loop`)."""
+        prompt = await until_disconnect(raw_request, self.templates.render(request))
+        return prompt, await self.off_loop(self.encode, prompt, add_special_tokens)
 
     def _tool_mode(self, request: ChatCompletionRequest) -> str | None:
         """None (no tools, or "none"), "auto", "required" or "named"."""
@@ -134,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError("tool_choice needs tools", 400, "tool_choice")
             return None
         for tool in request.tools:
-            if tool.get("type") != "function" or not (tool.get("function") or {}).get("name"):
+            if tool.get("type") != "function" or function_name(tool) is None:
                 raise APIError("tools: each tool must be a function with a name", 400, "tools")
         choice = "auto" if choice is None else choice
         if choice == "none":
@@ -161,19 +167,6 @@ class OpenAIServingChat(OpenAIServing):
         named = request.tool_choice["function"]["name"] if mode == "named" else None
         parser = tool_parser_for(mode, self.tool_parser, named)
         return ChatReply(parser, self.reasoning_parser)
-
-    def _render(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
-        messages = [m.to_template_dict() for m in request.messages]
-        return render_chat(
-            self.tokenizer,
-            messages,
-            request.add_generation_prompt,
-            getattr(request, "chat_template", None) or self.chat_template,
-            tools=getattr(request, "tools", None),  # /tokenize's requests have none
-            **(getattr(request, "chat_template_kwargs", None) or {}),
-        )
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -231,7 +224,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.decode_token(token_id)
-        return TopLogprob(token=token, logprob=logprob, bytes=self.token_bytes(token_id))
+        return TopLogprob(
+            token=token, logprob=api_logprob(logprob), bytes=self.token_bytes(token_id)
+        )
 
     async def _stream_events(
         self,

@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     ChoiceState,
     Generation,
     OpenAIServing,
+    api_logprob,
     gather_choices,
     random_id,
     usage,
@@ -151,8 +152,8 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> int:
         if entry is None:
             return self._append(result, token_id, None, None, offset)
-        top = {self.decode_token(tid): lp.logprob for tid, lp in entry.items()}
-        return self._append(result, token_id, entry[token_id].logprob, top, offset)
+        top = {self.decode_token(tid): api_logprob(lp.logprob) for tid, lp in entry.items()}
+        return self._append(result, token_id, api_logprob(entry[token_id].logprob), top, offset)
 
     def _append(
         self,

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import check_structured_outputs, truncate_prompt
+from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
@@ -30,6 +31,15 @@ from pagellm.sampling_params import SamplingParams
 _DONE = object()  # a request's task ended normally
 _START_BATCH = 32  # engine requests a Generation adds before it lets the event loop run others
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def api_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token the sampling masks ruled out (-inf; NaN when
+    every token was) is -9999.0, as vLLM reports it."""
+    return logprob if logprob >= _MIN_LOGPROB else _MIN_LOGPROB
+
+
+_MIN_LOGPROB = -9999.0
 
 
 def random_id(prefix: str) -> str:
@@ -216,6 +226,7 @@ class OpenAIServing:
         self.model_names = model_names
         self.metrics = metrics
         self.admission = admission or Admission(1 << 30)
+        self.constraints: ConstraintChecks | None = None  # set by the server
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
         self._token_bytes: dict[int, list[int]] = {}
@@ -293,8 +304,9 @@ class OpenAIServing:
 
     async def check(self, request: SamplingRequest, params: list[SamplingParams]) -> None:
         """What the engine would refuse later, refused now: a priority without the priority
-        policy, a constraint that does not parse (off the event loop: the first parse
-        imports xgrammar; the result is cached for the engine's own check)."""
+        policy, a constraint over a limit, that does not parse or compile, or that matches
+        nothing (`constraints`: the server's sandboxed check; without it, the check without
+        the compile off the event loop, cached for the engine's own)."""
         if request.priority and self.engine.config.scheduler_config.policy != "priority":
             raise APIError(
                 "priority needs the server started with --scheduling-policy priority",
@@ -302,8 +314,13 @@ class OpenAIServing:
                 "priority",
             )
         constraint = params[0].structured_outputs if params else None
-        if constraint is not None:
-            await asyncio.to_thread(check_structured_outputs, constraint.key())
+        if constraint is None:
+            return
+        if self.constraints is not None:  # the server: in a sandbox process, compile included
+            await self.constraints.check(constraint.key())
+        else:
+            limits = self.engine.config.structured_outputs_config
+            await asyncio.to_thread(check_structured_outputs, constraint.key(), limits)
 
     def start(
         self,
@@ -380,7 +397,9 @@ def _unicode_to_byte() -> dict[str, int]:
 _UNICODE_TO_BYTE = _unicode_to_byte()
 
 
-async def until_disconnect(raw_request: Request, work: Awaitable, generation: Generation) -> Any:
+async def until_disconnect(
+    raw_request: Request, work: Awaitable, generation: Generation | None = None
+) -> Any:
     """Awaits `work`; if the client disconnects first, cancels it and the engine requests."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
@@ -390,7 +409,8 @@ async def until_disconnect(raw_request: Request, work: Awaitable, generation: Ge
         watcher.cancel()
         if not task.done() or task.cancelled() or task.exception() is not None:
             task.cancel()
-            generation.cancel()
+            if generation is not None:
+                generation.cancel()
     if task not in done:
         raise APIError("the client disconnected", 499)
     return task.result()

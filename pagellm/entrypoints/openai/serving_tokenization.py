@@ -3,6 +3,7 @@ template, without generating."""
 
 from __future__ import annotations
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagellm.engine.input_processor import check_in_vocab
@@ -13,7 +14,7 @@ from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 class OpenAIServingTokenization(OpenAIServingChat):
     """Shares the chat server's tokenizer, model names and template rendering."""
 
-    async def tokenize(self, request: TokenizeRequest) -> JSONResponse:
+    async def tokenize(self, request: TokenizeRequest, raw_request: Request) -> JSONResponse:
         self.model_name(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("send either prompt or messages")
@@ -21,7 +22,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
             raise ValueError("this model has no tokenizer")
         if request.messages is not None:
             # the template adds its own special tokens
-            _, tokens = await self.off_loop(self._render_and_encode, request, False)
+            _, tokens = await self.render_and_encode(request, raw_request, False)
         else:
             tokens = await self.off_loop(self.encode, request.prompt, request.add_special_tokens)
         return JSONResponse(

@@ -46,7 +46,7 @@ def structured_outputs(request: Any) -> StructuredOutputsParams | None:
     if response_format is not None:
         found.append(("response_format", response_format))
     if request.structured_outputs is not None:
-        found.append(("structured_outputs", _params(request.structured_outputs)))
+        found.append(("structured_outputs", _params(request.structured_outputs.fields())))
     for field, kind in GUIDED_FIELDS.items():
         value = getattr(request, field)
         if value is not None:
@@ -76,11 +76,6 @@ def from_response_format(response_format: dict[str, Any] | None) -> StructuredOu
 
 
 def _params(fields: dict[str, Any]) -> StructuredOutputsParams:
-    if not isinstance(fields, dict):
-        raise ValueError("structured_outputs must be an object")
-    unknown = set(fields) - set(StructuredOutputsParams.__struct_fields__)
-    if unknown:
-        raise ValueError(f"structured_outputs: unsupported field(s) {sorted(unknown)}")
     return StructuredOutputsParams(**fields)
 
 
@@ -88,11 +83,20 @@ def named_tool(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any] 
     """The function a named tool_choice ({"type": "function", "function": {"name"}}) picks."""
     if not isinstance(tool_choice, dict):
         return None
-    name = (tool_choice.get("function") or {}).get("name")
+    name = function_name(tool_choice)
+    if name is None:
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
     for tool in tools:
-        if tool.get("function", {}).get("name") == name:
+        if function_name(tool) == name:
             return tool["function"]
     raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+
+
+def function_name(tool: dict[str, Any]) -> str | None:
+    """The name of a tool's (or a named tool_choice's) function, if it has one."""
+    function = tool.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any) -> StructuredOutputsParams:
