@@ -41,6 +41,38 @@ def test_multi_byte_character_split_across_tokens(tokenizer):
     assert detok.text == "🎉"
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize(
+    "tail", ["€".encode()[:2], b"\xa1", b"\xe6\x97", b"\xf0\x9f\x8e"]
+)
+def test_a_prompt_ending_in_part_of_a_character_stays_out_of_the_output(
+    tokenizer, tail, skip_special_tokens
+):
+    """A prompt of byte tokens that ends mid-character, or in a byte no character starts
+    with, then special tokens: the output's text is its own tokens' (HF's decode of the
+    output ids), not the prompt's stray bytes as U+FFFD in front of it. Other prompts keep
+    their context (the first word's leading space)."""
+    byte_tokens = [tokenizer.convert_tokens_to_ids(_byte_char(b)) for b in tail]
+    prompt = tokenizer.encode("Hello") + byte_tokens + [7, 9]  # <gh_stars>, <issue_comment>
+    output = tokenizer.encode(" ixtzburg wörld", add_special_tokens=False)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, prompt, params)
+    for token in output:
+        detok.update([token])
+    assert detok.text == tokenizer.decode(output) == " ixtzburg wörld"
+    clean = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), params)
+    clean.update(output)
+    assert clean.text == " ixtzburg wörld"
+
+
+def _byte_char(b: int) -> str:
+    """The byte-level BPE alphabet's character for byte `b` (GPT-2's table)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
 def test_stop_string_prefix_is_held_back(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(stop=["STOP"]))
     ids = tokenizer.encode("abc ST")

@@ -335,24 +335,27 @@ def test_a_core_killed_under_load_is_replaced_by_the_spare(server):
     """Last in the module. Streams keep the engine busy; the serving core is SIGKILLed. The
     requests in flight end with a 503 (in their stream, or as their status if nothing was sent
     yet; those are retried); the spare takes over, and a request is answered again within
-    HANDOVER_S plus 3 request latencies measured under the same load just before (under 5 s
-    wherever a request takes under 1.3 s); every request started after that completes; the
-    greedy text is the one before; /metrics counts one restart, gauges from zero, no KV block
-    held; the next spare starts SPARE_DELAY_S later."""
+    HANDOVER_S (scaled by the machine's load) plus 3 request latencies measured under the same
+    load just before (under 5 s wherever a request takes under 1.3 s); every request started
+    after that completes; the greedy text is the one before; /metrics counts one restart,
+    gauges from zero, no KV block held; the next spare starts SPARE_DELAY_S later."""
     spare = server.spare_pid()
     before = post(server, "/v1/completions", {**PROBE, "max_tokens": 16}).json()
     with StreamingLoad(server, streams=4) as load:
         latency = statistics.median(
             _timed(post, server, "/v1/completions", PROBE) for _ in range(3)
         )
-        old_pid = server.engine_pid()
+        old_pid, slow = server.engine_pid(), slowdown()
         os.kill(old_pid, signal.SIGKILL)
         killed = time.monotonic()
         back = _probe_until_served(server)
         serving_again = back - killed
         load.run_past(back)
     print(f"serving again {serving_again:.2f} s after the kill (a request: {latency:.2f} s)")
-    assert serving_again < HANDOVER_S + 3 * latency, (serving_again, latency)
+    # the hand-over's own processes slowed as much as the machine (`timing`); the probe's
+    # wait behind the streams is in the measured latency
+    bound = scaled(HANDOVER_S, slow) + 3 * latency
+    assert serving_again < bound, (serving_again, latency, bound)
     assert server.engine_pid() == spare != old_pid
     assert load.outcomes_after(back) == {"completed"}, load.outcomes
     refused = {o for _, o in load.outcomes} - {"completed", "http 503"}  # the 503s: retried

@@ -21,6 +21,7 @@ from typing import Any
 from pagellm.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 4  # prompt tokens that prime the stream, so the first word decodes right
+_MAX_DANGLING = 8  # prompt tokens at the end that may be dropped from the context (see below)
 
 
 class IncrementalDetokenizer:
@@ -40,8 +41,9 @@ class IncrementalDetokenizer:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer._tokenizer  # the Rust tokenizer behind a fast HF tokenizer
+        skip = params.skip_special_tokens
         self._stream = DecodeStream(
-            ids=prompt_token_ids[-_PROMPT_CONTEXT:], skip_special_tokens=params.skip_special_tokens
+            ids=_context(self._tokenizer, prompt_token_ids, skip), skip_special_tokens=skip
         )
         self._stop = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -88,3 +90,17 @@ class IncrementalDetokenizer:
         if finished or not self._hold:
             return self.text
         return self.text[: max(0, len(self.text) - self._hold)]
+
+
+def _context(tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt tokens that prime the stream: the last _PROMPT_CONTEXT, short of any at the
+    end whose bytes are no complete character (a prompt of byte tokens, cut mid-character or
+    invalid UTF-8). DecodeStream holds such bytes back and would put them, as U+FFFD, at the
+    start of the output's text; the output's text is its own tokens' (as HF's `decode` of the
+    output ids)."""
+    for end in range(len(prompt_token_ids), len(prompt_token_ids) - _MAX_DANGLING - 1, -1):
+        context = prompt_token_ids[max(0, end - _PROMPT_CONTEXT) : max(0, end)]
+        text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return context
+    return []
