@@ -15,7 +15,9 @@ when `--kill-at` requests have started, and checks what a server must survive:
 - the server's RSS flat (within 10%) from the 200th request to the last;
 - /health answers within 100 ms (p99), polled throughout.
 It also times the restart under that load: `time_to_serving_s`, from the kill until a small
-completion, sent again every 100 ms, is answered (and whether the spare core was ready then).
+completion, sent again every 100 ms, is answered (and whether the spare core was ready then),
+beside `probe_before_kill_s`, the same completion's latency just before the kill: under load
+the probe waits behind the clients' requests, which all arrive again at the new core at once.
 One JSON line at the end. A correctness check under load, not a speed benchmark.
 """
 
@@ -51,6 +53,7 @@ class Tally:
         self.completed_after_kill = 0
         self.rss_at: dict[int, int] = {}  # finished requests -> server RSS (kB)
         self.serving_again: asyncio.Task | None = None  # seconds from the kill to an answer
+        self.probe_before_kill: float | None = None  # the same probe's latency just before
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -124,6 +127,7 @@ async def _client(url: str, seed: int, tally: Tally, args: argparse.Namespace, p
             tally.started += 1
             index = tally.started
             if index == args.kill_at and args.url is None:
+                tally.probe_before_kill = await _probe(url)  # the same load, the old core
                 _kill_core(pid)
                 tally.serving_again = asyncio.create_task(_time_to_serving(url))
             outcome = await _one_request(client, rng, tally)
@@ -154,12 +158,22 @@ def _kill_core(server_pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+_PROBE = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
+
+
 async def _time_to_serving(url: str) -> float:
     start = time.monotonic()
-    body = {"prompt": "Hello", "max_tokens": 1, "temperature": 0}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        while (await client.post("/v1/completions", json=body)).status_code != 200:
+        while (await client.post("/v1/completions", json=_PROBE)).status_code != 200:
             await asyncio.sleep(0.1)
+    return time.monotonic() - start
+
+
+async def _probe(url: str) -> float:
+    """Seconds one probe takes to be answered (it waits behind the load's requests too)."""
+    start = time.monotonic()
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        (await client.post("/v1/completions", json=_PROBE)).raise_for_status()
     return time.monotonic() - start
 
 
@@ -249,6 +263,9 @@ def _summary(tally: Tally, latencies: list[float], m: dict, seconds: float) -> d
         "engine_restarts": m.get("pagellm:engine_restarts_total"),
         "time_to_serving_s": (
             round(tally.serving_again.result(), 2) if tally.serving_again is not None else None
+        ),
+        "probe_before_kill_s": (
+            None if tally.probe_before_kill is None else round(tally.probe_before_kill, 2)
         ),
         "rss_kb_at_200_and_end": rss,
         "rss_growth": None if growth is None else round(growth, 4),
