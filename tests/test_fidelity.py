@@ -51,7 +51,7 @@ def test_embedded_model_bf16_agrees_with_hf_bf16(embedded_gguf):
     HF's own model in bf16 on the same (dequantized) weights, 32 greedy tokens per prompt.
     A regression floor, not issue 17's goal (90% identical): bf16 sums in another order than
     HF's flip near ties, after which a continuation diverges; measured 8 / 16 identical (10 /
-    16 with oneDNN's bf16 GEMMs), docs/benchmarks.md."""
+    16 with oneDNN's bf16 GEMMs), docs/notes.md."""
     from transformers import AutoModelForCausalLM
 
     from pagellm.utils import cpu_bf16_units

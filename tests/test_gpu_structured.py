@@ -25,7 +25,7 @@ FIRST_REQUEST_S = 15.0
 def _core_stacks_after(llm: LLM, seconds: float = 60.0):
     """A run that stalls prints the EngineCore process's thread stacks (SIGUSR1) on stderr
     after `seconds`: these tests have stalled on GPU machines before the grammar backend was
-    ready (docs/benchmarks.md, eighteenth session), never on the CPU."""
+    ready (docs/notes.md, structured outputs on a GPU), never on the CPU."""
     proc = getattr(llm.llm_engine.engine_core, "proc", None)  # None: the core is in-process
     if proc is None:
         yield

@@ -311,7 +311,7 @@ def test_packed_weight_bf16_kernel():
     assert "AVX512-BF16 kernel" in plan.describe(torch.bfloat16)
 
 
-# timings (us) of three machines of our pool, 2 cores each (docs/benchmarks.md)
+# timings (us) of three machines of our pool, 2 cores each (docs/notes.md, CPU GEMMs)
 _AMX = {("mkl", 1): 40, ("onednn", 1): 45, ("mkl", 8): 60, ("onednn", 8): 66, ("mkl", 32): 300,
         ("onednn", 32): 310, ("bf16", 8): 30, ("bf16_in_fp32", 8): 60, ("bf16", 32): 90,
         ("bf16_in_fp32", 32): 300}  # fmt: skip

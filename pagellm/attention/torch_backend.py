@@ -156,7 +156,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     # False: CPU attention takes the gather + SDPA path too (A/B benchmarks). Every cache kind
     # reads in place: float32, fp8 and bf16 (workload W, bf16, decodes only in place: 1.09x
-    # end to end against gathering for SDPA, interleaved in one run; docs/benchmarks.md)
+    # end to end against gathering for SDPA, interleaved in one run; docs/notes.md, CPU attention)
     in_place = True
 
     @classmethod

@@ -3,7 +3,7 @@
 // paged_decode.cpp), in the same order on the same buffers, so the results are bit for bit
 // the layer-by-layer path's. What it saves is the ~10 Python-level calls a layer (module
 // calls, argument checks, tensor allocations, ctypes): at a decode step of a small model
-// on a 2-core machine they cost as much as the GEMMs (docs/benchmarks.md).
+// on a 2-core machine they cost as much as the GEMMs (docs/notes.md).
 //
 // The kernels are reached through the function pointers the caller passes (their C entry
 // points in their own libraries), so no kernel is compiled twice. Activations and the KV

@@ -3,7 +3,7 @@
 //
 // In eager torch each is 3-9 elementwise ops of a few microseconds of dispatch each, on
 // rows that fit in L1: at decode batch sizes of a small model they cost as much as the
-// attention (docs/benchmarks.md). Rounding follows the torch path op by op, so a bfloat16
+// attention (docs/notes.md). Rounding follows the torch path op by op, so a bfloat16
 // result is the torch path's up to the order of RMSNorm's sum and the last bits of exp:
 //
 //   rms_norm      r = round(x + residual); n = round(r / sqrt(mean(r^2) + eps));

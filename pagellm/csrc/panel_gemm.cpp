@@ -4,7 +4,7 @@
 //
 // At a few rows a decode step's GEMMs are bound by the weight bytes, not the arithmetic;
 // oneDNN's bf16 kernel reads them at about half of what the memory delivers on the 2-core
-// machines measured (docs/benchmarks.md). This kernel reads W in the order it is stored,
+// machines measured (docs/notes.md). This kernel reads W in the order it is stored,
 // one pass per call:
 //
 //   W packed [ceil(N / 32), K / 2, 32, 2] bf16: panel p holds output rows 32 p .. 32 p + 31,

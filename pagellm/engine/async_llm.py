@@ -32,7 +32,7 @@ from pagellm.tracing import trace_caller
 logger = logging.getLogger(__name__)
 
 # after a hand-over the next spare starts this much later: its imports and loading beside the
-# new core slowed that core's first requests by 0.5-3 s on 2 cores (docs/benchmarks.md)
+# new core slowed that core's first requests by 0.5-3 s on 2 cores (docs/notes.md)
 SPARE_DELAY_S = 5.0
 
 

@@ -3,7 +3,7 @@ hand-over instead of a cold start (`pagellm serve --restart-engine`, `--engine-s
 
 A restart's cold start is mostly the core's own start-up: the interpreter and its imports
 (torch, the kernels), then the model's weights read, converted and packed for the CPU's GEMMs
-(docs/benchmarks.md). A spare has done that part already:
+(docs/notes.md, restarting a dead engine core). A spare has done that part already:
 - "loaded": the whole EngineCore is built (weights packed, KV cache allocated) and waits, idle,
   for requests that only come once it is handed over. It costs a second core's memory (its
   weights; the CPU's KV cache is only reserved, its pages taken as they are first written) and,

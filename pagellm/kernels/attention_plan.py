@@ -8,7 +8,7 @@ Tiles run longest first, so the launch does not end on a few long programs: the 
 orders the maps it builds. A decode-only step has no map (tile i is request i, which keeps
 it CUDA-graph friendly); `order_by_length` builds its map on the device from the live
 `seq_lens`, one small sort per step (4.07 -> 4.28 TB/s of K/V on a Llama-3.1-8B decode step
-of the standard workload, H200; see docs/benchmarks.md).
+of the standard workload, H200; see docs/notes.md, GPU throughput).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ class TileConfig:
 # entry is a sweep's knob (`benchmarks/decode_step.py --sweep [--kv-cache-dtype fp8]`).
 # 16-bit: steps of 32 with 2 warps, 4.33 TB/s against 4.22 for steps of 64 with 4 warps on a
 # decode step of the standard workload (H200, 28 layers in one CUDA graph; see
-# docs/benchmarks.md); smaller tiles let more programs share an SM. The same for every
+# docs/notes.md); smaller tiles let more programs share an SM. The same for every
 # head_dim (16-bit heads of 256: three stages of 32 keys are 96 KB of shared memory).
 # fp8: one warp a program, steps of 32 keys, 4 stages: 3.14 / 3.15 TB/s of fp8 K/V
 # (Qwen3-0.6B / Llama-3.1-8B shapes) against 2.73 / 2.82 for 64 keys with 2 warps (the
 # 16-bit tiles' bytes a step); 16 keys, 1 warp: 2.93 / 3.28. An fp8 byte carries twice the
 # work of a 16-bit one (conversion through shared memory, softmax), and more, smaller
 # programs an SM hide more of that work's latency (H200, `--kv-cache-dtype fp8 --sweep`;
-# docs/benchmarks.md).
+# docs/notes.md, fp8 decode attention).
 DECODE_TILES: dict[int, tuple[int, int, int]] = {
     4: (32, 2, 3),
     2: (32, 2, 3),
@@ -89,7 +89,7 @@ def prefill_config(queries_per_kv: int, head_dim: int, element_size: int = 2) ->
     if head_dim <= 64:
         return TileConfig(heads, 128 // heads, 64, num_warps=4, num_stages=3)
     if head_dim <= 128:
-        # 16-bit: key steps of 128, 427-438 TFLOP/s against 404 for 64 (docs/benchmarks.md);
+        # 16-bit: key steps of 128, 427-438 TFLOP/s against 404 for 64 (docs/notes.md);
         # fp32 tiles that size would not fit in shared memory
         block_n = 128 if element_size <= 2 else 64
         return TileConfig(heads, 128 // heads, block_n, num_warps=8, num_stages=3)

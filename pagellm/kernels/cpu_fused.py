@@ -5,7 +5,7 @@ The same functions, signatures and results as the Triton module `pagellm/kernels
 (but its Qwen3 `qk_norm_rotary`: here the norm and the rotary, two calls each), so
 `pagellm.models.layers` takes either for its device. In eager torch each op is 3-9
 elementwise kernels of a few microseconds of dispatch; at a CPU decode step of a small model
-those add up to as much as the attention (docs/benchmarks.md). Rounding follows the torch
+those add up to as much as the attention (docs/notes.md). Rounding follows the torch
 path op by op (the C++ file says where it may differ in the last bit). float32 and bfloat16;
 the library is built on first use by `pagellm.cpp_build`. Without a compiler (or with
 PAGELLM_CPU_FUSED_OPS=0) `available()` is False and the layers keep their torch ops.

@@ -18,7 +18,7 @@ small, one M tile) the grid is N / BLOCK_N programs, each streaming BLOCK_N weig
 Weight-only, w is read as int16 pairs and converted to fp16 before the MMA layout change
 (`fp8_convert`: 1.2-1.3x over a plain `.to()` at 2-16 rows). One row of x (batch 1) takes
 `_fp8_gemv_kernel` instead: no tensor cores, two weight rows a program, 2.85-4.1 TB/s of
-weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/benchmarks.md); with
+weight on an H200 where the tl.dot kernel reached 1.2-2.7 (docs/notes.md); with
 `gated=True` a gate | up weight's GEMV pairs gate row j with up row j in a program and
 returns silu(gate) * up, the SiLU-and-mul kernel fused into its epilogue; `fp8_gemv_qkv`
 (`_fp8_gemv_qkv_kernel`) is the q | k | v GEMV of one token with rotary and the KV-cache

@@ -2,7 +2,7 @@
 
 A decode step at batch 1 is ~330 small kernels in a CUDA graph; between two of them the GPU
 idles ~1.5 us while the next grid launches and its first loads travel to HBM and back
-(docs/benchmarks.md: ~0.5 ms of a 3.3 ms Llama-3.1-8B fp8 token). With PDL a kernel asks to
+(docs/notes.md: ~0.5 ms of a 3.3 ms Llama-3.1-8B fp8 token). With PDL a kernel asks to
 launch its successor early (`launch_dependents`, here at its start), and the successor,
 launched with `launch_pdl=True`, starts at once: its launch overlaps the predecessor's
 tail, and it may do work that needs nothing from it before it waits in `gdc_wait` until
@@ -11,7 +11,7 @@ predecessor's output, or writes anything, comes after `gdc_wait`.
 
 Who does what: the one-row fp8 GEMVs (`fp8_gemm._fp8_gemv_kernel`, `_fp8_gemv_qkv_kernel`)
 are launched with PDL and wait for their predecessor before their loop (loading a first
-weight tile before the wait cost 7% at batch 1: docs/benchmarks.md); the kernels that
+weight tile before the wait cost 7% at batch 1: docs/notes.md); the kernels that
 precede GEMVs in a layer (RMSNorm, SiLU-and-mul, paged attention and its split combine) call
 `launch_dependents`. RMSNorm is launched with PDL too, after o_proj's and down_proj's
 GEMVs, which call `launch_dependents` at their start: its one program loads the norm weight,

@@ -1,7 +1,7 @@
 """CPU GEMMs: each Linear weight packed once for the library that runs it fastest here.
 
 Which library is fastest differs between x86 machines by up to 4x, and the CPU's flags do
-not tell (2 cores each, decode-sized GEMMs; docs/benchmarks.md):
+not tell (2 cores each, decode-sized GEMMs; docs/notes.md):
 
     Intel with AMX               float32: MKL            bf16: oneDNN (AMX tiles)
     Intel, AVX512-BF16, no AMX   float32: MKL            bf16: oneDNN below 8 rows, then

@@ -14,7 +14,7 @@ An asymmetric group (w = q * d + m, q in 0..15: GGUF's Q4_1, or min/max rounding
 therefore scale = d, zero = m + 8 d; a symmetric one (Q4_0: w = d (q - 8)) is zero = 0.
 
 Both kernels require the scales and the activations in bfloat16: given float32 or float16
-activations they run a scalar path 15-40x slower than float32 MKL (docs/benchmarks.md). So a
+activations they run a scalar path 15-40x slower than float32 MKL (docs/notes.md). So a
 float32 model casts x to bfloat16 for these GEMMs and the result back (accumulation is
 float32 inside); the accuracy this costs is measured in docs/benchmarks.md. They pay off at
 decode sizes only (up to `PAGELLM_CPU_QUANT_MAX_ROWS` rows, 4: at 8+ rows they are slower than MKL's
