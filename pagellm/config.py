@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagellm.attention.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.kv_cache_dtype import check_kv_cache_dtype
 from pagellm.loader.hf_config import HFConfigView
 from pagellm.quantization import resolve_quantization
 from pagellm.utils import cpu_bf16_units
@@ -273,7 +273,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    cache_dtype: str = "auto"  # kv_cache_dtype (pagellm.attention.kv_cache_dtype)
+    cache_dtype: str = "auto"  # kv_cache_dtype (pagellm.kv_cache_dtype)
     calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:

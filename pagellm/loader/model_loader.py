@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
+from pagellm.kv_cache_dtype import checkpoint_kv_scale
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.gguf_loader import gguf_shapes, gguf_weights

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.attention.kv_cache_dtype import first_batch_scales
 from pagellm.kernels import cpu_fused
+from pagellm.kv_cache_dtype import first_batch_scales
 from pagellm.models.linear import (  # noqa: F401  (re-exported for the models)
     ColumnParallelLinear,
     FusedLinear,
@@ -279,7 +279,7 @@ class Attention(nn.Module):
             num_heads, num_kv_heads, head_dim, scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         )  # fmt: skip
-        # [k_scale, v_scale] of an fp8 KV cache (pagellm.attention.kv_cache_dtype): built on
+        # [k_scale, v_scale] of an fp8 KV cache (pagellm.kv_cache_dtype): built on
         # the CPU (the model is built on `meta`), moved with the model
         ones = torch.ones(2, dtype=torch.float32, device="cpu")
         self.register_buffer("kv_scale", ones, persistent=False)
