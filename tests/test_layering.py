@@ -202,12 +202,6 @@ KNOWN_UPWARD = [
     "pagellm.quantization.gguf_cpu imports pagellm.loader.gguf_loader",
 ]
 KNOWN_CYCLES = [
-    [
-        "pagellm.executor.abstract",
-        "pagellm.executor.multiproc_executor",
-        "pagellm.executor.ray_distributed_executor",
-        "pagellm.executor.uniproc_executor",
-    ],
     ["pagellm.loader.gguf_loader", "pagellm.loader.hf_config"],
     ["pagellm.models.cpu_decoder", "pagellm.models.llama"],
     [
