@@ -189,12 +189,6 @@ def test_every_module_is_on_a_floor():
 
 # what the house still has to fix (issue 37): empty when it is done
 KNOWN_UPWARD = [
-    "pagellm.config imports pagellm.loader",
-    "pagellm.config imports pagellm.loader.hf_config",
-    "pagellm.config imports pagellm.loader.source",
-    "pagellm.config imports pagellm.models.registry",
-    "pagellm.config imports pagellm.models.rope",
-    "pagellm.config imports pagellm.quantization",
     "pagellm.quantization.base imports pagellm.models.layers",
     "pagellm.quantization.cpu_int imports pagellm.models.layers",
     "pagellm.quantization.gguf_cpu imports pagellm.loader.dequant",
@@ -202,7 +196,6 @@ KNOWN_UPWARD = [
     "pagellm.quantization.gguf_cpu imports pagellm.loader.gguf_loader",
 ]
 KNOWN_CYCLES = [
-    ["pagellm.loader.gguf_loader", "pagellm.loader.hf_config"],
     ["pagellm.models.cpu_decoder", "pagellm.models.llama"],
     [
         "pagellm.models.layers",

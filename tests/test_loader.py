@@ -314,14 +314,14 @@ def test_dummy_weights(tmp_path):
 
 def test_dummy_weights_follow_seed(tmp_path):
     from pagellm.attention.torch_backend import TorchAttentionBackend
-    from pagellm.config import EngineArgs, ModelConfig
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.loader import load_model
 
     folder = make_tiny_hf_model("llama", tmp_path)
 
     def embed(seed: int) -> torch.Tensor:
         args = EngineArgs(model=folder, load_format="dummy", seed=seed)
-        config = ModelConfig.from_args(args, torch.device("cpu"))
+        config = args.create_model_config(torch.device("cpu"))
         model = load_model(config, torch.device("cpu"), TorchAttentionBackend)
         return model.model.embed_tokens.weight
 

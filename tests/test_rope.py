@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
 
-from pagellm.config import HFConfigView, _resolve_max_model_len
+from pagellm.config import HFConfigView
+from pagellm.engine.arg_utils import _resolve_max_model_len
 from pagellm.models.rope import cos_sin_table, long_rope, rope_parameters, rotary_dim
 
 ORIGINAL_32 = {"original_max_position_embeddings": 32}

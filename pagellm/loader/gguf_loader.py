@@ -11,9 +11,9 @@ from collections.abc import Container, Iterator
 
 import torch
 
+from pagellm.config import HFConfigView
 from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFFile
-from pagellm.loader.hf_config import HFConfigView
 
 # GGUF general.architecture -> (HF model_type, HF architecture name)
 _ARCHITECTURES = {
