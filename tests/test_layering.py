@@ -203,7 +203,6 @@ KNOWN_CYCLES = [
         "pagellm.models.vocab_embedding",
         "pagellm.quantization.base",
     ],
-    ["pagellm.structured_output.manager", "pagellm.structured_output.validator"],
 ]
 
 
