@@ -62,7 +62,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     quantization: str | None = None  # resolved: a pagellm.quantization method name, or None
     # a longrope model's original_max_position_embeddings: a request of more tokens is rotated
-    # with the long factors throughout (pagellm/models/rope.py); else None
+    # with the long factors throughout (pagellm/layers/rope.py); else None
     long_rope_switch: int | None = None
 
     @property

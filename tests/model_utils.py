@@ -33,7 +33,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.models.rope import long_rope
+from pagellm.layers.rope import long_rope
 
 TINY_CONFIG = dict(
     vocab_size=512,

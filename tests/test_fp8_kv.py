@@ -29,8 +29,8 @@ from pagellm.config import CacheConfig
 from pagellm.kernels.paged_attention import paged_attention
 from pagellm.kernels.reshape_and_cache import reshape_and_cache
 from pagellm.kv_cache_dtype import K_SCALE_CONSTANT, V_SCALE_CONSTANT, quantize
-from pagellm.models.layers import Attention
-from pagellm.models.weights import load_packed_weights
+from pagellm.layers.attention import Attention
+from pagellm.layers.weights import load_packed_weights
 
 accuracy = benchmark_modules.load("accuracy")  # the prompt set and the measures
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagellm import EngineArgs
+from pagellm.layers.rope import default_inv_freq, llama3_inv_freq
 from pagellm.loader import (
     ModelSource,
     gguf_loader,
@@ -32,7 +33,6 @@ from pagellm.loader.gguf_loader import (
     hf_name,
 )
 from pagellm.loader.tokenizer import tokenizer_cache_dir
-from pagellm.models.rope import default_inv_freq, llama3_inv_freq
 
 # ---------------------------------------------------------------- sources
 

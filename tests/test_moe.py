@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
-from pagellm.models.moe import SparseMoeBlock, is_sparse_layer
+from pagellm.layers.moe import SparseMoeBlock, is_sparse_layer
 
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {

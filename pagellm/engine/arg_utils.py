@@ -150,8 +150,8 @@ class EngineArgs:
         """The model's config: its source resolved, its HF and generation configs read."""
         # imported here: the CLI builds its flags from EngineArgs without them
         from pagellm import loader
+        from pagellm.layers.rope import long_rope
         from pagellm.models.registry import check_architecture
-        from pagellm.models.rope import long_rope
 
         source = loader.resolve_model_source(
             self.model,
@@ -213,7 +213,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
-    from pagellm.models.rope import max_positions
+    from pagellm.layers.rope import max_positions
 
     limit = max_positions(hf_config)
     if requested is None:

@@ -115,7 +115,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str, head_dim: int, theta: float) -> dic
 
 def _llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, path: str) -> dict:
     """Llama 3.x files store per-frequency divisors; find the llama3 parameters behind them."""
-    from pagellm.models.rope import default_inv_freq, llama3_inv_freq
+    from pagellm.layers.rope import default_inv_freq, llama3_inv_freq
 
     base = default_inv_freq(head_dim, theta)
     for factor in (8.0, 16.0, 32.0, 4.0, 2.0):

@@ -22,6 +22,8 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.kv_cache_dtype import checkpoint_kv_scale
+from pagellm.layers.moe import FusedMoE
+from pagellm.layers.weights import CheckpointTensor, check_loaded
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
 from pagellm.loader.gguf_loader import gguf_shapes, gguf_weights
@@ -31,9 +33,7 @@ from pagellm.loader.safetensors_loader import (
     hf_folder_weights,
 )
 from pagellm.loader.source import ModelSource
-from pagellm.models.moe import FusedMoE
 from pagellm.models.registry import get_model_cls
-from pagellm.models.weights import CheckpointTensor, check_loaded
 from pagellm.quantization import get_quant_config
 
 if TYPE_CHECKING:

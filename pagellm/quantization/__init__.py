@@ -59,7 +59,7 @@ def resolve_quantization(
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
     if tensor_parallel_size > 1 and (stored is not None or name not in (None, NONE)):
-        raise ValueError(  # quantized layers load whole tensors (pagellm/models/linear.py)
+        raise ValueError(  # quantized layers load whole tensors (pagellm/layers/linear.py)
             f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
             f"{tensor_parallel_size} needs an unquantized checkpoint and quantization=None"
         )

@@ -14,7 +14,7 @@ Where the weights come from:
 A per-tensor scale becomes one per row (fused q|k|v parts keep their own); static activation
 scales (`input_scale`) are read and dropped: activations are scaled per token, dynamically.
 MoE experts are not `Linear`s: an fp8 checkpoint's expert projections are dequantized at load
-(`pagellm.models.moe.MoEWeights`), and routers stay in the model dtype (`Linear.quantizable`).
+(`pagellm.layers.moe.MoEWeights`), and routers stay in the model dtype (`Linear.quantizable`).
 
 On CUDA (`Fp8Weight`): GEMMs of up to `MAX_TRITON_ROWS` rows (decode) run the weight-only
 Triton kernel (`pagellm/kernels/fp8_gemm.py`: bf16 activations, the weight streamed once);
