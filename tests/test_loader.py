@@ -23,7 +23,6 @@ from pagellm.loader import (
     resolve_model_source,
 )
 from pagellm.loader import source as source_module
-from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFTensor, read_gguf
 from pagellm.loader.gguf_loader import (
     _llama3_scaling,
@@ -33,6 +32,7 @@ from pagellm.loader.gguf_loader import (
     hf_name,
 )
 from pagellm.loader.tokenizer import tokenizer_cache_dir
+from pagellm.quantization.gguf_dequant import dequantize
 
 # ---------------------------------------------------------------- sources
 

@@ -12,8 +12,8 @@ from collections.abc import Container, Iterator
 import torch
 
 from pagellm.config import HFConfigView
-from pagellm.loader.dequant import dequantize
-from pagellm.loader.gguf_file import GGUFFile
+from pagellm.loader.gguf_file import GGUFFile, GGUFTensor
+from pagellm.quantization.gguf_dequant import dequantize
 
 # GGUF general.architecture -> (HF model_type, HF architecture name)
 _ARCHITECTURES = {
@@ -150,6 +150,12 @@ def gguf_weights(
         elif arch == "llama" and ".attn_k." in name:
             weight = _unpermute(weight, kv_heads)
         yield name_hf, weight
+
+
+def gguf_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
+    """Every weight of the file by its HF name, not read (for `quantization="gguf"`: which
+    layers stay in blocks)."""
+    return {hf_name(n): t for n, t in gguf.tensors.items() if n not in _NOT_WEIGHTS}
 
 
 def gguf_shapes(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:

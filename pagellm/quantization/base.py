@@ -107,6 +107,15 @@ class QuantizationConfig(ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def from_model(
+        cls, model_config: Any, device: torch.device, checkpoint: dict[str, Any] | None = None
+    ) -> QuantizationConfig:
+        """The method for a model (`pagellm.config.ModelConfig`) on `device`. `checkpoint`: its
+        tensors by HF name where the loader reads them ahead (a GGUF file's, each with its
+        `qtype` and `data`), else None."""
+        raise NotImplementedError
+
     @abstractmethod
     def linear_method(self, prefix: str, layer: Linear) -> LinearMethod | None:
         """The method for the Linear named `prefix` (e.g. "model.layers.0.mlp.down_proj"), or
@@ -163,6 +172,15 @@ def drop_params(layer: nn.Module, *names: str) -> None:
     for name in names:
         if name in layer._parameters:
             layer._parameters[name] = None
+
+
+def checkpoint_names(prefix: str, layer) -> list[str]:
+    """The checkpoint weights a Linear is loaded from: one per part of a fused projection."""
+    shards = getattr(layer, "shard_rows", None)
+    if not shards:
+        return [f"{prefix}.weight"]
+    parent = prefix.rpartition(".")[0]
+    return [f"{parent}.{shard}.weight" for shard in shards]
 
 
 def quant_config_dict(hf_config: Any) -> dict | None:

@@ -166,7 +166,7 @@ class CpuIntConfig(QuantizationConfig):
         self.name = f"int{bits}"
 
     @classmethod
-    def from_model(cls, model_config, device: torch.device) -> CpuIntConfig:
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> CpuIntConfig:
         return cls(4 if model_config.quantization == "int4" else 8)
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:

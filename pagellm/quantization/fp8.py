@@ -42,6 +42,7 @@ from pagellm.quantization.base import (
     QuantizationConfig,
     QuantizedActivation,
     QuantizedWeight,
+    checkpoint_names,
     drop_params,
     quant_config_dict,
     replace_param,
@@ -199,7 +200,7 @@ class Fp8Config(QuantizationConfig):
         self.method = Fp8LinearMethod(scheme, dequantize, dtype, scale_name)
 
     @classmethod
-    def from_model(cls, model_config, device: torch.device) -> Fp8Config:
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> Fp8Config:
         cfg = quant_config_dict(model_config.hf_config)
         dequantize = device.type != "cuda" or model_config.quantization is None
         scheme, ignore = checkpoint_scheme(cfg) if cfg else (None, [])
@@ -218,8 +219,6 @@ class Fp8Config(QuantizationConfig):
         return self.method
 
     def _ignored(self, prefix: str, layer) -> bool:
-        from pagellm.quantization.gguf_cpu import checkpoint_names
-
         names = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]
         for entry in self.ignore:
             pattern = entry[3:] if entry.startswith("re:") else re.escape(entry)
