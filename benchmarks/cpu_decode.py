@@ -22,8 +22,8 @@ import torch
 
 from pagellm.attention import cpu_decode
 from pagellm.attention.base import CommonAttentionMetadata
-from pagellm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.kv_cache_dtype import kv_cache_torch_dtype
 
 
 def decode_step(batch: int, context: int, block_size: int, seed: int) -> CommonAttentionMetadata:

@@ -8,7 +8,7 @@
                                                                         # arithmetic wins
 
 Formats: float32 through MKL's packed sgemm, through oneDNN's and through our panels (the
-engine times them at start-up and keeps the fastest: `pagellm/models/cpu_gemm.py`),
+engine times them at start-up and keeps the fastest: `pagellm/kernels/cpu_gemm.py`),
 bfloat16 through oneDNN's packed layout and through our panels (`pagellm/csrc/panel_gemm.cpp`,
 where the CPU has AVX512-BF16), bfloat16 in float32 arithmetic (the weight widened to float32, the
 activations widened and the result rounded: the engine's bf16 path from 8 or 32 rows where
@@ -33,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from pagellm.kernels import panel_gemm
-from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
+from pagellm.kernels.cpu_gemm import CpuGemmPlan, PackedWeight
 from pagellm.quantization.cpu_int import quantize_int4, quantize_int8
 from pagellm.quantization.gguf_kernel import MAX_ROWS, BlockPlanes, block_gemm
 

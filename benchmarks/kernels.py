@@ -385,7 +385,7 @@ def main() -> None:
     args = p.parse_args()
     LAYER.update(sliding_window=args.sliding_window or None, logits_soft_cap=args.soft_cap or None)
     if args.kv_cache_dtype != "auto":
-        from pagellm.attention.kv_cache_dtype import kv_cache_torch_dtype
+        from pagellm.kv_cache_dtype import kv_cache_torch_dtype
 
         LAYER["kv_cache_dtype"] = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
     if not torch.cuda.is_available():

@@ -47,7 +47,7 @@ class Problem:
     """Weights of `copies` layers, one routing of T tokens, and their expert layout."""
 
     def __init__(self, shape: tuple[int, int, int, int], tokens: int, seed: int = 0) -> None:
-        from pagellm.models.moe import select_experts
+        from pagellm.layers.moe import select_experts
 
         e, k, h, i = shape
         torch.manual_seed(seed)

@@ -9,7 +9,7 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from pagellm.config import EngineArgs
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "EngineArgs":
-        from pagellm.config import EngineArgs
+        from pagellm.engine.arg_utils import EngineArgs
 
         return EngineArgs
     raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

@@ -30,7 +30,7 @@ _SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    from pagellm.config import EngineArgs
+    from pagellm.engine.arg_utils import EngineArgs
 
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine arguments (the same as LLM(...) keyword arguments)")
@@ -70,7 +70,7 @@ _SO_PREFIX = "structured_outputs_config."
 
 
 def engine_args_from(ns: argparse.Namespace):
-    from pagellm.config import EngineArgs
+    from pagellm.engine.arg_utils import EngineArgs
 
     fields = dataclasses.fields(EngineArgs)
     args = {f.name: getattr(ns, f.name, f.default) for f in fields}

@@ -53,7 +53,7 @@ def cpu_bf16_fp32_gemm() -> bool | None:
     """PAGELLM_CPU_BF16_FP32_GEMM=1 / 0: bfloat16 GEMMs of 8 or more rows on the CPU run in
     float32 arithmetic (a float32 copy of the weight) / in bf16 kernels (oneDNN's or ours,
     PAGELLM_CPU_BF16_KERNEL). Unset: whichever is faster here, timed at start-up
-    (`pagellm.models.cpu_gemm`)."""
+    (`pagellm.kernels.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_BF16_FP32_GEMM")
     return None if value is None else _bool("PAGELLM_CPU_BF16_FP32_GEMM", False)
 
@@ -61,7 +61,7 @@ def cpu_bf16_fp32_gemm() -> bool | None:
 def cpu_bf16_kernel() -> bool | None:
     """PAGELLM_CPU_BF16_KERNEL=1 / 0: bfloat16 GEMMs on the CPU run in our AVX512-BF16 kernel
     (`pagellm.kernels.panel_gemm`, where the CPU has it) / never. Unset: where it is not
-    clearly slower than oneDNN, timed at start-up (`pagellm.models.cpu_gemm`)."""
+    clearly slower than oneDNN, timed at start-up (`pagellm.kernels.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_BF16_KERNEL")
     return None if value is None else _bool("PAGELLM_CPU_BF16_KERNEL", False)
 
@@ -69,7 +69,7 @@ def cpu_bf16_kernel() -> bool | None:
 def cpu_fp32_gemm() -> str | None:
     """PAGELLM_CPU_FP32_GEMM=mkl | onednn | pagellm: the library of float32 GEMMs on the CPU
     (pagellm: our AVX-512 / AVX2 kernel, `pagellm.kernels.panel_gemm`). Unset:
-    whichever is faster here, timed at start-up (`pagellm.models.cpu_gemm`)."""
+    whichever is faster here, timed at start-up (`pagellm.kernels.cpu_gemm`)."""
     value = os.environ.get("PAGELLM_CPU_FP32_GEMM", "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -83,7 +83,7 @@ def cpu_fp32_gemm() -> str | None:
 def cpu_gemm_plan() -> dict | None:
     """PAGELLM_CPU_GEMM_PLAN: a whole CPU GEMM plan as JSON (`fp32_library`,
     `bf16_fp32_from_rows`, `bf16_kernel`), taken as it is instead of timed
-    (`pagellm.models.cpu_gemm`). The server sets it for the cores it starts after the first,
+    (`pagellm.kernels.cpu_gemm`). The server sets it for the cores it starts after the first,
     to the first one's plan, so that every core of a server computes alike."""
     value = os.environ.get("PAGELLM_CPU_GEMM_PLAN")
     if not value:
@@ -106,7 +106,7 @@ def cpu_fused_ops() -> bool:
 
 def cpu_decoder_loop() -> bool:
     """PAGELLM_CPU_DECODER_LOOP=0: a Llama-family model's layers run one by one in Python on
-    the CPU instead of one C++ call a step (`pagellm.models.cpu_decoder`)."""
+    the CPU instead of one C++ call a step (`pagellm.layers.cpu_decoder`)."""
     return _bool("PAGELLM_CPU_DECODER_LOOP", True)
 
 

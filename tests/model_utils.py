@@ -33,7 +33,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.models.rope import long_rope
+from pagellm.layers.rope import long_rope
 
 TINY_CONFIG = dict(
     vocab_size=512,
@@ -104,14 +104,14 @@ def load_our_model(
 ):
     """Our model for an HF folder, a .gguf file or a shipped config name (default: on the CPU,
     with the torch attention backend; `quantization` as for `LLM`)."""
-    from pagellm.config import EngineArgs, ModelConfig
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.loader import load_model
 
     dtype_name = str(dtype).split(".")[1]
     args = EngineArgs(
         model=path, load_format=load_format, dtype=dtype_name, quantization=quantization
     )
-    model_config = ModelConfig.from_args(args, torch.device(device))
+    model_config = args.create_model_config(torch.device(device))
     backend = attn_backend_cls or TorchAttentionBackend
     return load_model(model_config, torch.device(device), backend)
 

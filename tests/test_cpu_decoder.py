@@ -1,4 +1,4 @@
-"""The decoder layers in one C++ call a step (`pagellm.models.cpu_decoder`) give the Python
+"""The decoder layers in one C++ call a step (`pagellm.layers.cpu_decoder`) give the Python
 layers' logits bit for bit: the same kernels in the same order. Mixed batches of prefill
 chunks and decodes in random order, over the variants the loop serves (bf16 and float32
 panels, biases, Qwen3's q/k norms, sliding windows, GGUF blocks and panels on either side
@@ -10,8 +10,9 @@ import pytest
 import torch
 from model_utils import load_our_model, make_tiny_hf_model, run_paged, write_tiny_gguf
 
-from pagellm.kernels import panel_gemm
-from pagellm.models import cpu_decoder, cpu_gemm
+from pagellm.kernels import cpu_gemm, panel_gemm
+from pagellm.layers import cpu_decoder
+from pagellm.models.llama import LlamaDecoderLayer
 from pagellm.quantization import gguf_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -45,7 +46,7 @@ def _both_ways(model, prompts, **kwargs) -> int:
     """Run the same schedule with the loop and with the Python layers; assert equal logits;
     return how many steps the loop ran."""
     runs = {"n": 0}
-    model.model.cpu_decoder = cpu_decoder.CpuDecoder.build(model.model)
+    model.model.cpu_decoder = cpu_decoder.CpuDecoder.build(model.model, LlamaDecoderLayer)
     model.model._cpu_decoder_built = True
     assert model.model.cpu_decoder is not None
     run = model.model.cpu_decoder.run
@@ -108,7 +109,7 @@ def test_loop_equals_the_layers_gguf_float32(tiny_gguf, qtype, monkeypatch):
         model = _packed(tiny_gguf[qtype], torch.float32, quantization="gguf")
     finally:
         cpu_gemm.cpu_gemm_plan.cache_clear()
-    decoder = cpu_decoder.CpuDecoder.build(model.model)
+    decoder = cpu_decoder.CpuDecoder.build(model.model, LlamaDecoderLayer)
     assert decoder.block_rows == 8 and decoder.panel_rows_limit == 8
     steps = _both_ways(model, PROMPTS, num_decode_steps=4, chunk_size=2)
     assert steps >= 4
@@ -123,7 +124,7 @@ def test_loop_equals_the_layers_gguf_bf16(tiny_gguf, bf16_kernel_plan, monkeypat
     larger ones, both inside the loop."""
     monkeypatch.setenv("PAGELLM_CPU_QUANT_MAX_ROWS", "2")
     model = _packed(tiny_gguf["Q4_1"], torch.bfloat16, quantization="gguf")
-    decoder = cpu_decoder.CpuDecoder.build(model.model)
+    decoder = cpu_decoder.CpuDecoder.build(model.model, LlamaDecoderLayer)
     assert decoder.block_rows == 2 and decoder.panel_rows_limit > 1 << 40
     # one prompt alone (1-row decodes: blocks), then all of them (panels)
     assert _both_ways(model, PROMPTS[:1], num_decode_steps=3) == 4
@@ -140,7 +141,7 @@ def test_what_the_loop_leaves_to_the_layers(tmp_path, monkeypatch):
     finally:
         monkeypatch.delenv("PAGELLM_CPU_FP32_GEMM")
         cpu_gemm.cpu_gemm_plan.cache_clear()
-    assert cpu_decoder.CpuDecoder.build(model.model) is None
+    assert cpu_decoder.CpuDecoder.build(model.model, LlamaDecoderLayer) is None
     gemma = load_our_model(make_tiny_hf_model("gemma2", tmp_path), dtype=torch.bfloat16)
     assert not hasattr(gemma.model, "cpu_decoder") or gemma.model.cpu_decoder is None
     if panel_gemm.supported():
@@ -150,7 +151,7 @@ def test_what_the_loop_leaves_to_the_layers(tmp_path, monkeypatch):
             bf16 = _packed(make_tiny_hf_model("llama", tmp_path / "b"), torch.bfloat16)
         finally:
             cpu_gemm.cpu_gemm_plan.cache_clear()
-        decoder = cpu_decoder.CpuDecoder.build(bf16.model)
+        decoder = cpu_decoder.CpuDecoder.build(bf16.model, LlamaDecoderLayer)
         assert decoder is not None
         hidden = torch.zeros(3, decoder.hidden, dtype=torch.bfloat16)
         fp8 = [torch.zeros(2, 4, 16, 2, 16, dtype=torch.float8_e4m3fn)]

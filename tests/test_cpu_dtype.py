@@ -8,16 +8,16 @@ import logging
 import pytest
 import torch
 
-from pagellm import config
+from pagellm.engine import arg_utils
 
 
 @pytest.mark.parametrize("units,dtype", [("AMX", torch.bfloat16), ("AVX512-BF16", torch.bfloat16),
                                          (None, torch.float32)])  # fmt: skip
 def test_auto_dtype_follows_the_cpu(monkeypatch, caplog, units, dtype):
-    monkeypatch.setattr(config, "cpu_bf16_units", lambda: units)
-    with caplog.at_level(logging.INFO, logger="pagellm.config"):
-        got = config._resolve_dtype("auto", None, torch.device("cpu"))
+    monkeypatch.setattr(arg_utils, "cpu_bf16_units", lambda: units)
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.arg_utils"):
+        got = arg_utils._resolve_dtype("auto", None, torch.device("cpu"))
     assert got == dtype
     assert (units or "neither AMX nor AVX512-BF16") in caplog.text
     # an explicit dtype is kept whatever the CPU
-    assert config._resolve_dtype("float32", None, torch.device("cpu")) == torch.float32
+    assert arg_utils._resolve_dtype("float32", None, torch.device("cpu")) == torch.float32

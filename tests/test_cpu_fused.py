@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.kernels import cpu_fused
-from pagellm.models import layers
+from pagellm.layers import fused_ops
+from pagellm.layers.layernorm import RMSNorm
 from pagellm.models.gemma2 import GemmaRMSNorm
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C++ compiler here")
@@ -100,11 +101,11 @@ def test_layers_take_them_on_the_cpu():
     CPU tensors (same results as the torch path), not for other dtypes; Gemma's norm, whose
     weight is float32 whatever the activations, keeps its torch ops."""
     x = torch.randn(6, 64)
-    assert layers._fused_ops(x) is cpu_fused and layers._fused_ops(x.bfloat16()) is cpu_fused
-    assert layers._fused_ops(x.half()) is None and layers._fused_ops(x.double()) is None
+    assert fused_ops.ops_for(x) is cpu_fused and fused_ops.ops_for(x.bfloat16()) is cpu_fused
+    assert fused_ops.ops_for(x.half()) is None and fused_ops.ops_for(x.double()) is None
     assert GemmaRMSNorm(64, 1e-6)._fused(x) is None
     torch.manual_seed(0)
-    norm = layers.RMSNorm(64, 1e-5)
+    norm = RMSNorm(64, 1e-5)
     norm.weight.data = torch.randn(64).bfloat16()
     h, r = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
     normed, residual = norm.forward_with_residual(h, r)

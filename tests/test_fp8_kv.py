@@ -24,13 +24,13 @@ from test_sliding_window import WindowBatch, reference_attention
 from test_torch_attention import _Case
 
 from pagellm import LLM, EngineArgs, SamplingParams
-from pagellm.attention.kv_cache_dtype import K_SCALE_CONSTANT, V_SCALE_CONSTANT, quantize
 from pagellm.attention.torch_backend import TorchAttentionBackend, write_kv
 from pagellm.config import CacheConfig
 from pagellm.kernels.paged_attention import paged_attention
 from pagellm.kernels.reshape_and_cache import reshape_and_cache
-from pagellm.models.layers import Attention
-from pagellm.models.weights import load_packed_weights
+from pagellm.kv_cache_dtype import K_SCALE_CONSTANT, V_SCALE_CONSTANT, quantize
+from pagellm.layers.attention import Attention
+from pagellm.layers.weights import load_packed_weights
 
 accuracy = benchmark_modules.load("accuracy")  # the prompt set and the measures
 

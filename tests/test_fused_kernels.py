@@ -1,5 +1,5 @@
 """Fused Triton ops (RMSNorm + residual, rotary, SiLU-and-mul) against the torch path of
-`pagellm/models/layers.py`. On a machine without CUDA they run under Triton's interpreter
+`pagellm/layers/`. On a machine without CUDA they run under Triton's interpreter
 (fp32 and fp16: the interpreter has no bf16); with CUDA, bf16 too. Outputs start as NaN
 inside the kernels' wrappers (`torch.empty`), so an unwritten element fails the comparison.
 """
@@ -22,7 +22,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()  # the sampling kernel loops to a runtime bound
 
 from pagellm.kernels import fused  # noqa: E402
-from pagellm.models.layers import RMSNorm, SiluAndMul, apply_rotary, qk_norm_rotary  # noqa: E402
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.rotary_embedding import apply_rotary, qk_norm_rotary
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])

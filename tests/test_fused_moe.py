@@ -1,5 +1,5 @@
 """The fused-MoE Triton kernels (routing top-k, the per-expert layout, the two grouped GEMMs)
-against the torch path of `pagellm/models/moe.py`. Without CUDA they run under Triton's
+against the torch path of `pagellm/layers/moe.py`. Without CUDA they run under Triton's
 interpreter on tiny shapes (fp32 and fp16); `gpu`-marked tests add bf16 at Qwen3-30B-A3B's
 shapes and a CUDA-graph replay. Kernel outputs start as `torch.empty`, so an unwritten row
 fails the comparison.
@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()  # the GEMM loops to a runtime bound
 
 from pagellm.kernels import fused_moe as fm  # noqa: E402
-from pagellm.models.moe import experts_torch, select_experts  # noqa: E402
+from pagellm.layers.moe import experts_torch, select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -165,7 +165,7 @@ def test_fused_moe_bf16_at_qwen3_30b_shapes(num_tokens):
 @pytest.mark.gpu
 def test_fused_moe_replays_in_a_cuda_graph():
     """Captured once, replayed with other tokens and routing: no host sync, fixed shapes."""
-    from pagellm.models.moe import FusedMoE
+    from pagellm.layers.moe import FusedMoE
 
     layer = FusedMoE(16, 2, 256, 128, renormalize=True).to("cuda", torch.bfloat16)
     layer.w13.data.copy_(_randn(16, 256, 256, dtype=torch.bfloat16, scale=1 / 16))

@@ -14,7 +14,8 @@ import time
 import pytest
 from structured_cases import CHOICES, REGEXES, SCHEMAS
 
-from pagellm.config import EngineArgs, EngineConfig, StructuredOutputsConfig
+from pagellm.config import EngineConfig, StructuredOutputsConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.structured_output import backend
 from pagellm.structured_output.limits import json_depth, regex_repetition
 from pagellm.structured_output.params import StructuredOutputsParams

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pagellm import EngineArgs
+from pagellm.layers.rope import default_inv_freq, llama3_inv_freq
 from pagellm.loader import (
     ModelSource,
     gguf_loader,
@@ -22,7 +23,6 @@ from pagellm.loader import (
     resolve_model_source,
 )
 from pagellm.loader import source as source_module
-from pagellm.loader.dequant import dequantize
 from pagellm.loader.gguf_file import GGUFTensor, read_gguf
 from pagellm.loader.gguf_loader import (
     _llama3_scaling,
@@ -32,7 +32,7 @@ from pagellm.loader.gguf_loader import (
     hf_name,
 )
 from pagellm.loader.tokenizer import tokenizer_cache_dir
-from pagellm.models.rope import default_inv_freq, llama3_inv_freq
+from pagellm.quantization.gguf_dequant import dequantize
 
 # ---------------------------------------------------------------- sources
 
@@ -314,14 +314,14 @@ def test_dummy_weights(tmp_path):
 
 def test_dummy_weights_follow_seed(tmp_path):
     from pagellm.attention.torch_backend import TorchAttentionBackend
-    from pagellm.config import EngineArgs, ModelConfig
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.loader import load_model
 
     folder = make_tiny_hf_model("llama", tmp_path)
 
     def embed(seed: int) -> torch.Tensor:
         args = EngineArgs(model=folder, load_format="dummy", seed=seed)
-        config = ModelConfig.from_args(args, torch.device("cpu"))
+        config = args.create_model_config(torch.device("cpu"))
         model = load_model(config, torch.device("cpu"), TorchAttentionBackend)
         return model.model.embed_tokens.weight
 

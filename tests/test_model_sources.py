@@ -18,7 +18,7 @@ from timing import scaled
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, EngineArgs
-from pagellm.config import _resolve_dtype
+from pagellm.engine.arg_utils import _resolve_dtype
 from pagellm.loader import model_loader, resolve_model_source
 from pagellm.loader.hub import HubModelNotFound
 

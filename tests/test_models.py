@@ -19,10 +19,9 @@ from model_utils import (
 )
 from transformers import AutoModelForCausalLM
 
-from pagellm.kernels import panel_gemm
-from pagellm.models import cpu_gemm, get_model_cls
-from pagellm.models.cpu_gemm import CpuGemmPlan, PackedWeight
-from pagellm.models.linear import cpu_prepack_supported
+from pagellm.kernels import cpu_gemm, panel_gemm
+from pagellm.kernels.cpu_gemm import CpuGemmPlan, PackedWeight, cpu_prepack_supported
+from pagellm.models import get_model_cls
 from pagellm.models.llama import LlamaForCausalLM
 
 ATOL, RTOL = 2e-4, 1e-5  # fp32; the CPU decode kernel sums in another order than HF

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
-from pagellm.models.moe import SparseMoeBlock, is_sparse_layer
+from pagellm.layers.moe import SparseMoeBlock, is_sparse_layer
 
 QWEN_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
@@ -164,10 +164,10 @@ def test_dummy_qwen3_30b_a3b_weights_are_drawn_on_the_gpu():
 def test_shipped_moe_configs_build_at_real_size(name, params, experts):
     """The shipped configs' models, built on `meta` (no memory), have the real sizes."""
     from pagellm.attention.torch_backend import TorchAttentionBackend
-    from pagellm.config import EngineArgs, ModelConfig
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.models import get_model_cls
 
-    config = ModelConfig.from_args(EngineArgs(model=name, load_format="dummy"), torch.device("cpu"))
+    config = EngineArgs(model=name, load_format="dummy").create_model_config(torch.device("cpu"))
     assert config.source.kind == "dummy"
     with torch.device("meta"):
         model = get_model_cls(config.architecture)(config.hf_config, TorchAttentionBackend)

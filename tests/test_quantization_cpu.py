@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from model_utils import load_our_model, make_tiny_hf_model, write_tiny_gguf
 
 from pagellm import EngineArgs
-from pagellm.loader.dequant import decode_blocks, dequantize, q4_parts
 from pagellm.loader.gguf_file import GGUFTensor
 from pagellm.quantization import cpu_int, gguf_kernel, resolve_quantization
 from pagellm.quantization.cpu_int import (
@@ -28,6 +27,7 @@ from pagellm.quantization.cpu_int import (
     quantize_int8,
 )
 from pagellm.quantization.gguf_cpu import GGUFBlockWeight
+from pagellm.quantization.gguf_dequant import decode_blocks, dequantize, q4_parts
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")

@@ -460,7 +460,7 @@ def test_prefill_takes_its_fp8_inputs_from_the_norm_and_activation_kernels(
     row) take bf16 inputs."""
     from pagellm.attention.triton_backend import TritonAttentionBackend
     from pagellm.kernels import fused
-    from pagellm.models import layers
+    from pagellm.layers import fused_ops
     from pagellm.quantization.fp8 import Fp8Weight
 
     folder = make_tiny_hf_model("llama", tmp_path, **{**TINY_FP8, "num_hidden_layers": 1})
@@ -471,7 +471,7 @@ def test_prefill_takes_its_fp8_inputs_from_the_norm_and_activation_kernels(
                        layer.mlp.gate_up_proj, layer.mlp.down_proj):  # fmt: skip
             quantize = _block_quantize if block else quantize_weight_per_row
             linear.packed_weight = Fp8Weight(*quantize(linear.weight.float()))
-    monkeypatch.setattr(layers, "_fused_ops", lambda x: fused)  # the CPU's own ops round apart
+    monkeypatch.setattr(fused_ops, "ops_for", lambda x: fused)  # the CPU's own ops round apart
     calls = []
     for name in ("rms_norm_fp8", "silu_and_mul_fp8"):
         kernel = getattr(fused, name)

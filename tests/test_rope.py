@@ -1,4 +1,4 @@
-"""Our rotary tables (`pagellm/models/rope.py`) against HF's rotary modules, row by row: every
+"""Our rotary tables (`pagellm/layers/rope.py`) against HF's rotary modules, row by row: every
 rope type we serve, partial rotary, attention factors, and (dynamic, longrope) the rows HF
 uses for a token decoded at each position, past the original length."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
 
-from pagellm.config import HFConfigView, _resolve_max_model_len
-from pagellm.models.rope import cos_sin_table, long_rope, rope_parameters, rotary_dim
+from pagellm.config import HFConfigView
+from pagellm.engine.arg_utils import _resolve_max_model_len
+from pagellm.layers.rope import cos_sin_table, long_rope, rope_parameters, rotary_dim
 
 ORIGINAL_32 = {"original_max_position_embeddings": 32}
 BASE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)

@@ -196,7 +196,7 @@ def test_async_engine_traces_the_same_boundaries(tmp_path):
     """The server's engine (AsyncLLM): its coroutine boundaries are traced the same way."""
     import asyncio
 
-    from pagellm.config import EngineArgs
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.engine.async_llm import AsyncLLM
 
     path = str(tmp_path / "server.json")

@@ -18,7 +18,7 @@ lets the query at position p see only keys p - W < k <= p (HF's `sliding_window_
 `logits_soft_cap` c turns a score s into c * tanh(s / c) before the softmax (Gemma 2).
 
 The cache may be float8 (`kv_cache_dtype="fp8"`): K/V are stored divided by the layer's
-`kv_scale = [k_scale, v_scale]` and read back times them (`pagellm.attention.kv_cache_dtype`).
+`kv_scale = [k_scale, v_scale]` and read back times them (`pagellm.kv_cache_dtype`).
 """
 
 from __future__ import annotations

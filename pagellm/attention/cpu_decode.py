@@ -26,7 +26,7 @@ import platform
 import torch
 
 from pagellm import cpp_build, envs
-from pagellm.attention.kv_cache_dtype import is_fp8
+from pagellm.kv_cache_dtype import is_fp8
 
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and 2: fp8, read through a table
 

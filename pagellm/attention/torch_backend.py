@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from pagellm.attention import cpu_decode
 from pagellm.attention.base import AttentionBackend, CommonAttentionMetadata
-from pagellm.attention.kv_cache_dtype import is_fp8, quantize
+from pagellm.kv_cache_dtype import is_fp8, quantize
 
 # padded keys (rows x longest length) per decode group; 2048 x 3 KV heads x 64 dims x fp32 is
 # 1.5 MiB of K and of V, which stay in cache between the gather and SDPA

@@ -102,7 +102,7 @@ class Request:
         # its grammar and matcher (pagellm.structured_output), set by the EngineCore
         self.structured_output: StructuredOutputRequest | None = None
         self.error: str | None = None  # why it failed before running (a grammar's compile)
-        # a longrope model's long factors rotate all its tokens (pagellm/models/rope.py)
+        # a longrope model's long factors rotate all its tokens (pagellm/layers/rope.py)
         self.long_rope = False
 
     @classmethod

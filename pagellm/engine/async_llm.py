@@ -18,7 +18,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import AsyncMPClient, EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out

@@ -29,7 +29,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, error_output
-from pagellm.executor import Executor
+from pagellm.executor import executor_class
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tracing import trace_core
@@ -51,7 +51,7 @@ class EngineCore:
         )
         if envs.warm_grammar_backend(config.device):
             self.structured_output.warm_up()  # in a compile thread, beside the model's loading
-        self.model_executor = Executor.get_class(config)(config)
+        self.model_executor = executor_class(config)(config)
         self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(self.num_kv_blocks)
         self.scheduler = Scheduler(

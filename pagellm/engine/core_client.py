@@ -31,7 +31,8 @@ import zmq
 import zmq.asyncio
 
 from pagellm import envs
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,

@@ -227,7 +227,7 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc
 
 
 def _ready(core: EngineCore) -> EngineCoreReady:
-    from pagellm.models.cpu_gemm import chosen_plan_setting
+    from pagellm.kernels.cpu_gemm import chosen_plan_setting
 
     return EngineCoreReady(
         num_kv_blocks=core.num_kv_blocks,

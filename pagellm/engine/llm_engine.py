@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor, fan_out

@@ -11,7 +11,7 @@ import argparse
 import itertools
 from typing import Any
 
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.chat_template import render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.sampling_params import RequestOutputKind, SamplingParams

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.chat_template import render_chat
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine

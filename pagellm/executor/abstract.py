@@ -5,7 +5,7 @@ The EngineCore calls only `determine_num_kv_blocks()`, `initialize_kv_cache(n)`,
 `execute_model_async(...)` (or, for a step whose
 grammar masks wait for the previous step's tokens, `forward_async()` then `sample_async()`)
 and `collective_rpc()`; it never knows how many ranks there are. Three implementations, chosen by
-`ParallelConfig.distributed_executor_backend`:
+`ParallelConfig.distributed_executor_backend` (`pagellm.executor.executor_class`):
 
 - `UniProcExecutor` ("uni"): the one ModelRunner in the EngineCore's process (no copies);
 - `MultiprocExecutor` ("mp"): one worker process per rank on this machine;
@@ -29,21 +29,6 @@ from pagellm.structured_output.bitmask import GrammarBitmask
 
 
 class Executor(ABC):
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "mp":
-            from pagellm.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from pagellm.executor.ray_distributed_executor import RayDistributedExecutor
-
-            return RayDistributedExecutor
-        from pagellm.executor.uniproc_executor import UniProcExecutor
-
-        return UniProcExecutor
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.failure_callback: Callable[[str], None] | None = None

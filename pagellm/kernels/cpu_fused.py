@@ -3,7 +3,7 @@
 
 The same functions, signatures and results as the Triton module `pagellm/kernels/fused.py`
 (but its Qwen3 `qk_norm_rotary`: here the norm and the rotary, two calls each), so
-`pagellm.models.layers` takes either for its device. In eager torch each op is 3-9
+`pagellm.layers.fused_ops` picks either for its device. In eager torch each op is 3-9
 elementwise kernels of a few microseconds of dispatch; at a CPU decode step of a small model
 those add up to as much as the attention (docs/notes.md). Rounding follows the torch
 path op by op (the C++ file says where it may differ in the last bit). float32 and bfloat16;

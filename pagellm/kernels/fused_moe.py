@@ -15,7 +15,7 @@ grids are sized by it, and blocks past `num_padded` return at once, so a decode 
 inside a CUDA graph. Rows of one expert land in the order atomics hand out slots; every row's
 dot products are computed alone, so no output depends on that order.
 
-Rounding follows the torch path (`pagellm.models.moe.experts_torch`): gate and up rounded to
+Rounding follows the torch path (`pagellm.layers.moe.experts_torch`): gate and up rounded to
 the activation dtype, SiLU's output rounded before the multiply, the down projection rounded
 before the (float32) routing weight multiplies it. Every kernel tolerates garbage inputs
 (out-of-range ids and block experts are skipped), as a dry forward under `compile_ahead` may

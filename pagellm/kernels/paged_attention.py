@@ -54,7 +54,7 @@ unchanged:
   pairs and converted to fp16 in registers (FP8_PAIRS, `pagellm.kernels.fp8_convert`: one
   PTX instruction a pair, before the tile's change to the MMA layout); q is converted to
   fp16 once, so both dots run in fp16 (fp32 stays fp32). k_scale joins the softmax scale
-  and v_scale multiplies the accumulator once at the end (`pagellm.attention.kv_cache_dtype`).
+  and v_scale multiplies the accumulator once at the end (`pagellm.kv_cache_dtype`).
   The scales are read from the device, so CUDA graphs replay with scales set after capture.
   fp8 decode tiles are one warp a program (`attention_plan.decode_tile`: by element size and
   query heads a KV head).
@@ -67,7 +67,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from pagellm.attention.kv_cache_dtype import is_fp8
 from pagellm.kernels import fp8_convert, pdl
 from pagellm.kernels.attention_plan import (
     MAX_SPLITS,
@@ -75,6 +74,7 @@ from pagellm.kernels.attention_plan import (
     TileConfig,
 )
 from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
+from pagellm.kv_cache_dtype import is_fp8
 
 LOG2E = 1.4426950408889634
 

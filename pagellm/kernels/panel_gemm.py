@@ -6,7 +6,7 @@ of 32 output rows: for bf16, column pairs side by side (the operands of `vdpbf16
 float32, one column after another (of an FMA). Exact products (bf16) or FMAs (float32),
 float32 sums, one rounding to the output dtype: the arithmetic of oneDNN's and MKL's kernels
 in another summation order. At decode sizes it streams the weights at about twice their rate
-on the machines measured; `pagellm.models.cpu_gemm` times it against them at start-up and
+on the machines measured; `pagellm.kernels.cpu_gemm` times it against them at start-up and
 uses it where it is not slower. Compiled on first use (`pagellm.cpp_build`); the entry
 points are None where that fails (no compiler).
 """

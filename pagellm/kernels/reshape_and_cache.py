@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.attention.kv_cache_dtype import is_fp8
+from pagellm.kv_cache_dtype import is_fp8
 
 
 @triton.jit

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.models.layers import RMSNorm
-from pagellm.models.weights import load_param
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.weights import load_param
 
 
 def init_dummy_weights(

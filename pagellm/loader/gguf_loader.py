@@ -11,9 +11,9 @@ from collections.abc import Container, Iterator
 
 import torch
 
-from pagellm.loader.dequant import dequantize
-from pagellm.loader.gguf_file import GGUFFile
-from pagellm.loader.hf_config import HFConfigView
+from pagellm.config import HFConfigView
+from pagellm.loader.gguf_file import GGUFFile, GGUFTensor
+from pagellm.quantization.gguf_dequant import dequantize
 
 # GGUF general.architecture -> (HF model_type, HF architecture name)
 _ARCHITECTURES = {
@@ -115,7 +115,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str, head_dim: int, theta: float) -> dic
 
 def _llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float, path: str) -> dict:
     """Llama 3.x files store per-frequency divisors; find the llama3 parameters behind them."""
-    from pagellm.models.rope import default_inv_freq, llama3_inv_freq
+    from pagellm.layers.rope import default_inv_freq, llama3_inv_freq
 
     base = default_inv_freq(head_dim, theta)
     for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
@@ -150,6 +150,12 @@ def gguf_weights(
         elif arch == "llama" and ".attn_k." in name:
             weight = _unpermute(weight, kv_heads)
         yield name_hf, weight
+
+
+def gguf_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
+    """Every weight of the file by its HF name, not read (for `quantization="gguf"`: which
+    layers stay in blocks)."""
+    return {hf_name(n): t for n, t in gguf.tensors.items() if n not in _NOT_WEIGHTS}
 
 
 def gguf_shapes(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,19 +21,19 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
+from pagellm.kv_cache_dtype import checkpoint_kv_scale
+from pagellm.layers.moe import FusedMoE
+from pagellm.layers.weights import CheckpointTensor, check_loaded
 from pagellm.loader.dummy_loader import init_dummy_weights
 from pagellm.loader.gguf_file import read_gguf
-from pagellm.loader.gguf_loader import gguf_shapes, gguf_weights
+from pagellm.loader.gguf_loader import gguf_shapes, gguf_tensors, gguf_weights
 from pagellm.loader.safetensors_loader import (
     checkpoint_files,
     checkpoint_shapes,
     hf_folder_weights,
 )
 from pagellm.loader.source import ModelSource
-from pagellm.models.moe import FusedMoE
 from pagellm.models.registry import get_model_cls
-from pagellm.models.weights import CheckpointTensor, check_loaded
 from pagellm.quantization import get_quant_config
 
 if TYPE_CHECKING:
@@ -49,7 +49,11 @@ def load_model(
     device = torch.device(device)
     dtype = model_config.dtype
     model_cls = get_model_cls(model_config.architecture)
-    quant = get_quant_config(model_config, device)
+    source = model_config.source
+    checkpoint = None  # quantization="gguf" picks its layers by the file's tensor types
+    if model_config.quantization == "gguf":
+        checkpoint = gguf_tensors(read_gguf(source.path))
+    quant = get_quant_config(model_config, device, checkpoint)
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(model_config.hf_config, attn_backend_cls)
         if quant is not None:
@@ -58,7 +62,6 @@ def load_model(
             kind = str(dtype).removeprefix("torch.")
             kept = f"; {moe} MoE layers' experts and routers stay in {kind}" if moe else ""
             logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
-    source = model_config.source
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         init_dummy_weights(model, device, dtype, std, model_config.seed)

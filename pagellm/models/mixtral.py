@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.layers.moe import MoEWeights, SparseMoeBlock, num_experts_of, use_sparse_mlps
 from pagellm.models.llama import MistralForCausalLM
-from pagellm.models.moe import MoEWeights, SparseMoeBlock, num_experts_of, use_sparse_mlps
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers

@@ -20,16 +20,13 @@ from torch import nn
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.distributed.parallel_state import all_reduce, get_tp_group
-from pagellm.models.layers import (
-    Attention,
-    GatedMLP,
-    QKVParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    apply_rotary,
-)
+from pagellm.layers.attention import Attention
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.rotary_embedding import apply_rotary
+from pagellm.layers.weights import TensorSlice
 from pagellm.models.llama import AttentionOptions, LlamaForCausalLM, head_dim_of
-from pagellm.models.weights import TensorSlice
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers

@@ -3,7 +3,7 @@
 - q/k/v and gate/up are stored fused (`self_attn.qkv_proj`, `mlp.gate_up_proj`, gate rows
   first): they load whole into our fused layers, which stack them the same way;
 - `longrope` (`su` in older configs) rope scaling with per-dimension short and long factors
-  and an attention factor (`pagellm/models/rope.py`), over `partial_rotary_factor` of each
+  and an attention factor (`pagellm/layers/rope.py`), over `partial_rotary_factor` of each
   head (Phi-4-mini: 0.75);
 - a `sliding_window` in the config windows every layer, as HF does (Phi-3-mini-4k: 2047).
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.moe import (
+from pagellm.layers.moe import (
     MoEWeights,
     SparseMoeBlock,
     is_sparse_layer,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.models.layers import ColumnParallelLinear, RowParallelLinear
+from pagellm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagellm.models.llama import (
     AttentionOptions,
     LlamaDecoderLayer,

@@ -59,7 +59,7 @@ def resolve_quantization(
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
     if tensor_parallel_size > 1 and (stored is not None or name not in (None, NONE)):
-        raise ValueError(  # quantized layers load whole tensors (pagellm/models/linear.py)
+        raise ValueError(  # quantized layers load whole tensors (pagellm/layers/linear.py)
             f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
             f"{tensor_parallel_size} needs an unquantized checkpoint and quantization=None"
         )
@@ -134,13 +134,18 @@ def _check_cpu_int(name: str, device: torch.device) -> None:
         )
 
 
-def get_quant_config(model_config: Any, device: torch.device) -> QuantizationConfig | None:
+def get_quant_config(
+    model_config: Any, device: torch.device, checkpoint: dict[str, Any] | None = None
+) -> QuantizationConfig | None:
     """The loader's `QuantizationConfig` for a resolved `model_config.quantization` (an fp8
-    checkpoint gets one even with None: its tensors are dequantized at load)."""
+    checkpoint gets one even with None: its tensors are dequantized at load); `checkpoint`:
+    the tensors the loader read ahead, by HF name (a GGUF file's)."""
     name = model_config.quantization
     if name is None and checkpoint_method(model_config.hf_config) is not None:
         name = "fp8"
     if name is None:
         return None
     module, _, cls = QUANTIZATION_METHODS[name].partition(":")
-    return getattr(importlib.import_module(module), cls).from_model(model_config, device)
+    return getattr(importlib.import_module(module), cls).from_model(
+        model_config, device, checkpoint
+    )

@@ -2,7 +2,7 @@
 model: which layers it quantizes and how) and `LinearMethod` (one per quantized `Linear`).
 
 A quantized layer runs through the attribute every `Linear` already checks on each call:
-`layer.packed_weight(x, bias)` (see `pagellm/models/layers.py`). The unquantized path is
+`layer.packed_weight(x, bias)` (see `pagellm/layers/linear.py`). The unquantized path is
 therefore unchanged, and every `Linear` subclass (fused, column- or row-parallel) is quantized
 by construction: the method sees the layer after this rank's part of each tensor is loaded.
 
@@ -11,7 +11,7 @@ The life of a quantized layer:
     built on `meta`            QuantizationConfig.attach(model) gives each Linear its method;
                                `create_weights(layer)` replaces `layer.weight` by what the
                                checkpoint holds (fp8 values + a scale tensor, GGUF blocks, ...)
-    checkpoint tensors loaded  by name, as for any parameter (`pagellm/models/weights.py`):
+    checkpoint tensors loaded  by name, as for any parameter (`pagellm/layers/weights.py`):
                                fused projections write their row ranges, scales included
     process_weights_after_loading(layer)
                                turns them into the kernel's layout and sets
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagellm.models.layers import Linear
+    from pagellm.layers.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,15 @@ class QuantizationConfig(ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def from_model(
+        cls, model_config: Any, device: torch.device, checkpoint: dict[str, Any] | None = None
+    ) -> QuantizationConfig:
+        """The method for a model (`pagellm.config.ModelConfig`) on `device`. `checkpoint`: its
+        tensors by HF name where the loader reads them ahead (a GGUF file's, each with its
+        `qtype` and `data`), else None."""
+        raise NotImplementedError
+
     @abstractmethod
     def linear_method(self, prefix: str, layer: Linear) -> LinearMethod | None:
         """The method for the Linear named `prefix` (e.g. "model.layers.0.mlp.down_proj"), or
@@ -128,12 +137,12 @@ class QuantizationConfig(ABC):
 
     def attach(self, model: nn.Module) -> int:
         """Give each Linear of `model` (on `meta`) its method, but those that are not
-        `quantizable` (MoE routers); return how many got one."""
-        from pagellm.models.layers import Linear
-
+        `quantizable` (MoE routers); return how many got one. A layer offers itself through
+        a slot, its `quantizable` attribute (`Linear`'s is True), and takes the method in
+        its `quant_method`: this module never imports the layers."""
         count = 0
         for prefix, module in model.named_modules():
-            if not isinstance(module, Linear) or not module.quantizable:
+            if not getattr(module, "quantizable", False):
                 continue
             method = self.linear_method(prefix, module)
             if method is not None:
@@ -163,6 +172,15 @@ def drop_params(layer: nn.Module, *names: str) -> None:
     for name in names:
         if name in layer._parameters:
             layer._parameters[name] = None
+
+
+def checkpoint_names(prefix: str, layer) -> list[str]:
+    """The checkpoint weights a Linear is loaded from: one per part of a fused projection."""
+    shards = getattr(layer, "shard_rows", None)
+    if not shards:
+        return [f"{prefix}.weight"]
+    parent = prefix.rpartition(".")[0]
+    return [f"{parent}.{shard}.weight" for shard in shards]
 
 
 def quant_config_dict(hf_config: Any) -> dict | None:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm import envs
+from pagellm.kernels.cpu_gemm import PackedWeight, cpu_prepack_supported
 from pagellm.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -51,9 +52,7 @@ def cpu_int_supported() -> bool:
 
 def dense_weight(weight: torch.Tensor):
     """F.linear on `weight` [out, in], packed for MKL / oneDNN where the runner would pack an
-    unquantized layer (see `pagellm.models.layers.PackedWeight`)."""
-    from pagellm.models.layers import PackedWeight, cpu_prepack_supported
-
+    unquantized layer (see `pagellm.kernels.cpu_gemm.PackedWeight`)."""
     if cpu_prepack_supported(weight.device, weight.dtype):
         return PackedWeight(weight, batch_hint=256)
     return lambda x, bias=None: F.linear(x, weight, bias)
@@ -167,7 +166,7 @@ class CpuIntConfig(QuantizationConfig):
         self.name = f"int{bits}"
 
     @classmethod
-    def from_model(cls, model_config, device: torch.device) -> CpuIntConfig:
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> CpuIntConfig:
         return cls(4 if model_config.quantization == "int4" else 8)
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:

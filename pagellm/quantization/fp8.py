@@ -14,7 +14,7 @@ Where the weights come from:
 A per-tensor scale becomes one per row (fused q|k|v parts keep their own); static activation
 scales (`input_scale`) are read and dropped: activations are scaled per token, dynamically.
 MoE experts are not `Linear`s: an fp8 checkpoint's expert projections are dequantized at load
-(`pagellm.models.moe.MoEWeights`), and routers stay in the model dtype (`Linear.quantizable`).
+(`pagellm.layers.moe.MoEWeights`), and routers stay in the model dtype (`Linear.quantizable`).
 
 On CUDA (`Fp8Weight`): GEMMs of up to `MAX_TRITON_ROWS` rows (decode) run the weight-only
 Triton kernel (`pagellm/kernels/fp8_gemm.py`: bf16 activations, the weight streamed once);
@@ -42,6 +42,7 @@ from pagellm.quantization.base import (
     QuantizationConfig,
     QuantizedActivation,
     QuantizedWeight,
+    checkpoint_names,
     drop_params,
     quant_config_dict,
     replace_param,
@@ -199,7 +200,7 @@ class Fp8Config(QuantizationConfig):
         self.method = Fp8LinearMethod(scheme, dequantize, dtype, scale_name)
 
     @classmethod
-    def from_model(cls, model_config, device: torch.device) -> Fp8Config:
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> Fp8Config:
         cfg = quant_config_dict(model_config.hf_config)
         dequantize = device.type != "cuda" or model_config.quantization is None
         scheme, ignore = checkpoint_scheme(cfg) if cfg else (None, [])
@@ -218,8 +219,6 @@ class Fp8Config(QuantizationConfig):
         return self.method
 
     def _ignored(self, prefix: str, layer) -> bool:
-        from pagellm.quantization.gguf_cpu import checkpoint_names
-
         names = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]
         for entry in self.ignore:
             pattern = entry[3:] if entry.startswith("re:") else re.escape(entry)

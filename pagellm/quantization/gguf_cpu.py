@@ -30,18 +30,18 @@ The embedding lookup itself always reads the dequantized table.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from gguf import GGMLQuantizationType
 
 from pagellm import envs
-from pagellm.loader.dequant import block_bytes, decode_blocks, q4_parts
-from pagellm.loader.gguf_file import GGUFFile, read_gguf
-from pagellm.loader.gguf_loader import hf_name
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.base import (
     LinearMethod,
     QuantizationConfig,
     QuantizedWeight,
+    checkpoint_names,
     drop_params,
     replace_param,
 )
@@ -52,6 +52,7 @@ from pagellm.quantization.cpu_int import (
     int4_fits,
     int4_weight,
 )
+from pagellm.quantization.gguf_dequant import block_bytes, decode_blocks, q4_parts
 from pagellm.quantization.gguf_kernel import BlockPlanes
 
 Q = GGMLQuantizationType
@@ -117,16 +118,18 @@ class GGUFBlocksMethod(LinearMethod):
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
 
-    def __init__(self, gguf: GGUFFile, dtype: torch.dtype) -> None:
+    def __init__(self, tensors: dict[str, Any], dtype: torch.dtype) -> None:
         self.dtype = dtype
-        # HF name -> GGUF tensor, for every tensor of the file
-        self.tensors = {hf_name(n): t for n, t in gguf.tensors.items() if n != "rope_freqs.weight"}
+        # HF name -> GGUF tensor (its `qtype`, `data`), for every weight of the file
+        self.tensors = tensors
         self.raw_names: set[str] = set()  # loaded as blocks (see gguf_weights)
         self.block_kernel = gguf_kernel.supported()  # decided once, for every layer
 
     @classmethod
-    def from_model(cls, model_config, device: torch.device) -> GGUFConfig:
-        return cls(read_gguf(model_config.source.path), model_config.dtype)
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> GGUFConfig:
+        if checkpoint is None:
+            raise ValueError("quantization='gguf' needs the GGUF file's tensors from the loader")
+        return cls(checkpoint, model_config.dtype)
 
     def linear_method(self, prefix: str, layer) -> LinearMethod | None:
         names = checkpoint_names(prefix, layer)
@@ -158,12 +161,3 @@ class GGUFConfig(QuantizationConfig):
     def describe(self) -> str:
         how = "read by the block kernel" if self.block_kernel else "as int4 blocks"
         return f"gguf ({len(self.raw_names)} tensors {how})"
-
-
-def checkpoint_names(prefix: str, layer) -> list[str]:
-    """The checkpoint weights a Linear is loaded from: one per part of a fused projection."""
-    shards = getattr(layer, "shard_rows", None)
-    if not shards:
-        return [f"{prefix}.weight"]
-    parent = prefix.rpartition(".")[0]
-    return [f"{parent}.{shard}.weight" for shard in shards]

@@ -85,3 +85,11 @@ class XgrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """[rows, ceil(vocab_size / 32)] int32, every token allowed."""
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def stop_token_ids(model_config: Any, tokenizer_eos: int | None) -> list[int]:
+    """The ids a finished grammar allows: the model's EOS ids (config, tokenizer and
+    generation config)."""
+    eos = getattr(model_config.hf_config, "eos_token_id", None)
+    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer_eos, *model_config.eos_token_ids]
+    return sorted({i for i in ids if i is not None and i < model_config.vocab_size})

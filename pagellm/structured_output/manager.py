@@ -206,7 +206,7 @@ class StructuredOutputManager:
 
 def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> Any:
     from pagellm.loader import load_tokenizer
-    from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
+    from pagellm.structured_output.backend import XgrammarBackend, stop_token_ids, tokenizer_info
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(model_config.source)
@@ -226,11 +226,3 @@ def reasoning_token_ids(tokenizer: Any) -> tuple[int, int]:
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
         raise ValueError("a reasoning parser needs <think> and </think> tokens in the vocabulary")
     return ids[0], ids[1]
-
-
-def stop_token_ids(model_config: ModelConfig, tokenizer_eos: int | None) -> list[int]:
-    """The ids a finished grammar allows: the model's EOS ids (config, tokenizer and
-    generation config)."""
-    eos = getattr(model_config.hf_config, "eos_token_id", None)
-    ids = [*(eos if isinstance(eos, list) else [eos]), tokenizer_eos, *model_config.eos_token_ids]
-    return sorted({i for i in ids if i is not None and i < model_config.vocab_size})

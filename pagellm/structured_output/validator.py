@@ -122,8 +122,7 @@ def write_vocabulary(tokenizer: Any, model_config: Any, path: str) -> None:
     """The tables the EngineCore compiles against (the model's vocabulary size, its EOS ids as
     stop tokens) as JSON in `path`, for `init_worker` (a file: a megabyte or more, too much
     for a worker's command line)."""
-    from pagellm.structured_output.backend import tokenizer_info
-    from pagellm.structured_output.manager import stop_token_ids
+    from pagellm.structured_output.backend import stop_token_ids, tokenizer_info
 
     stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
     text = tokenizer_info(tokenizer, model_config.vocab_size, stop_ids).serialize_json()

@@ -30,16 +30,16 @@ import torch
 
 from pagellm import envs
 from pagellm.attention.base import CommonAttentionMetadata
-from pagellm.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from pagellm.attention.selector import get_attn_backend_cls
 from pagellm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
-from pagellm.models.cpu_gemm import cpu_gemm_plan
-from pagellm.models.layers import Attention
-from pagellm.models.linear import cpu_prepack_supported, heads_per_rank
-from pagellm.models.rope import long_rope
+from pagellm.kernels.cpu_gemm import cpu_gemm_plan, cpu_prepack_supported
+from pagellm.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
+from pagellm.layers.attention import Attention
+from pagellm.layers.linear import heads_per_rank
+from pagellm.layers.rope import long_rope
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler

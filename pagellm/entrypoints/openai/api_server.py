@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
 from pagellm import envs
-from pagellm.config import EngineArgs, StructuredOutputsConfig
+from pagellm.config import StructuredOutputsConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
-from pagellm.models.layers import GatedMLP, Linear
-from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
+from pagellm.layers.linear import Linear
+from pagellm.layers.mlp import GatedMLP
+from pagellm.layers.weights import CheckpointTensor, TensorSlice, materialize
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers

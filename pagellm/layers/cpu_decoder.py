@@ -28,7 +28,10 @@ from pagellm import cpp_build, envs
 from pagellm.attention import cpu_decode
 from pagellm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from pagellm.kernels import cpu_fused, panel_gemm
-from pagellm.models.cpu_gemm import PackedWeight
+from pagellm.kernels.cpu_gemm import PackedWeight
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.mlp import GatedMLP
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.gguf_cpu import GGUFBlockWeight
 from pagellm.quantization.gguf_kernel import BlockPlanes
@@ -134,11 +137,10 @@ class CpuDecoder:
         self._dims: _Dims | None = None
 
     @classmethod
-    def build(cls, model) -> CpuDecoder | None:
-        """A decoder for `model` (a LlamaModel with its weights packed), or None where a layer
-        needs something the C++ loop does not do."""
-        from pagellm.models.layers import GatedMLP, RMSNorm, SiluAndMul  # (they import us)
-        from pagellm.models.llama import LlamaDecoderLayer
+    def build(cls, model, layer_cls: type) -> CpuDecoder | None:
+        """A decoder for `model` (a LlamaModel with its weights packed) whose layers are all
+        `layer_cls` (Llama's own, not a family's subclass) with a `GatedMLP`, or None where a
+        layer needs something the C++ loop does not do."""
 
         entry = _entry()
         if entry is None or not model.layers:
@@ -146,7 +148,7 @@ class CpuDecoder:
         fns = entry[1]
         layers = list(model.layers)
         kinds = {(type(layer), type(layer.mlp)) for layer in layers}
-        if kinds != {(LlamaDecoderLayer, GatedMLP)}:
+        if kinds != {(layer_cls, GatedMLP)}:
             return None  # OLMo 2's layers, MoE blocks, or another model's own layers
         first = layers[0]
         eps, dtype = first.input_layernorm.eps, first.input_layernorm.weight.dtype

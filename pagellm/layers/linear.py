@@ -12,34 +12,20 @@ a checkpoint tensor it holds (`checkpoint_slice`) and the full shape it was cut 
 rank every class is a plain `Linear`.
 
 On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`) for the
-GEMM library that is fastest on this machine (`pagellm/models/cpu_gemm.py`: MKL or oneDNN,
+GEMM library that is fastest on this machine (`pagellm/kernels/cpu_gemm.py`: MKL or oneDNN,
 bf16 or float32 arithmetic, timed at start-up); the plain weight is then freed.
 """
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm import envs
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
-from pagellm.models.cpu_gemm import PackedWeight
-from pagellm.models.weights import CheckpointTensor, TensorSlice, materialize
+from pagellm.kernels.cpu_gemm import PackedWeight
+from pagellm.layers.weights import CheckpointTensor, TensorSlice, materialize
 from pagellm.quantization.base import LinearMethod, QuantizedWeight
-
-
-def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear.prepack` is used: x86 CPU, float32 or bfloat16, oneDNN present."""
-    return (
-        device.type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and platform.machine().lower() in ("x86_64", "amd64")
-        and torch.backends.mkldnn.is_available()
-        and envs.cpu_prepack()
-    )
 
 
 class Linear(nn.Linear):

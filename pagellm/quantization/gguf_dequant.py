@@ -14,18 +14,19 @@ Nibble byte i holds weight i (low 4 bits) and weight i + 16 (high 4 bits).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagellm.loader.gguf_file import GGUFTensor
-
 Q = GGMLQuantizationType
 
 
-def dequantize(tensor: GGUFTensor) -> torch.Tensor:
-    """Decode one GGUF tensor to float32 with shape `tensor.shape`."""
+def dequantize(tensor: Any) -> torch.Tensor:
+    """Decode one GGUF tensor (`qtype`, `data`, `shape`: a `GGUFTensor` of
+    `pagellm/loader/gguf_file.py`) to float32 with shape `tensor.shape`."""
     decode = _TORCH_DECODERS.get(tensor.qtype)
     if tensor.data.dtype != np.uint8:  # plain F32 / F16 / integer storage
         return torch.from_numpy(tensor.data).to(torch.float32)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp_group
-from pagellm.models.linear import ColumnParallelLinear
-from pagellm.models.weights import TensorSlice
+from pagellm.layers.linear import ColumnParallelLinear
+from pagellm.layers.weights import TensorSlice
 
 
 def vocab_part(vocab_size: int) -> TensorSlice:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.attention.kv_cache_dtype import checkpoint_kv_scale
+from pagellm.kv_cache_dtype import checkpoint_kv_scale
 
 
 @dataclass(frozen=True)

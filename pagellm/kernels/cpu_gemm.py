@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import platform
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,17 @@ from pagellm.kernels.panel_gemm import Panels
 
 # name -> how the log writes it ("pagellm": our panels, `pagellm.kernels.panel_gemm`)
 FP32_LIBRARIES = {"mkl": "MKL", "onednn": "oneDNN", "pagellm": "pagellm's panel kernel"}
+
+
+def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear.prepack` is used: x86 CPU, float32 or bfloat16, oneDNN present."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and envs.cpu_prepack()
+    )
 
 
 @dataclass(frozen=True)

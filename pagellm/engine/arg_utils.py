@@ -1,0 +1,267 @@
+"""Engine arguments: `EngineArgs` (what a user passes, by vLLM's names) and the resolution
+of them into an `EngineConfig` (`pagellm/config.py`'s plain dataclasses), as vLLM's
+`vllm/engine/arg_utils.py`.
+
+`LLM(**kwargs)` and the CLI both build an `EngineArgs`; `create_engine_config()` resolves the
+model (embedded default, HF folder, GGUF file or a shipped config for dummy weights), its
+dtype, length, quantization and parallel layout, and returns the `EngineConfig` handed to the
+engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagellm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    architecture_of,
+)
+from pagellm.quantization import resolve_quantization
+from pagellm.utils import cpu_bf16_units
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's engine arguments, by the same names. Unknown names raise TypeError."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    revision: str | None = None  # of a Hub model: branch, tag or commit
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hugging Face cache to use (default: HF_HOME's)
+    generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"  # auto | safetensors | pt | gguf | dummy
+    kv_cache_memory_bytes: int | None = None  # KV cache size; CPU default 2 GiB
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False  # fp8 KV: k/v scales from the first batch
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
+    device: str = "auto"  # auto | cpu | cuda
+    tensor_parallel_size: int = 1  # ranks the model is split over (GPUs, or CPU processes)
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: see ParallelConfig
+    served_model_name: str | None = None
+    disable_log_stats: bool = False
+    log_stats_interval: float = 10.0  # seconds between two stats lines in the log
+    trace: str | None = None  # write a request-journey trace here (pagellm/tracing.py)
+    trace_kv: str | None = None  # with trace: dump this request's block table, slot mapping
+    max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
+    scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
+    quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
+    # vLLM's name: the limits on output constraints, StructuredOutputsConfig's fields by name
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unexpected engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        if device.type == "cuda" and self.block_size < 16:
+            raise ValueError(
+                f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
+                f"got {self.block_size}"
+            )
+        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+            raise ValueError(
+                f"reasoning_parser must be 'qwen3' or 'deepseek_r1', got {self.reasoning_parser!r}"
+            )
+        # checked before the model is resolved (a download, a file read)
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
+        )
+        structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
+        model_config = self.create_model_config(device)
+        max_len = model_config.max_model_len
+        batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_len,
+            policy=self.scheduling_policy,
+        )
+        parallel_config = self._parallel_config(model_config, device)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device=str(device),
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            async_scheduling=(
+                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
+            log_stats=not self.disable_log_stats,
+            log_stats_interval=self.log_stats_interval,
+            trace=self.trace,
+            trace_kv=self.trace_kv,
+            reasoning_parser=self.reasoning_parser,
+            structured_outputs_config=structured_outputs_config,
+        )
+
+    def create_model_config(self, device: torch.device) -> ModelConfig:
+        """The model's config: its source resolved, its HF and generation configs read."""
+        # imported here: the CLI builds its flags from EngineArgs without them
+        from pagellm import loader
+        from pagellm.layers.rope import long_rope
+        from pagellm.models.registry import check_architecture
+
+        source = loader.resolve_model_source(
+            self.model,
+            self.load_format,
+            self.tokenizer,
+            revision=self.revision,
+            download_dir=self.download_dir,
+            tokenizer_revision=self.tokenizer_revision,
+        )
+        hf_config = loader.load_hf_config(source)
+        check_architecture(architecture_of(hf_config))
+        generation = loader.load_generation_config(source, hf_config, self.generation_config)
+        max_len = _resolve_max_model_len(hf_config, self.max_model_len)
+        dtype = _resolve_dtype(self.dtype, hf_config, device)
+        quantization = resolve_quantization(
+            self.quantization, hf_config, source.kind, device, self.tensor_parallel_size
+        )
+        rope = long_rope(hf_config)
+        return ModelConfig(
+            model=source.name,
+            source=source,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_len,
+            served_model_name=self.served_model_name or source.name,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+            default_sampling_params=generation.sampling,
+            eos_token_ids=generation.eos_token_ids,
+            quantization=quantization,
+            long_rope_switch=None if rope is None else rope[0],
+        )
+
+    def _parallel_config(self, model_config: ModelConfig, device: torch.device) -> ParallelConfig:
+        """None picks "uni" for one rank, else "ray" when the caller is connected to a Ray
+        cluster or RAY_ADDRESS is set, else "mp"."""
+        tp = self.tensor_parallel_size
+        address = _ray_address()
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if tp == 1 else ("ray" if address else "mp")
+        config = ParallelConfig(tp, backend, address if backend == "ray" else None)
+        _check_heads(model_config.hf_config, tp)
+        if backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, "
+                f"{torch.cuda.device_count()} are visible (across machines: "
+                "distributed_executor_backend='ray')"
+            )
+        return config
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    return torch.device(name)
+
+
+def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+    from pagellm.layers.rope import max_positions
+
+    limit = max_positions(hf_config)
+    if requested is None:
+        return limit
+    if requested < 1 or requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} must be in [1, {limit}] "
+            "(the model's max_position_embeddings, times a yarn or dynamic rope factor)"
+        )
+    return requested
+
+
+def _resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        units = cpu_bf16_units()
+        if units is None:
+            logger.info("dtype auto: float32 (this CPU has neither AMX nor AVX512-BF16)")
+            return torch.float32
+        logger.info("dtype auto: bfloat16 on this CPU's %s (dtype='float32' for exact)", units)
+        return torch.bfloat16
+    cfg_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype)
+    return cfg_dtype if cfg_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _ray_address() -> str | None:
+    """The Ray cluster this process is connected to (never imports ray), or RAY_ADDRESS."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def _check_heads(hf_config: Any, tp: int) -> None:
+    """A clear error before any process starts when the heads cannot be split over `tp`."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide the model's num_attention_heads ({heads})"
+        )
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
+            "divide one another (KV heads are split, or replicated when fewer than ranks)"
+        )

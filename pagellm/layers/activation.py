@@ -1,0 +1,43 @@
+"""The gated activations of an MLP: SiLU-and-mul (fused on CUDA and the CPU, its fp8 output
+for a w8a8 down projection) and Gemma's GeGLU (gelu-tanh and mul)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.layers import fused_ops
+from pagellm.quantization.base import QuantizedActivation
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor, quant_for: Any = None) -> torch.Tensor | QuantizedActivation:
+        # x: [T, 2 * I] (gate | up) -> [T, I]; quantized for `quant_for` as RMSNorm's output
+        group = fused_ops.fp8_input_group(x, x.shape[-1] // 2, quant_for)
+        if group is not None:
+            return QuantizedActivation(*fused_ops.triton_ops().silu_and_mul_fp8(x, group), x.dtype)
+        fused = fused_ops.ops_for(x)
+        if fused is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return fused.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """GeGLU (Gemma): gelu(gate) * up, gelu with its tanh approximation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * I] (gate | up) -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# HF `hidden_act` / `hidden_activation` -> the gated activation of the MLP
+GATED_ACTIVATIONS = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_tanh": GeluTanhAndMul,
+}
