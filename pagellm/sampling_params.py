@@ -65,7 +65,7 @@ RANGES: dict[str, Range] = {
     "min_tokens": Range(0, INT32_MAX),
     "logprobs": Range(0, INT32_MAX),
     "prompt_logprobs": Range(0, INT32_MAX),
-    "truncate_prompt_tokens": Range(1, INT32_MAX),  # or -1: the model's length
+    "truncate_prompt_tokens": Range(1, INT32_MAX, note="or -1: the model's length"),
 }
 TOKEN_ID = Range(0, INT64_MAX)  # any vocabulary's; `verify_for_model` checks the model's
 LOGIT_BIAS = Range(-FLOAT32_MAX, FLOAT32_MAX)  # a bias: any finite float32
@@ -183,8 +183,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             value = getattr(self, name)
             if value is None or (name == "truncate_prompt_tokens" and value == -1):
                 continue
-            if name == "truncate_prompt_tokens":
-                allowed = allowed._replace(note="or -1: the model's length")
             _check(value in allowed, name, f"must be {allowed.text()}, got {value}")
         _check(
             self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,

@@ -38,7 +38,6 @@ class InputBatch:
         processors: list[type[LogitsProcessor]] | None = None,  # default: the registry's
     ) -> None:
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
         self.device = torch.device(device)  # where seeded generators draw
         max_blocks = -(-max_model_len // block_size)
         # one extra column: a request may sample at position max_model_len
