@@ -40,7 +40,7 @@ class NewRow(NamedTuple):
     eos_token_ids: tuple[int, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingStep:
     """What a processor may read to prepare one step (host arrays, read, never written)."""
 
