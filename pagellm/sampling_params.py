@@ -4,7 +4,10 @@ A msgspec Struct, so it crosses the process boundary as msgpack without pickling
 Invalid values raise ValueError naming the field, before a request reaches the engine: a value
 of the wrong type (a float for an integer, a string for a bool) as well as one out of range.
 Every range stops at what the engine holds (int32 counts, int64 seeds and ids, finite float32
-settings), so a value that validates can always be run.
+settings), so a value that validates can always be run. The ranges are data (`RANGES`): the
+server's request schema declares the same bounds from them (`entrypoints/openai/protocol.py`).
+What depends on the model (token ids in its vocabulary, logprob counts within max_logprobs)
+is `verify_for_model`, which the input processor calls once the model is known.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -22,6 +25,50 @@ _GREEDY_EPS = 1e-5
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+class Range(NamedTuple):
+    """The values a numeric field may take: [low, high], or (low, high] with `low_open`."""
+
+    low: int | float
+    high: int | float
+    low_open: bool = False
+    note: str = ""  # what a special value means, for the error message
+
+    def __contains__(self, value: object) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def text(self) -> str:
+        if self.high == FLOAT32_MAX and self.low == 0:  # a float with a lower bound only
+            return "greater than zero" if self.low_open else "non-negative"
+        interval = f"{'(' if self.low_open else '['}{self.low}, {self.high}]"
+        return f"in {interval}" + (f" ({self.note})" if self.note else "")
+
+    def bounds(self) -> dict[str, int | float]:
+        """As pydantic's Field arguments (gt / ge, le)."""
+        return {"gt" if self.low_open else "ge": self.low, "le": self.high}
+
+
+# every numeric field's range (None, where a field allows it, is not checked against it)
+RANGES: dict[str, Range] = {
+    "n": Range(1, INT32_MAX),
+    "temperature": Range(0, FLOAT32_MAX),
+    "top_p": Range(0, 1, low_open=True),
+    "top_k": Range(-1, INT32_MAX, note="-1 or 0: no top-k"),
+    "min_p": Range(0, 1),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "repetition_penalty": Range(0, FLOAT32_MAX, low_open=True),
+    "seed": Range(INT64_MIN, INT64_MAX),
+    "max_tokens": Range(1, INT32_MAX),
+    "min_tokens": Range(0, INT32_MAX),
+    "logprobs": Range(0, INT32_MAX),
+    "prompt_logprobs": Range(0, INT32_MAX),
+    "truncate_prompt_tokens": Range(1, INT32_MAX, note="or -1: the model's length"),
+}
+TOKEN_ID = Range(0, INT64_MAX)  # any vocabulary's; `verify_for_model` checks the model's
+LOGIT_BIAS = Range(-FLOAT32_MAX, FLOAT32_MAX)  # a bias: any finite float32
 
 # field -> whether None is allowed; checked (and numpy scalars made Python ones) before ranges
 _INT_FIELDS = {
@@ -131,52 +178,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         )
 
     def _verify(self) -> None:
-        self._verify_sampling()
-        self._verify_lengths_and_outputs()
-
-    def _verify_sampling(self) -> None:
-        """How the next token is drawn: temperature, truncation, biases, penalties, seed."""
-        _check(1 <= self.n <= INT32_MAX, "n", f"must be in [1, {INT32_MAX}], got {self.n}")
-        _check(
-            self.temperature >= 0.0, "temperature", f"must be non-negative, got {self.temperature}"
-        )
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(
-            0 <= self.top_k <= INT32_MAX,
-            "top_k",
-            f"must be -1 (disable) or in [1, {INT32_MAX}], got {self.top_k}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
-        _check(
-            self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
-            "seed",
-            f"must fit in a signed 64-bit integer, got {self.seed}",
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
+        """Ranges (`RANGES`), then what ties fields together or is not a number."""
+        for name, allowed in RANGES.items():
             value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+            if value is None or (name == "truncate_prompt_tokens" and value == -1):
+                continue
+            _check(value in allowed, name, f"must be {allowed.text()}, got {value}")
         _check(
             self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
             "allowed_token_ids",
             "must not be empty",
-        )
-        _check(
-            self.repetition_penalty > 0.0,
-            "repetition_penalty",
-            f"must be greater than zero, got {self.repetition_penalty}",
-        )
-
-    def _verify_lengths_and_outputs(self) -> None:
-        """How long a request runs, what stops it, what it returns besides tokens."""
-        _check(
-            self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX,
-            "max_tokens",
-            f"must be in [1, {INT32_MAX}], got {self.max_tokens}",
-        )
-        _check(
-            0 <= self.min_tokens <= INT32_MAX,
-            "min_tokens",
-            f"must be in [0, {INT32_MAX}], got {self.min_tokens}",
         )
         _check(
             self.bad_words is None or all(w.strip() for w in self.bad_words),
@@ -189,20 +200,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}",
         )
         _check(all(s for s in self.stop), "stop", "cannot contain an empty string")
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """What depends on the model: token ids of its vocabulary, and logprob counts within
+        max_logprobs (a top-k wider than the vocabulary would fail in the engine, for every
+        request of the step)."""
+        _check_in_vocab(self.logit_bias or {}, vocab_size, "logit_bias")
+        _check_in_vocab(self.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+        _check_in_vocab(self.stop_token_ids, vocab_size, "stop_token_ids")
+        limit = min(max_logprobs, vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(
-                value is None or 0 <= value <= INT32_MAX,
-                name,
-                f"must be in [0, {INT32_MAX}], got {value}",
-            )
-        _check(
-            self.truncate_prompt_tokens in (None, -1)
-            or 1 <= self.truncate_prompt_tokens <= INT32_MAX,
-            "truncate_prompt_tokens",
-            f"must be -1 (the model's length) or in [1, {INT32_MAX}], "
-            f"got {self.truncate_prompt_tokens}",
-        )
+            k = getattr(self, name)
+            if k is not None and k > limit:
+                raise ValueError(
+                    f"SamplingParams.{name}={k} is more than the {limit} allowed "
+                    "(max_logprobs, at most the vocabulary size)"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -215,6 +228,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{field} {message}")
+
+
+def _check_in_vocab(token_ids: Any, vocab_size: int, field: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"SamplingParams.{field}: token id {bad} is out of vocabulary (vocab size {vocab_size})"
+        )
 
 
 def _show(value: Any) -> str:
@@ -264,7 +285,7 @@ def _as_token_ids(field: str, value: Any) -> list[int] | None:
         return None
     _check(isinstance(value, (list, tuple)), field, "must be a list of token ids")
     ids = [_as_int(field, t) for t in value]
-    bad = next((t for t in ids if not 0 <= t <= INT64_MAX), None)
+    bad = next((t for t in ids if t not in TOKEN_ID), None)
     _check(bad is None, field, f"has token id {bad}, outside any vocabulary")
     return ids
 
@@ -279,10 +300,7 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
         if isinstance(key, str) and key.strip().lstrip("+-").isdigit():
             key = int(key)
         token_id = _as_int("logit_bias", key)
-        _check(
-            0 <= token_id <= INT64_MAX,
-            "logit_bias",
-            f"has token id {token_id}, outside any vocabulary",
-        )
+        ok = token_id in TOKEN_ID
+        _check(ok, "logit_bias", f"has token id {token_id}, outside any vocabulary")
         bias[token_id] = _as_float("logit_bias", v)
     return bias

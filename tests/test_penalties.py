@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from pagellm import LLM, SamplingParams
-from pagellm.sample.penalties import PenaltyParams, PenaltyState
+from pagellm.sample.logits_processor.penalties import PenaltyParams, PenaltyState
 
 
 def _params(state, rows, presence, frequency, repetition) -> PenaltyParams:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.sample.logits_processor.min_tokens import MinTokens
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import Sampler, argmax_rows
 
@@ -100,7 +101,9 @@ def test_banned_tokens_are_never_sampled():
     logits = _logits()
     top = logits.argmax(-1)
     banned = [(i, [int(top[i])]) for i in range(4)]
-    out = Sampler()(logits.clone(), _meta(4, temperature=0.0, banned_tokens=banned)).sampled
+    bans = MinTokens(4, 50, torch.device("cpu"))
+    meta = _meta(4, temperature=0.0, processors=[(bans, banned)])
+    out = Sampler()(logits.clone(), meta).sampled
     assert not (out == top).any()
 
 

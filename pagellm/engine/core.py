@@ -33,7 +33,6 @@ from pagellm.executor import executor_class
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tracing import trace_core
-from pagellm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +67,6 @@ class EngineCore:
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
-        # one row (on the CPU: the ranges are the device's too) to try each request's settings in
-        self._row_check = InputBatch(1, 1, 1, "cpu")
         self.tracer = trace_core(self, config.trace_kv) if config.trace else None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
@@ -78,7 +75,6 @@ class EngineCore:
         fails alone: its ERROR output comes with the next step's outputs, and the engine carries
         on."""
         try:
-            self._row_check.check_request(request.sampling_params)
             req = Request.from_engine_core_request(request)
             self.structured_output.add_request(req)  # a grammar starts compiling in a thread
             self.scheduler.add_request(req)

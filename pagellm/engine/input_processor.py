@@ -1,7 +1,9 @@
 """InputProcessor: a prompt (text, token ids or chat messages) -> a validated EngineCoreRequest.
 
 Every error a user can cause is raised here, before anything reaches the engine core, as a
-ValueError that says what is wrong and what the limit is.
+ValueError that says what is wrong and what the limit is. Sampling settings are checked by
+`SamplingParams` itself (its ranges when it is made, the model's limits in
+`verify_for_model`, called here).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class InputProcessor:
             token_ids, params.truncate_prompt_tokens, self.model_config.max_model_len
         )
         self._validate(token_ids)
-        self._validate_sampling_fields(params)
+        params.verify_for_model(self.model_config.vocab_size, self.model_config.max_logprobs)
         if params.structured_outputs is not None:
             key = params.structured_outputs.key()
             check_structured_outputs(key, self.structured_outputs_config)
@@ -99,23 +101,6 @@ class InputProcessor:
                 f"length of {max_len} tokens"
             )
         check_in_vocab(token_ids, self.model_config.vocab_size)
-
-    def _validate_sampling_fields(self, params: SamplingParams) -> None:
-        """Sampling fields that name token ids must name ids of this model's vocabulary, and
-        logprob counts stay within max_logprobs (a top-k wider than the vocabulary would
-        fail in the engine, for every request of the step)."""
-        vocab = self.model_config.vocab_size
-        check_in_vocab(params.logit_bias or {}, vocab, "SamplingParams.logit_bias")
-        check_in_vocab(params.allowed_token_ids or [], vocab, "SamplingParams.allowed_token_ids")
-        check_in_vocab(params.stop_token_ids, vocab, "SamplingParams.stop_token_ids")
-        limit = min(self.model_config.max_logprobs, vocab)
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > limit:
-                raise ValueError(
-                    f"SamplingParams.{name}={k} is more than the {limit} allowed "
-                    "(max_logprobs, at most the vocabulary size)"
-                )
 
 
 @functools.lru_cache(maxsize=1024)

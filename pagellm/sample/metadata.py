@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from pagellm.sample.penalties import PenaltyParams
+from pagellm.sample.logits_processor.interface import LogitsProcessor
 
 
 @dataclass
@@ -18,10 +19,11 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [B] float32, 1.0 = off; None when no row uses it
     min_p: torch.Tensor | None  # [B] float32, 0.0 = off; None when no row uses it
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded RNG
-    # rows still under min_tokens: (row, token ids that may not be sampled yet)
-    banned_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
-    # rows with a logit bias: (row, token ids, biases); rows limited to some tokens: (row, ids)
-    logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
-    allowed_tokens: list[tuple[int, list[int]]] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None: no logprobs this step
-    penalties: PenaltyParams | None = None  # None when no row has a penalty
+    # the logits processors with work this step, in order, each with its arguments
+    processors: list[tuple[LogitsProcessor, Any]] = field(default_factory=list)
+
+    def record(self, sampled: torch.Tensor) -> None:
+        """Tell the processors what this step sampled (`sampled [B]`, on the device)."""
+        for proc, args in self.processors:
+            proc.record(args, sampled)

@@ -1,7 +1,8 @@
 """Sampler: logits -> next token ids for one step, without a host sync until the caller asks.
 
-First, as in vLLM: min_tokens bans, allowed_token_ids, logit_bias, then the penalties
-(repetition, frequency, presence; `pagellm/sample/penalties.py`).
+First the step's logits processors (`pagellm/sample/logits_processor/`), in their order:
+grammar masks, min_tokens and bad_words bans (the logprobs are taken after these), then on a
+float32 copy allowed_token_ids, logit_bias and the penalties (repetition, frequency, presence).
 Greedy rows take the argmax. Random rows apply temperature, top-k, top-p and min-p, then
 draw with the exponential-race trick: argmax(probs / E) with E ~ Exponential(1) picks
 token i with probability probs[i], and a per-request torch.Generator makes it reproducible.
@@ -12,11 +13,12 @@ then one uniform per row inverting the CDF (`pagellm/kernels/sampling.py`).
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
+
 import torch
 
+from pagellm.sample.logits_processor.interface import LogitsProcessor
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.utils import to_device
 
 _NEG_INF = float("-inf")
 
@@ -41,14 +43,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [B, vocab] in the model's dtype (bf16 on GPUs: the fused kernel reads them
         # as they are, half the bytes of a float32 copy); everything else runs in float32
-        _ban_tokens(logits, meta.banned_tokens)
-        raw = logits  # logprobs are the model's (min_tokens bans in), before what follows
-        if meta.allowed_tokens or meta.logit_bias:  # in float32, on a copy (raw stays)
-            logits = logits.to(torch.float32, copy=True)
-            _allow_only(logits, meta.allowed_tokens)
-            _add_bias(logits, meta.logit_bias)
-        if meta.penalties is not None:
-            logits = meta.penalties.apply(logits)  # a float32 copy
+        raw = logits  # logprobs are the model's, with the masks in (min_tokens bans, ...)
+        if meta.processors:
+            logits, raw = _process(logits, meta.processors)
         sampled = self._sample(logits, meta)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled)
@@ -81,28 +78,20 @@ def _fused_sampling(logits: torch.Tensor, meta: SamplingMetadata):
     return sampling
 
 
-def _ban_tokens(logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
-    for row, token_ids in banned:
-        logits[row, _ids(token_ids, logits.device)] = _NEG_INF
-
-
-def _allow_only(logits: torch.Tensor, allowed: list[tuple[int, list[int]]]) -> None:
-    for row, token_ids in allowed:
-        ids = _ids(token_ids, logits.device)
-        keep = logits[row, ids]
-        logits[row] = _NEG_INF
-        logits[row, ids] = keep
-
-
-def _add_bias(logits: torch.Tensor, biases: list[tuple[int, list[int], list[float]]]) -> None:
-    for row, token_ids, values in biases:
-        bias = to_device(np.asarray(values, np.float32), logits.device)
-        logits[row, _ids(token_ids, logits.device)] += bias
-
-
-def _ids(token_ids: list[int], device: torch.device) -> torch.Tensor:
-    # a Python list as an index would be copied to a GPU with a stream sync
-    return to_device(np.asarray(token_ids, np.int64), device)
+def _process(
+    logits: torch.Tensor, processors: list[tuple[LogitsProcessor, Any]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits to sample from, logits for the logprobs): the masks in place, then the others
+    on one float32 copy (the logprobs' logits stay as the masks left them)."""
+    raw = logits
+    for proc, args in processors:
+        if proc.masks:
+            logits = raw = proc.apply(logits, args)
+            continue
+        if logits is raw:
+            logits = logits.to(torch.float32, copy=True)
+        logits = proc.apply(logits, args)
+    return logits, raw
 
 
 def _probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -40,11 +40,11 @@ from pagellm.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import heads_per_rank
 from pagellm.layers.rope import long_rope
+from pagellm.sample.logits_processor.penalties import Penalties
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.penalties import PenaltyParams, PenaltyState
 from pagellm.sample.rank0_sampler import Rank0Sampler
 from pagellm.sample.sampler import Sampler
-from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitmask
+from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
@@ -231,7 +231,7 @@ class ModelRunner:
                     self._forward(*self._dummy_inputs(ones, ones * graph_seq_len), kv)
         hidden = self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
         rows = min(sc.max_num_seqs, int(query_lens.sum()))
-        meta = _profile_sampling(rows, self.device, self.input_batch.penalty_state())
+        meta = _profile_sampling(rows, self.device, self.input_batch.logits_processor(Penalties))
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
     def _dummy_inputs(
@@ -452,12 +452,11 @@ class ModelRunner:
         rows = batch.rows[sample_idx]
         logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
         req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
-        if grammar is not None:  # constrained rows: disallowed tokens to -inf
-            apply_grammar_bitmask(logits, req_ids, grammar)
-        meta = ib.sampling_metadata(rows, self.device)
+        # constrained rows' disallowed tokens go to -inf in the sampler (its grammar mask)
+        meta = ib.sampling_metadata(rows, self.device, req_ids, grammar)
         result = self.sampler(logits, meta)  # [S, vocab]
-        if meta.penalties is not None:  # counted on the device: the next step sees them
-            meta.penalties.record(result.sampled)
+        if meta.processors:  # e.g. penalties count the samples on the device
+            meta.record(result.sampled)
         positions = ib.num_tokens[rows]
         sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, self.device)
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
@@ -507,11 +506,9 @@ def kv_sliding_window(model: torch.nn.Module) -> int | None:
     return None if not windows or None in windows else max(windows)
 
 
-def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
+def _profile_sampling(rows: int, device: torch.device, penalties: Penalties) -> SamplingMetadata:
     """Random sampling with top-k, top-p and (neutral) penalties: the most memory the sampler
     may take. The penalty state stays allocated, so it counts against the KV budget too."""
-    neutral = torch.zeros(rows, device=device)
-    row_ids = torch.arange(rows, device=device)
     return SamplingMetadata(
         temperature=torch.ones(rows, device=device),
         all_greedy=False,
@@ -519,5 +516,5 @@ def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) 
         top_k=torch.full((rows,), 50, dtype=torch.int64, device=device),
         top_p=torch.full((rows,), 0.9, device=device),
         min_p=None,
-        penalties=PenaltyParams(penalties, row_ids, neutral, neutral, neutral + 1.0),
+        processors=[(penalties, penalties.neutral(rows))],
     )

@@ -9,7 +9,9 @@ known OpenAI features that would change the output and that this engine lacks (`
 `SamplingParams` (which raises ValueError for values out of range).
 
 Requests are validated strictly (`"stream": "yes"` or `"n": 2.5` is a 400, not a guess), and
-every number has the range the engine can hold, declared in the OpenAPI document.
+every number has the range the engine can hold, declared in the OpenAPI document: a sampling
+field's bounds are `SamplingParams`' own (`sampling_params.RANGES`), narrower only where the
+server says so (`MAX_N`, `MAX_LOGPROBS`); `tests/test_sampling_schema.py` holds them equal.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from pagellm.entrypoints.openai.structured import (
     unknown_field,
 )
 from pagellm.sampling_params import (
-    FLOAT32_MAX,
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    LOGIT_BIAS,
+    RANGES,
+    TOKEN_ID,
     RequestOutputKind,
     SamplingParams,
 )
@@ -70,6 +74,16 @@ def IntIn(low: int, high: int) -> Any:  # noqa: N802 (a type)
     return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
 
 
+def SamplingInt(name: str) -> Any:  # noqa: N802 (a type)
+    """An integer field of SamplingParams, with its range."""
+    return IntIn(RANGES[name].low, RANGES[name].high)
+
+
+def sampling_float(name: str, default: float | None) -> Any:
+    """A float field of SamplingParams, with its range."""
+    return Field(default=default, **RANGES[name].bounds())
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]  # what a tokenizer and UTF-8 can take
 
 
@@ -84,11 +98,10 @@ def _non_empty(text: str) -> str:
 NonEmptyText = Annotated[
     str, AfterValidator(_non_empty), WithJsonSchema({"type": "string", "minLength": 1})
 ]
-TokenId = IntIn(0, INT64_MAX)  # the vocabulary is checked later
+TokenId = IntIn(TOKEN_ID.low, TOKEN_ID.high)  # the vocabulary is checked later
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 T = TypeVar("T")
 Prompts = Annotated[list[T], Field(min_length=1, max_length=MAX_PROMPTS)]  # several prompts
-Count = IntIn(0, INT32_MAX)
 Number = Annotated[float, Field(allow_inf_nan=False)]  # and each field's range: float32's at most
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -163,27 +176,27 @@ class SamplingRequest(RequestModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_known_fields_only)
 
     model: Text | None = None
-    n: IntIn(1, MAX_N) = 1
-    temperature: Number | None = Field(default=None, ge=0, le=FLOAT32_MAX)
-    top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: IntIn(-1, INT32_MAX) | None = None
-    min_p: Number | None = Field(default=None, ge=0, le=1)
-    seed: IntIn(INT64_MIN, INT64_MAX) | None = None
+    n: IntIn(RANGES["n"].low, MAX_N) = 1
+    temperature: Number | None = sampling_float("temperature", None)
+    top_p: Number | None = sampling_float("top_p", None)
+    top_k: SamplingInt("top_k") | None = None
+    min_p: Number | None = sampling_float("min_p", None)
+    seed: SamplingInt("seed") | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: Number = Field(default=0.0, ge=-2, le=2)
-    presence_penalty: Number = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: Number | None = Field(default=None, gt=0, le=FLOAT32_MAX)  # vLLM's
+    frequency_penalty: Number = sampling_float("frequency_penalty", 0.0)
+    presence_penalty: Number = sampling_float("presence_penalty", 0.0)
+    repetition_penalty: Number | None = sampling_float("repetition_penalty", None)  # vLLM's
     # token id (a string in JSON) -> bias, clamped to [-100, 100]
-    logit_bias: dict[str, Annotated[Number, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX)]] | None = Field(
+    logit_bias: dict[str, Annotated[Number, Field(**LOGIT_BIAS.bounds())]] | None = Field(
         default=None, json_schema_extra={"propertyNames": {"pattern": r"^\s*\+?[0-9]+\s*$"}}
     )
     allowed_token_ids: TokenIds | None = None  # vLLM's extension
     # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
-    truncate_prompt_tokens: Literal[-1] | IntIn(1, INT32_MAX) | None = None
+    truncate_prompt_tokens: Literal[-1] | SamplingInt("truncate_prompt_tokens") | None = None
     ignore_eos: bool = False
-    min_tokens: Count = 0
+    min_tokens: SamplingInt("min_tokens") = 0
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -262,9 +275,9 @@ class CompletionRequest(SamplingRequest):
 
     # a text, texts, token ids, or lists of token ids (OpenAI's forms), none of them empty
     prompt: NonEmptyText | Prompts[NonEmptyText] | TokenIds | Prompts[TokenIds]
-    max_tokens: IntIn(1, INT32_MAX) | None = 16
+    max_tokens: SamplingInt("max_tokens") | None = 16
     echo: bool = False
-    logprobs: IntIn(0, MAX_LOGPROBS) | None = None
+    logprobs: IntIn(RANGES["logprobs"].low, MAX_LOGPROBS) | None = None
     suffix: str | None = None
     best_of: IntIn(0, INT32_MAX) | None = None
 
@@ -334,10 +347,10 @@ def _template_tool_call(call: Any) -> dict[str, Any]:
 class ChatCompletionRequest(SamplingRequest):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_chat_schema)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: IntIn(1, INT32_MAX) | None = None
-    max_completion_tokens: IntIn(1, INT32_MAX) | None = None
+    max_tokens: SamplingInt("max_tokens") | None = None
+    max_completion_tokens: SamplingInt("max_tokens") | None = None
     logprobs: bool = False
-    top_logprobs: IntIn(0, MAX_LOGPROBS) | None = None
+    top_logprobs: IntIn(RANGES["logprobs"].low, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
