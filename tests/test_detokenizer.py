@@ -42,9 +42,7 @@ def test_multi_byte_character_split_across_tokens(tokenizer):
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-@pytest.mark.parametrize(
-    "tail", ["€".encode()[:2], b"\xa1", b"\xe6\x97", b"\xf0\x9f\x8e"]
-)
+@pytest.mark.parametrize("tail", ["€".encode()[:2], b"\xa1", b"\xe6\x97", b"\xf0\x9f\x8e"])
 def test_a_prompt_ending_in_part_of_a_character_stays_out_of_the_output(
     tokenizer, tail, skip_special_tokens
 ):
