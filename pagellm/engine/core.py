@@ -30,6 +30,7 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler, error_output
 from pagellm.executor import Executor
+from pagellm.models.registry import kv_sliding_window
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
 from pagellm.tracing import trace_core
@@ -61,7 +62,8 @@ class EngineCore:
             config.log_stats,
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
-            sliding_window=self.model_executor.kv_sliding_window(),
+            sliding_window=kv_sliding_window(config.model_config.architecture,
+                                             config.model_config.hf_config),
             long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling

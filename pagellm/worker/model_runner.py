@@ -153,9 +153,6 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
 
-    def kv_sliding_window(self) -> int | None:
-        return kv_sliding_window(self.model)
-
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
@@ -498,13 +495,6 @@ def _cpu_note(device: torch.device, dtype: torch.dtype) -> str:
     if cpu_prepack_supported(device, dtype):
         note += f"; {cpu_gemm_plan().describe(dtype)}"
     return note
-
-
-def kv_sliding_window(model: torch.nn.Module) -> int | None:
-    """The largest sliding window if every attention layer has one, else None: beyond it
-    no layer reads a request's keys, so the scheduler may free those blocks."""
-    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
-    return None if not windows or None in windows else max(windows)
 
 
 def _profile_sampling(rows: int, device: torch.device, penalties: PenaltyState) -> SamplingMetadata:
