@@ -62,8 +62,9 @@ class EngineCore:
             config.log_stats,
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
-            sliding_window=kv_sliding_window(config.model_config.architecture,
-                                             config.model_config.hf_config),
+            sliding_window=kv_sliding_window(
+                config.model_config.architecture, config.model_config.hf_config
+            ),
             long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling
