@@ -24,6 +24,7 @@ import logging
 import math
 import mmap
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -147,6 +148,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
         self.pending = PendingTokens(sc.max_num_seqs)
+        # the journey trace's dump of one request's paging, (batch, host arrays) each step
+        self.trace_paging: Callable[[StepBatch, dict[str, np.ndarray]], None] | None = None
         # a longrope model's long-factor rows follow this many short ones in its rotary table
         rope = long_rope(self.model_config.hf_config)
         self.long_rope_rows = 0 if rope is None else rope[1]
@@ -331,6 +334,8 @@ class ModelRunner:
             return None
         batch = self._prepare_batch(sched)
         arrays = self._host_arrays(batch)
+        if self.trace_paging is not None:
+            self.trace_paging(batch, arrays)
         size = self._graph_size(batch)
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, self._block_rows(batch))
