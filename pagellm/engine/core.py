@@ -27,8 +27,9 @@ from typing import Any
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sampled import error_output
 from pagellm.core.sched_output import SchedulerOutput
-from pagellm.core.scheduler import Scheduler, error_output
+from pagellm.core.scheduler import Scheduler
 from pagellm.executor import Executor
 from pagellm.models.registry import kv_sliding_window
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -192,7 +193,7 @@ class EngineCore:
         return self.num_kv_blocks
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def collective_rpc(self, method: str, args: list) -> list[Any]:
         return self.model_executor.collective_rpc(method, tuple(args))

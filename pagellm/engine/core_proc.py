@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.core.scheduler import error_output
+from pagellm.core.sampled import error_output
 from pagellm.engine.core import EngineCore
 from pagellm.protocol import (
     EngineCoreOutputs,
