@@ -4,9 +4,10 @@
 records Chrome-trace events (open the file at ui.perfetto.dev): per process a "steps" track
 (one slice per schedule / execute_model / update_from_output) and one track per request.
 
-Free when off: nothing here runs unless tracing is on. `trace_caller()` and `trace_core()`
-then replace the boundary methods of that one engine object with recording wrappers, so the
-code of the hot path has no trace calls at all. Both processes stamp events with
+Free when off: each boundary reports itself by an explicit call, behind one test of the
+engine's tracer (None when off): the caller's (`CallerTracer`: LLMEngine or AsyncLLM, and
+their OutputProcessor) and the EngineCore's (`CoreTracer`: its input thread, `add_request`,
+and the scheduler and executor calls of its steps). Both processes stamp events with
 CLOCK_MONOTONIC (system-wide on one machine); the core's events ride back to the caller in
 `EngineCoreOutputs.trace_events`, and the caller writes one file at shutdown.
 
@@ -20,7 +21,6 @@ caller: output_received -> caller: detokenize -> caller: stop_check -> caller: r
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
 import threading
@@ -91,158 +91,103 @@ class Tracer:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def _wrap(obj: Any, name: str, around) -> None:
-    """obj.name = a wrapper calling around(original, ...) (a coroutine for a coroutine)."""
-    original = getattr(obj, name)
-    if inspect.iscoroutinefunction(original):
-
-        async def wrapper(*args, **kwargs):
-            return await around(original, *args, **kwargs)
-    else:
-
-        def wrapper(*args, **kwargs):
-            return around(original, *args, **kwargs)
-
-    setattr(obj, name, functools.wraps(original)(wrapper))
-
-
 # ---- the caller's side ---------------------------------------------------------------------
 
 
-def trace_caller(engine: Any) -> Tracer:
-    """Record the caller-side boundaries of an LLMEngine or AsyncLLM."""
-    tracer = Tracer("caller (LLMEngine, OutputProcessor)")
-    _trace_inputs(tracer, engine)
-    _trace_outputs(tracer, engine.output_processor)
-    return tracer
+class CallerTracer(Tracer):
+    """The caller's boundaries (LLMEngine or AsyncLLM, OutputProcessor), each reported by an
+    explicit call at the boundary: `if tracer is not None: tracer.<boundary>(...)`."""
 
+    def __init__(self) -> None:
+        super().__init__("caller (LLMEngine, OutputProcessor)")
 
-def _trace_inputs(tracer: Tracer, engine: Any) -> None:
-    def process_inputs(original, request_id, *args, **kwargs):
-        start = now_us()
-        prompt, request = original(request_id, *args, **kwargs)
-        tracer.span(
-            "input_processing", start, request_id, num_prompt_tokens=len(request.prompt_token_ids)
+    def input_processing(self, start_us: float, request: Any) -> None:
+        num_prompt_tokens = len(request.prompt_token_ids)
+        self.span(
+            "input_processing", start_us, request.request_id, num_prompt_tokens=num_prompt_tokens
         )
-        return prompt, request
 
-    _wrap(engine.input_processor, "process_inputs", process_inputs)
-    core = engine.engine_core
-    is_async = hasattr(core, "add_request_async") and not hasattr(engine, "step")
+    def zmq_send(self, start_us: float, request_id: str) -> None:
+        self.span("zmq_send", start_us, request_id)
 
-    def add_request(original, request):
-        start = now_us()
-        result = original(request)
-        if inspect.isawaitable(result):
-            return _finish_async(result, lambda: tracer.span("zmq_send", start, request.request_id))
-        tracer.span("zmq_send", start, request.request_id)
-        return result
+    def output_received(self, outputs: Any) -> None:
+        """The ZMQ return's arrival: the core's events join the caller's."""
+        if outputs.trace_events:
+            self.events.extend(outputs.trace_events)
+            outputs.trace_events = None
+        for out in outputs.outputs:
+            self.instant("output_received", out.request_id, num_new_tokens=len(out.new_token_ids))
 
-    def get_output(original):
-        result = original()
-        if inspect.isawaitable(result):
-            return _finish_async(result, None, lambda outputs: _received(tracer, outputs))
-        return _received(tracer, result)
+    def detokenize(self, start_us: float, request_id: str, num_tokens: int, stop_string: Any):
+        self.span("detokenize", start_us, request_id, num_tokens=num_tokens)
+        self.instant("stop_check", request_id, stop_string=stop_string)
 
-    _wrap(core, "add_request_async" if is_async else "add_request", add_request)
-    _wrap(core, "get_output_async" if is_async else "get_output", get_output)
-
-
-async def _finish_async(awaitable, then=None, transform=None):
-    result = await awaitable
-    if then is not None:
-        then()
-    return transform(result) if transform is not None else result
-
-
-def _received(tracer: Tracer, outputs: Any) -> Any:
-    """The ZMQ return's arrival: the core's events join the caller's."""
-    if outputs.trace_events:
-        tracer.events.extend(outputs.trace_events)
-        outputs.trace_events = None
-    for out in outputs.outputs:
-        tracer.instant("output_received", out.request_id, num_new_tokens=len(out.new_token_ids))
-    return outputs
-
-
-def _trace_outputs(tracer: Tracer, output_processor: Any) -> None:
-    def detokenize(original, state, new_ids, finish_reason):
-        start = now_us()
-        stop_string = original(state, new_ids, finish_reason)
-        tracer.span("detokenize", start, state.request_id, num_tokens=len(new_ids))
-        tracer.instant("stop_check", state.request_id, stop_string=stop_string)
-        return stop_string
-
-    def make_request_output(original, state, finish_reason, stop_reason):
-        output = original(state, finish_reason, stop_reason)
-        finished = finish_reason is not None
-        tracer.instant(
-            "request_output", state.request_id, finished=finished, made=output is not None
-        )
-        return output
-
-    _wrap(output_processor, "_detokenize", detokenize)
-    _wrap(output_processor, "_make_request_output", make_request_output)
+    def request_output(self, request_id: str, finished: bool, output: Any) -> None:
+        self.instant("request_output", request_id, finished=finished, made=output is not None)
 
 
 # ---- the EngineCore's side -----------------------------------------------------------------
 
 
-def trace_core(core: Any, trace_kv: str | None = None) -> Tracer:
-    """Record the boundaries of an EngineCore's steps; `trace_kv`: a request id whose block
-    table row and slot mapping the runner dumps at each of its steps."""
-    tracer = Tracer("EngineCore (Scheduler, ModelRunner)")
-    _trace_scheduler(tracer, core.scheduler)
-    _trace_executor(tracer, core.model_executor, trace_kv)
+class CoreTracer(Tracer):
+    """The boundaries of an EngineCore's steps, reported by the EngineCore where it calls the
+    scheduler and the executor. The runner's paging (`trace_kv`: a request id whose block
+    table row and slot mapping the runner dumps at each of its steps) and CUDA times where the
+    runner is in this process (UniProcExecutor; with worker processes the mode reads
+    "workers")."""
 
-    def add_request(original, request):
-        start = now_us()
-        original(request)
-        tracer.span("add_request", start, request.request_id)
+    def __init__(self, executor: Any, trace_kv: str | None = None) -> None:
+        super().__init__("EngineCore (Scheduler, ModelRunner)")
+        self.runner = getattr(executor, "model_runner", None)
+        self.cuda = self.runner is not None and self.runner.device.type == "cuda"
+        self.pending: list[tuple[Any, Any, dict]] = []  # CUDA events not yet complete, with args
+        if trace_kv is not None and self.runner is not None:
+            self.runner.trace_paging = functools.partial(_dump_kv, self, self.runner, trace_kv)
 
-    _wrap(core, "add_request", add_request)
-    return tracer
+    def input_queue(self, request_id: str) -> None:
+        """A new request, as the input socket's thread puts it on the core's queue."""
+        self.instant("input_queue", request_id)
 
+    def add_request(self, start_us: float, request_id: str) -> None:
+        self.span("add_request", start_us, request_id)
 
-def trace_input_queue(tracer: Tracer, input_queue: Any) -> None:
-    """Stamp each new request as the input socket's thread puts it on the core's queue."""
-
-    def put(original, item):
-        kind, message = item
-        if hasattr(message, "prompt_token_ids"):
-            tracer.instant("input_queue", message.request_id)
-        return original(item)
-
-    _wrap(input_queue, "put", put)
-
-
-def _trace_scheduler(tracer: Tracer, scheduler: Any) -> None:
-    def schedule(original):
-        start = now_us()
-        sched = original()
+    def schedule(self, start_us: float, scheduler: Any, sched: Any) -> None:
         preempted = [r for r in sched.finished_req_ids if r in scheduler.requests]
-        tracer.span("schedule", start, None, num_reqs=len(sched.num_scheduled_tokens),
-                    num_tokens=sched.total_num_scheduled_tokens, preempted=preempted)  # fmt: skip
+        self.span("schedule", start_us, None, num_reqs=len(sched.num_scheduled_tokens),
+                  num_tokens=sched.total_num_scheduled_tokens, preempted=preempted)  # fmt: skip
         for request_id in preempted:
-            tracer.instant("preempted", request_id)
-        _scheduled_requests(tracer, scheduler, sched, start)
-        return sched
+            self.instant("preempted", request_id)
+        _scheduled_requests(self, scheduler, sched, start_us)
 
-    def update_from_output(original, sched, runner_output):
-        start = now_us()
-        outputs = original(sched, runner_output)
-        tracer.span("update_from_output", start, None, num_outputs=len(outputs.outputs))
+    def execute_start(self) -> tuple[float, Any]:
+        """The start of an executor call: (now, CUDA events or None)."""
+        return now_us(), _cuda_events() if self.cuda else None
+
+    def execute_model(self, start: tuple[float, Any], sched: Any) -> None:
+        start_us, events = start
+        if events is not None:
+            events[1].record()
+        mode = _mode(self.runner, sched)
+        step_args = dict(batch_size=len(sched.num_scheduled_tokens), mode=mode,
+                         num_tokens=sched.total_num_scheduled_tokens)  # fmt: skip
+        step = self.span("execute_model", start_us, None, **step_args)
+        for request_id, n in sched.num_scheduled_tokens.items():
+            self.span("execute_model", start_us, request_id, num_tokens=n, mode=mode)
+        if events is not None:
+            self.pending.append((*events, step["args"]))
+        _resolve_gpu_times(self.pending)
+
+    def update_from_output(self, start_us: float, outputs: Any) -> None:
+        """The step's outputs; those with requests in them (only they are sent) carry this
+        process's events back to the caller."""
+        self.span("update_from_output", start_us, None, num_outputs=len(outputs.outputs))
         for out in outputs.outputs:
-            tracer.span("update_from_output", start, out.request_id,
-                        new_token_ids=out.new_token_ids, finished=out.finished)  # fmt: skip
-        if outputs.outputs:  # only outputs with requests in them are sent
+            self.span("update_from_output", start_us, out.request_id,
+                      new_token_ids=out.new_token_ids, finished=out.finished)  # fmt: skip
+        if outputs.outputs:
             for out in outputs.outputs:
-                tracer.instant("zmq_return", out.request_id)
-            outputs.trace_events = tracer.drain()
-        return outputs
-
-    _wrap(scheduler, "schedule", schedule)
-    _wrap(scheduler, "update_from_output", update_from_output)
+                self.instant("zmq_return", out.request_id)
+            outputs.trace_events = self.drain()
 
 
 def _scheduled_requests(tracer: Tracer, scheduler: Any, sched: Any, start: float) -> None:
@@ -265,37 +210,6 @@ def _scheduled_requests(tracer: Tracer, scheduler: Any, sched: Any, start: float
                     num_computed_tokens=num_computed, new_block_ids=list(added),
                     block_ids=list(kv.get_block_ids(request_id)),
                     prefix_cache_hit_tokens=num_computed if request_id in new else 0)  # fmt: skip
-
-
-def _trace_executor(tracer: Tracer, executor: Any, trace_kv: str | None) -> None:
-    """The executor's step calls; the runner's paging and CUDA times where the runner is in
-    this process (UniProcExecutor; with worker processes the mode reads "workers")."""
-    runner = getattr(executor, "model_runner", None)
-    cuda = runner is not None and runner.device.type == "cuda"
-    pending: list[tuple[Any, Any, dict]] = []  # CUDA events not yet complete, with their args
-
-    def execute(original, sched, *args):
-        start = now_us()
-        events = _cuda_events() if cuda else None
-        result = original(sched, *args)
-        if events is not None:
-            events[1].record()
-        mode = _mode(runner, sched)
-        step_args = dict(batch_size=len(sched.num_scheduled_tokens), mode=mode,
-                         num_tokens=sched.total_num_scheduled_tokens)  # fmt: skip
-        step = tracer.span("execute_model", start, None, **step_args)
-        for request_id, n in sched.num_scheduled_tokens.items():
-            tracer.span("execute_model", start, request_id, num_tokens=n, mode=mode)
-        if events is not None:
-            pending.append((*events, step["args"]))
-        _resolve_gpu_times(pending)
-        return result
-
-    name = "execute_model_async" if executor.config.async_scheduling else "execute_model"
-    _wrap(executor, name, execute)
-    if trace_kv is not None and runner is not None:
-        _wrap(runner, "_host_arrays", lambda original, batch: _dump_kv(
-            tracer, runner, batch, original(batch), trace_kv))  # fmt: skip
 
 
 def _mode(runner: Any, sched: Any) -> str:
@@ -322,7 +236,7 @@ def _resolve_gpu_times(pending: list) -> None:
         args["gpu_ms"] = start.elapsed_time(end)
 
 
-def _dump_kv(tracer: Tracer, runner: Any, batch: Any, arrays: dict, request_id: str) -> dict:
+def _dump_kv(tracer: Tracer, runner: Any, request_id: str, batch: Any, arrays: dict) -> None:
     """The paging of one request in this step: its block table row and slot mapping."""
     if request_id in batch.req_ids:
         i = batch.req_ids.index(request_id)
@@ -332,7 +246,6 @@ def _dump_kv(tracer: Tracer, runner: Any, batch: Any, arrays: dict, request_id: 
         tracer.instant("kv_paging", request_id, block_size=runner.block_size,
                        block_table=row.tolist(), positions=batch.positions[lo:hi].tolist(),
                        slot_mapping=arrays["slot_mapping"][lo:hi].tolist())  # fmt: skip
-    return arrays
 
 
 # ---- reading a trace -----------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_profile_step_fits_the_schedulers_limits():
     """The profiling forward (CUDA start-up) is a step the scheduler could make: at most
     max_num_seqs requests of at most max_model_len tokens (a small max_num_seqs once sent 33
     requests into a 5-entry query_start_loc)."""
-    from pagellm.worker.model_runner import profile_step
+    from pagellm.worker.step_batch import profile_step
 
     for tokens, seqs, max_len in [(8192, 256, 4096), (8192, 4, 256), (8192, 3, 3000),
                                   (8192, 1, 100_000), (2048, 64, 2048), (16, 4, 4)]:  # fmt: skip

@@ -214,7 +214,7 @@ def test_computed_blocks_only_on_first_allocation():
 def test_cpu_kv_cache_is_zeroed_without_touching_its_memory(dtype):
     """The CPU cache's pages come zeroed from the kernel on first touch: a 256 MiB layer
     costs no resident memory (nor time) until its blocks are written."""
-    from pagellm.worker.model_runner import lazily_zeroed
+    from pagellm.worker.kv_cache import lazily_zeroed
 
     def resident_bytes() -> int:
         with open("/proc/self/statm") as f:

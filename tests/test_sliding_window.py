@@ -500,3 +500,25 @@ def test_mistral_window_gpu_float32_matches_hf(tmp_path):
         max_num_batched_tokens=32,
     )  # fmt: skip
     assert stats["num_preemptions"] > 0
+
+
+ARCHITECTURES = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral-none", "qwen2-upper", "qwen3_moe", "gemma2"])
+def test_scheduler_window_is_known_from_the_config(name):
+    """The window the scheduler frees blocks behind comes from the config (no model built, no
+    worker asked): the largest layer window when every layer has one, else None."""
+    from transformers import AutoConfig
+
+    from pagellm.models.registry import get_model_cls, kv_sliding_window
+
+    model_type, overrides = LAYER_WINDOW_CONFIGS[name]
+    kwargs = {**TINY_CONFIG, "num_hidden_layers": 4, "head_dim": 16, **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    cls_name = ARCHITECTURES[model_type]
+    windows = list(get_model_cls(cls_name).sliding_windows(config))
+    expected = None if None in windows else max(windows)
+    assert kv_sliding_window(cls_name, config) == expected
+    assert (expected is not None) == (name in ("mistral", "qwen3_moe"))

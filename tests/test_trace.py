@@ -183,9 +183,19 @@ def test_summarize_walks_one_request_through(traced, capsys):
     assert cli_main(["trace", "summarize", path, "--request-id", "nope"]) == 2
 
 
+def test_every_boundary_of_the_walkthrough_reports(traced):
+    """Each boundary is an explicit call at its site: one that stops reporting (a renamed or
+    moved method) fails here. Preemption needs a cache too small for this run."""
+    from pagellm.tracing import _BOUNDARIES
+
+    path, _ = traced
+    names = {e["name"] for e in load_events(path) if e["ph"] != "M"}
+    assert names == set(_BOUNDARIES) - {"preempted"}
+
+
 def test_tracing_off_wraps_nothing(llm):
     engine = llm.llm_engine
-    assert engine.tracer is None
+    assert engine.tracer is None and engine.output_processor.tracer is None
     for obj, name in [(engine.engine_core, "get_output"), (engine.engine_core, "add_request"),
                       (engine.input_processor, "process_inputs"),
                       (engine.output_processor, "_detokenize")]:  # fmt: skip
@@ -218,3 +228,18 @@ def test_async_engine_traces_the_same_boundaries(tmp_path):
         names = _names(request_events(events, request_id))
         assert names[:4] == ARRIVAL and names[-1] == "request_output"
         assert [names.count(n) for n in STEP] == [2] * len(STEP)  # two tokens, two steps
+
+
+def test_a_preemption_is_reported(tmp_path, monkeypatch):
+    """13 usable blocks of 16 for 8 requests of ~50 tokens: the scheduler preempts, and the
+    trace marks each preempted request (the in-process client: one process, two tracers)."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    path = str(tmp_path / "preempted.json")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    with LLM(dtype="float32", max_model_len=256, num_gpu_blocks_override=14, trace=path) as llm:
+        llm.generate(PROMPTS[:8], params, use_tqdm=False)
+        assert llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0
+    events = load_events(path)
+    preempted = {e["args"]["request_id"] for e in events if e["name"] == "preempted"}
+    scheduled = [e for e in events if e["name"] == "schedule" and e["args"].get("preempted")]
+    assert preempted and preempted == {r for e in scheduled for r in e["args"]["preempted"]}

@@ -19,10 +19,13 @@ blocks inside the window of the hit's end; those before it may be gone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.request import Request
+
+logger = logging.getLogger(__name__)
 
 # Parent hash of a request's first block. A fixed int, not None: hash(None) is not stable
 # across processes before Python 3.12.
@@ -74,6 +77,22 @@ class KVCacheManager:
         # since start, in tokens; counted once per admission (see allocate_slots)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def max_request_len(self, max_num_batched_tokens: int) -> int:
+        """The longest request the cache holds: max_model_len, or fewer tokens if the whole
+        cache holds fewer (blocks outside a window are freed: then a step needs at most the
+        window before its first token and a full token budget after it)."""
+        capacity = (self.block_pool.num_blocks - 1) * self.block_size  # the null block: none
+        window, needed = self.sliding_window, max_num_batched_tokens + self.block_size
+        if window is not None and capacity >= window + needed:
+            return self.max_model_len
+        if capacity < self.max_model_len:
+            logger.warning(
+                "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "
+                "below max_model_len=%d",
+                *(self.block_pool.num_blocks, self.block_size, capacity, self.max_model_len),
+            )
+        return min(capacity, self.max_model_len)
 
     @property
     def num_free_blocks(self) -> int:

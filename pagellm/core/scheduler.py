@@ -39,27 +39,21 @@ from dataclasses import dataclass, field
 from pagellm.config import CacheConfig, SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sampled import (
+    append_tokens,
+    error_output,
+    gather_prompt_logprobs,
+    sampled_output,
+)
 from pagellm.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.protocol import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    FinishReason,
-    SchedulerStats,
-)
+from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-def error_output(request_id: str, error: Exception) -> EngineCoreOutput:
-    """The last output of a request that failed on its own: no tokens, aborted, the error (a
-    ValueError's message is the request's fault in our words; others carry their type)."""
-    message = str(error) if type(error) is ValueError else f"{type(error).__name__}: {error}"
-    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT, error=message)
 
 
 @dataclass
@@ -98,7 +92,7 @@ class Scheduler:
             sliding_window,
         )
         # a request stops at max_model_len tokens, or earlier if the whole cache holds fewer
-        self.max_request_len = self._max_request_len(num_kv_blocks, cache_config.block_size)
+        self.max_request_len = self.kv_cache_manager.max_request_len(self.max_num_batched_tokens)
         self.log_stats = log_stats
         self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -112,21 +106,6 @@ class Scheduler:
         self.long_rope_switch = long_rope_switch
         self.num_prompt_tokens = 0  # computed, since start (stats)
         self.num_generation_tokens = 0  # sampled, since start (stats)
-
-    def _max_request_len(self, num_kv_blocks: int, block_size: int) -> int:
-        capacity = (num_kv_blocks - 1) * block_size  # the null block holds nothing
-        window = self.kv_cache_manager.sliding_window
-        # blocks outside the window are freed: a step needs at most the window before its
-        # first token and a full token budget after it, however long the request
-        if window is not None and capacity >= window + self.max_num_batched_tokens + block_size:
-            return self.max_model_len
-        if capacity < self.max_model_len:
-            logger.warning(
-                "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "
-                "below max_model_len=%d",
-                *(num_kv_blocks, block_size, capacity, self.max_model_len),
-            )
-        return min(capacity, self.max_model_len)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -208,10 +187,6 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
-    def has_finished_requests(self) -> bool:
-        """Whether the next SchedulerOutput carries ids the runner must drop."""
-        return bool(self.finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -361,7 +336,7 @@ class Scheduler:
         mro = model_runner_output
         outputs = self._report_finished_on_arrival()
         if mro.prompt_logprobs:
-            self._gather_prompt_logprobs(mro.prompt_logprobs)
+            gather_prompt_logprobs(self.requests, mro.prompt_logprobs)
         for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
             request = self.requests.get(req_id)
             # no token: a partial prefill; no request: finished since it was scheduled.
@@ -404,73 +379,10 @@ class Scheduler:
     def _process_sampled(
         self, request: Request, token_ids: list[int], mro: ModelRunnerOutput, i: int
     ) -> EngineCoreOutput:
-        new_token_ids = self._append_tokens(request, token_ids)
-        first_output = request.num_output_tokens == len(new_token_ids)
+        new_token_ids = append_tokens(request, token_ids, self.max_request_len)
         if request.is_finished:
             self._release(request)
-        output = EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0) if first_output else 0,
-        )
-        if first_output and request.prompt_logprobs is not None:
-            (
-                output.prompt_logprobs,
-                output.prompt_logprob_ids,
-                output.prompt_logprob_ranks,
-            ) = request.prompt_logprobs
-        num_logprobs = request.sampling_params.logprobs
-        if num_logprobs is not None and mro.logprobs is not None and mro.logprobs[i]:
-            # the step computed the largest k any request asked for: keep this one's 1 + k
-            output.new_logprobs = [mro.logprobs[i][: 1 + num_logprobs]]
-            output.new_top_logprob_ids = [mro.logprob_token_ids[i][: 1 + num_logprobs]]
-            output.new_logprob_ranks = [mro.logprob_ranks[i]]
-        return output
-
-    def _gather_prompt_logprobs(self, chunks: dict) -> None:
-        """Add each chunk's rows at its positions (a recomputed chunk, after a preemption,
-        replaces what it covers)."""
-        for req_id, (start, *rows) in chunks.items():
-            request = self.requests.get(req_id)
-            if request is None or request.prompt_logprobs is None:
-                continue
-            for gathered, new in zip(request.prompt_logprobs, rows):  # values, ids, ranks
-                del gathered[start:]
-                gathered += new
-
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append sampled tokens up to the first that finishes the request; return those."""
-        for n, token_id in enumerate(token_ids, 1):
-            request.append_output_token(token_id)
-            if self._check_stop(request, token_id):
-                return token_ids[:n]
-        return token_ids
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Set a finished status if `token_id`, just appended, ends the request."""
-        params = request.sampling_params
-        max_tokens = params.max_tokens
-        grammar = request.structured_output
-        if grammar is not None and grammar.accept(token_id):  # the grammar is complete
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if request.num_tokens >= self.max_request_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if request.num_output_tokens < params.min_tokens:
-            return False
-        if token_id in request.eos_token_ids and not params.ignore_eos:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if token_id in (params.stop_token_ids or ()):
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-            return True
-        return False
+        return sampled_output(request, new_token_ids, mro, i)
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

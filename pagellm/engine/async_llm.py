@@ -22,13 +22,13 @@ from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import AsyncMPClient, EngineDeadError, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
-from pagellm.engine.output_processor import OutputProcessor, fan_out
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.spare_core import SpareCore, resolve_spare
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
-from pagellm.tracing import trace_caller
+from pagellm.tracing import CallerTracer, now_us
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             config.model_config, tokenizer, config.structured_outputs_config
         )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.tracer = CallerTracer() if config.trace else None
+        self.output_processor = OutputProcessor(tokenizer, self.tracer)
         self.engine_core = engine_core
         self.core_env = _core_env(engine_core)  # the environment of the cores started later
         self.spare_mode = "none"  # keep_spare()
@@ -55,7 +56,6 @@ class AsyncLLM:
         self.dead = asyncio.Event()  # set with dead_error
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = StatLogger(config.log_stats_interval, config.device)
-        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -95,6 +95,8 @@ class AsyncLLM:
     ) -> asyncio.Queue:
         self._check_alive()
         self.start()
+        tracer = self.tracer
+        start = now_us() if tracer is not None else 0.0
         process = self.input_processor.process_inputs
         if _needs_tokenizing(prompt):  # off the event loop
             prompt_text, request = await asyncio.to_thread(
@@ -103,16 +105,18 @@ class AsyncLLM:
             self._check_alive()
         else:
             prompt_text, request = process(request_id, prompt, params, priority=priority)
+        if tracer is not None:
+            tracer.input_processing(start, request)
         queue: asyncio.Queue = asyncio.Queue()
-        added: list[str] = []
-        try:
-            for child, parent, index in fan_out(request):
-                self.output_processor.add_request(prompt_text, child, parent, index, queue)
-                added.append(child.request_id)
-                await self.engine_core.add_request_async(child)
-        except BaseException:
-            self.output_processor.withdraw(added, self.engine_core.abort_requests)
-            raise
+        core = self.engine_core
+        with self.output_processor.adding(
+            prompt_text, request, core.abort_requests, queue
+        ) as children:
+            for child in children:
+                start = now_us() if tracer is not None else 0.0
+                await core.add_request_async(child)
+                if tracer is not None:
+                    tracer.zmq_send(start, child.request_id)
         return queue
 
     def _check_alive(self) -> None:
@@ -167,7 +171,7 @@ class AsyncLLM:
             self.output_handler = None
         await asyncio.to_thread(self.engine_core.shutdown)
         self.engine_core = await self._new_core()
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tracer)
         self.last_stats = None
         self.stat_logger = StatLogger(self.config.log_stats_interval, self.config.device)
         self.dead_error = None
@@ -195,6 +199,8 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
+                if self.tracer is not None:
+                    self.tracer.output_received(outputs)
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
                     self.stat_logger.record(outputs.scheduler_stats)

@@ -27,12 +27,14 @@ from typing import Any
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sampled import error_output
 from pagellm.core.sched_output import SchedulerOutput
-from pagellm.core.scheduler import Scheduler, error_output
+from pagellm.core.scheduler import Scheduler
 from pagellm.executor import executor_class
+from pagellm.models.registry import kv_sliding_window
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
-from pagellm.tracing import trace_core
+from pagellm.tracing import CoreTracer, now_us
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +62,23 @@ class EngineCore:
             config.log_stats,
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
-            sliding_window=self.model_executor.kv_sliding_window(),
+            sliding_window=kv_sliding_window(
+                config.model_config.architecture, config.model_config.hf_config
+            ),
             long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
-        self.tracer = trace_core(self, config.trace_kv) if config.trace else None
+        self.tracer = CoreTracer(self.model_executor, config.trace_kv) if config.trace else None
         logger.info("EngineCore ready in %.1f s", time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. One that cannot be added (its params, its prompt, its grammar)
         fails alone: its ERROR output comes with the next step's outputs, and the engine carries
         on."""
+        start = now_us() if self.tracer is not None else 0.0
         try:
             req = Request.from_engine_core_request(request)
             self.structured_output.add_request(req)  # a grammar starts compiling in a thread
@@ -81,6 +86,8 @@ class EngineCore:
         except Exception as e:
             logger.exception("request %r cannot be added", request.request_id)
             self.failed.append(error_output(request.request_id, e))
+        if self.tracer is not None:
+            self.tracer.add_request(start, request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -103,13 +110,19 @@ class EngineCore:
         scheduler_output = self._schedule(idle=True)
         waiting = self.structured_output.sampling_requests(scheduler_output)
         grammar = self.structured_output.grammar_bitmask(waiting) if waiting else None
+        start = self.tracer.execute_start() if self.tracer is not None else None
         runner_output = self.model_executor.execute_model(scheduler_output, grammar)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.tracer is not None:
+            self.tracer.execute_model(start, scheduler_output)
+        return self._update_from_output(scheduler_output, runner_output)
 
     def _schedule(self, idle: bool) -> SchedulerOutput:
         """The next step; with nothing to run (nor `idle` step in flight) but grammars
         compiling, wait a little for them."""
+        start = now_us() if self.tracer is not None else 0.0
         scheduler_output = self.scheduler.schedule()
+        if self.tracer is not None:
+            self.tracer.schedule(start, self.scheduler, scheduler_output)
         pending = self.scheduler.waiting_for_grammar
         if scheduler_output.total_num_scheduled_tokens == 0 and pending and idle:
             self.structured_output.wait_for_compiles([r.structured_output.future for r in pending])
@@ -123,26 +136,44 @@ class EngineCore:
             # an empty step in flight is no work to report: idle, wait for compiles (a busy
             # loop of empty steps starved the compile threads of the interpreter lock)
             scheduler_output = self._schedule(idle=previous is None or _is_empty(previous[0]))
-            executor = self.model_executor
+            start = self.tracer.execute_start() if self.tracer is not None else None
             waiting = self.structured_output.sampling_requests(scheduler_output)
             if not waiting:
-                queued = executor.execute_model_async(scheduler_output)
+                queued = self.model_executor.execute_model_async(scheduler_output)
             else:  # their masks need the previous step's tokens: the sampling waits for them
-                forwarded = executor.forward_async(scheduler_output)
-                if previous is not None:
-                    outputs, previous = self._report(previous), None
-                queued = executor.sample_async(
-                    forwarded, self.structured_output.grammar_bitmask(waiting)
-                )
+                queued, outputs = self._queue_constrained(scheduler_output, waiting, previous)
+                previous = None
+            if self.tracer is not None:
+                self.tracer.execute_model(start, scheduler_output)
             self._in_flight = (scheduler_output, queued)
         if previous is not None:
             outputs = self._report(previous)
         return outputs or EngineCoreOutputs(timestamp=time.monotonic())
 
+    def _queue_constrained(
+        self, scheduler_output: SchedulerOutput, waiting: list, previous: tuple | None
+    ) -> tuple[Any, EngineCoreOutputs | None]:
+        """Queue a step whose grammar masks need the previous step's tokens: its forward,
+        then the previous step's report (if any), then its sampling with the masks."""
+        executor = self.model_executor
+        forwarded = executor.forward_async(scheduler_output)
+        outputs = self._report(previous) if previous is not None else None
+        queued = executor.sample_async(forwarded, self.structured_output.grammar_bitmask(waiting))
+        return queued, outputs
+
     def _report(self, step: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
         """Wait for a queued step's tokens and turn them into outputs."""
         scheduler_output, queued = step
-        return self.scheduler.update_from_output(scheduler_output, queued.get_output())
+        return self._update_from_output(scheduler_output, queued.get_output())
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: Any
+    ) -> EngineCoreOutputs:
+        start = now_us() if self.tracer is not None else 0.0
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.tracer is not None:
+            self.tracer.update_from_output(start, outputs)
+        return outputs
 
     # ---- utility calls (by name, from the client) -----------------------------------------
 
@@ -158,7 +189,7 @@ class EngineCore:
         return self.num_kv_blocks
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def collective_rpc(self, method: str, args: list) -> list[Any]:
         return self.model_executor.collective_rpc(method, tuple(args))

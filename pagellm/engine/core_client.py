@@ -17,7 +17,6 @@ import asyncio
 import collections
 import itertools
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import zmq.asyncio
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.core_process import cleanup, startup_error
 from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -48,7 +48,6 @@ _REPORT_S = 0.2  # after it exited itself: how long its death report may take to
 _EXIT_GRACE_S = 0.5  # and how long unread frames may hold off the verdict
 # how the core process is started, after the interpreter (tests run it under a fault injector)
 CORE_PROCESS_ARGS = ["-m", "pagellm.engine.core_proc"]
-_SHUTDOWN_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -162,7 +161,7 @@ class MPClient(EngineCoreClient):
             env={**os.environ, **(env or {})},
         )
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
+            self, cleanup, self.proc, self.input_socket, self.output_socket, self.ipc_dir
         )
         self.dead_error: EngineDeadError | None = None
         self._exit_seen: float | None = None  # when the process was first seen gone (_check_alive)
@@ -192,7 +191,7 @@ class MPClient(EngineCoreClient):
         kind, payload = frames
         if kind == EngineCoreOutputType.FAILED.value:
             self.shutdown()
-            raise _startup_error(msgspec.msgpack.decode(payload))
+            raise startup_error(msgspec.msgpack.decode(payload))
         self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
         return self.ready
 
@@ -357,45 +356,6 @@ class AsyncMPClient(MPClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         raise NotImplementedError("AsyncMPClient uses call_utility_async()")
-
-
-def _cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
-    """Stop the core process (politely, then not), close sockets, remove the IPC files.
-
-    Runs once: from shutdown(), when the client is garbage-collected, or at interpreter exit.
-    """
-    if proc.stdin is not None and not proc.stdin.closed:
-        try:
-            proc.stdin.close()  # a core still waiting for its config reads EOF and exits
-        except BrokenPipeError:
-            pass
-    if proc.poll() is None:
-        try:
-            in_sock.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b"\xc0"), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            proc.terminate()
-    try:
-        proc.wait(timeout=_SHUTDOWN_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    in_sock.close(linger=0)
-    out_sock.close(linger=0)
-    shutil.rmtree(ipc_dir, ignore_errors=True)
-
-
-_STARTUP_ERRORS = {
-    "ValueError": ValueError,
-    "FileNotFoundError": FileNotFoundError,
-    "TypeError": TypeError,
-    "NotImplementedError": NotImplementedError,
-}
-
-
-def _startup_error(failure: list[str]) -> Exception:
-    """The child's own exception type (for the common ones) and message."""
-    type_name, message = failure
-    return _STARTUP_ERRORS.get(type_name, RuntimeError)(f"EngineCore failed to start: {message}")
 
 
 def _utility_result(reply) -> Any:

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.core.scheduler import error_output
+from pagellm.core.sampled import error_output
 from pagellm.engine.core import EngineCore
 from pagellm.protocol import (
     EngineCoreOutputs,
@@ -45,7 +45,6 @@ from pagellm.protocol import (
     UtilityOutput,
 )
 from pagellm.sampling_params import SamplingParams
-from pagellm.tracing import trace_input_queue
 
 logger = logging.getLogger("pagellm.engine.core_proc")
 
@@ -58,8 +57,6 @@ class EngineCoreProc(EngineCore):
     def __init__(self, config: EngineConfig, ctx: zmq.Context, input_path: str) -> None:
         super().__init__(config)
         self.input_queue: queue.Queue = queue.Queue()
-        if self.tracer is not None:
-            trace_input_queue(self.tracer, self.input_queue)
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
         self.input_path = input_path
@@ -98,6 +95,8 @@ class EngineCoreProc(EngineCore):
             error = ValueError(_name_fields(str(e)))
             self.input_queue.put((_FAILED, error_output(request_id, error)))
             return
+        if self.tracer is not None:
+            self.tracer.input_queue(request.request_id)
         self.input_queue.put((kind, request))
 
     def _input_thread_died(self, error: BaseException) -> None:

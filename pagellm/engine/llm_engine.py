@@ -14,12 +14,12 @@ from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
-from pagellm.engine.output_processor import OutputProcessor, fan_out
+from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
-from pagellm.tracing import trace_caller
+from pagellm.tracing import CallerTracer, now_us
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,11 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             config.model_config, tokenizer, config.structured_outputs_config
         )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.tracer = CallerTracer() if config.trace else None
+        self.output_processor = OutputProcessor(tokenizer, self.tracer)
         self.engine_core = engine_core
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = StatLogger(config.log_stats_interval, config.device)
-        self.tracer = trace_caller(self) if config.trace else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -57,19 +57,20 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validates and submits a request; raises ValueError before anything is queued."""
+        tracer = self.tracer
+        start = now_us() if tracer is not None else 0.0
         prompt_text, request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
-        children = fan_out(request)
-        added: list[str] = []
-        try:
-            for child, parent, index in children:
-                self.output_processor.add_request(prompt_text, child, parent, index)
-                added.append(child.request_id)
-                self.engine_core.add_request(child)
-        except BaseException:
-            self.output_processor.withdraw(added, self.engine_core.abort_requests)
-            raise
+        if tracer is not None:
+            tracer.input_processing(start, request)
+        core = self.engine_core
+        with self.output_processor.adding(prompt_text, request, core.abort_requests) as children:
+            for child in children:
+                start = now_us() if tracer is not None else 0.0
+                core.add_request(child)
+                if tracer is not None:
+                    tracer.zmq_send(start, child.request_id)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -77,6 +78,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
+        if self.tracer is not None:
+            self.tracer.output_received(outputs)
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             self.stat_logger.record(outputs.scheduler_stats)

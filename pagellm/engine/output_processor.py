@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from pagellm.outputs import (
 )
 from pagellm.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagellm.sampling_params import INT64_MIN, RequestOutputKind
+from pagellm.tracing import CallerTracer, now_us
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +116,32 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, tracer: CallerTracer | None = None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}  # n > 1: the user's request id -> parent
+        self.tracer = tracer  # the journey trace's caller side (None: off)
+
+    @contextmanager
+    def adding(
+        self,
+        prompt: str | None,
+        request: EngineCoreRequest,
+        abort: Callable[[list[str]], Any],
+        queue: Any = None,
+    ) -> Iterator[list[EngineCoreRequest]]:
+        """Register a request (n > 1: its n children, `fan_out`) and yield what the engine
+        core must be sent. All or nothing: if registering or the sending in the `with` body
+        fails, what was registered is forgotten and aborted in the core (`abort`)."""
+        added: list[EngineCoreRequest] = []
+        try:
+            for child, parent, index in fan_out(request):
+                self.add_request(prompt, child, parent, index, queue)
+                added.append(child)
+            yield added
+        except BaseException:
+            self.withdraw([child.request_id for child in added], abort)
+            raise
 
     def add_request(
         self,
@@ -201,7 +225,10 @@ class OutputProcessor:
             del self.request_states[out.request_id]
             if not out.finished:
                 reqs_to_abort.append(out.request_id)
-        return self._make_request_output(state, finish_reason, stop_reason)
+        output = self._make_request_output(state, finish_reason, stop_reason)
+        if self.tracer is not None:
+            self.tracer.request_output(state.request_id, finish_reason is not None, output)
+        return output
 
     def _fail(self, state: RequestState, error: str, errors: list[str]) -> None:
         self.request_states.pop(state.request_id, None)
@@ -233,7 +260,10 @@ class OutputProcessor:
             state.prompt_logprobs = [None, *entries]  # nothing precedes the first token
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if state.detokenizer is not None:
+            start = now_us() if self.tracer is not None else 0.0
             stop_string = self._detokenize(state, new_ids, finish_reason)
+            if self.tracer is not None:
+                self.tracer.detokenize(start, state.request_id, len(new_ids), stop_string)
             if stop_string is not None:  # it ends the text, even of a request at its length
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
         if finish_reason is not None:

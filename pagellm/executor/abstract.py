@@ -1,7 +1,7 @@
 """Executor: the layer between the EngineCore and the ranks that hold the model.
 
 The EngineCore calls only `determine_num_kv_blocks()`, `initialize_kv_cache(n)`,
-`kv_sliding_window()`, `execute_model(scheduler_output, grammar)` /
+`execute_model(scheduler_output, grammar)` /
 `execute_model_async(...)` (or, for a step whose
 grammar masks wait for the previous step's tokens, `forward_async()` then `sample_async()`)
 and `collective_rpc()`; it never knows how many ranks there are. Three implementations, chosen by
@@ -69,10 +69,6 @@ class Executor(ABC):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def kv_sliding_window(self) -> int | None:
-        """The window beyond which no layer reads a request's keys (the same on every rank)."""
-        return self.collective_rpc("kv_sliding_window")[0]
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -114,6 +114,33 @@ def _load_kv_tile(cache_ptr, rows, key_ok, HEAD_DIM: tl.constexpr, MASKED: tl.co
 
 
 @triton.jit
+def _softmax_step(s, m_i, offs_n, key_ok, max_key, qk_scale, MASKED: tl.constexpr,
+                  WINDOW: tl.constexpr, SOFT_CAP_LOG2: tl.constexpr):  # fmt: skip
+    """Raw scores s [BLOCK_M, BLOCK_N] (q.k) of one key step: soft-capped, masked (causal,
+    window, keys past kv_end), and turned into the online softmax's update: p (exp2 of the
+    scaled scores less the new running max), alpha (the old sums' rescale), the new max."""
+    # the scale is folded into exp2's argument (one FMA)
+    if SOFT_CAP_LOG2 > 0.0:  # a float constexpr: compiled Triton needs a comparison
+        # c * tanh(scale * s / c), kept in raw units: cap_raw * qk_scale = c * log2(e)
+        cap_raw = SOFT_CAP_LOG2 / qk_scale
+        s = _tanh(s * (1.0 / cap_raw)) * cap_raw
+    if MASKED:
+        visible = (offs_n[None, :] <= max_key[:, None]) & key_ok[None, :]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > max_key[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        # a row may have seen no key yet (split segments, rows past the query): keep it finite
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    p = tl.math.exp2(s * qk_scale - m_new_safe[:, None])
+    return p, alpha, m_new
+
+
+@triton.jit
 def _attend_block(
     acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalized output
     m_i,  # [BLOCK_M] fp32, running max (base-2 logits)
@@ -156,24 +183,8 @@ def _attend_block(
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    # s: [BLOCK_M, BLOCK_N] raw q.k; the scale is folded into exp2's argument (one FMA)
-    if SOFT_CAP_LOG2 > 0.0:  # a float constexpr: compiled Triton needs a comparison
-        # c * tanh(scale * s / c), kept in raw units: cap_raw * qk_scale = c * log2(e)
-        cap_raw = SOFT_CAP_LOG2 / qk_scale
-        s = _tanh(s * (1.0 / cap_raw)) * cap_raw
-    if MASKED:
-        visible = (offs_n[None, :] <= max_key[:, None]) & key_ok[None, :]
-        if WINDOW:
-            visible = visible & (offs_n[None, :] > max_key[:, None] - WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if MASKED:
-        # a row may have seen no key yet (split segments, rows past the query): keep it finite
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new_safe = m_new
-    alpha = tl.math.exp2(m_i - m_new_safe)
-    p = tl.math.exp2(s * qk_scale - m_new_safe[:, None])
+    p, alpha, m_new = _softmax_step(s, m_i, offs_n, key_ok, max_key, qk_scale, MASKED, WINDOW,
+                                    SOFT_CAP_LOG2)  # fmt: skip
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = _load_kv_tile(v_cache_ptr, rows, key_ok, HEAD_DIM, MASKED, FP8_PAIRS, PTX_CVT)
@@ -212,6 +223,91 @@ def _attend_range(
         )  # fmt: skip
         block = next_block
     return acc, m_i, l_i
+
+
+@triton.jit
+def _walk_keys(
+    q, lo, hi, kv_end, full_start, full_end, max_key, win_start, k_cache_ptr, v_cache_ptr,
+    bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    SOFT_CAP_LOG2: tl.constexpr, FP8_PAIRS: tl.constexpr, PTX_CVT: tl.constexpr,
+):  # fmt: skip
+    """The tile's keys lo .. hi: the window's edge (masked), the keys every row sees
+    (unmasked), the causal tail (masked). Returns (acc, running max, running sum)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if WINDOW:  # the window's edge: keys some rows of the tile no longer see
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, lo, tl.minimum(hi, full_start), kv_end, max_key, win_start,
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+            BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+            PTX_CVT,
+        )  # fmt: skip
+        lo = tl.maximum(lo, full_start)
+        full_end = tl.maximum(full_end, full_start)
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, win_start,
+        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+        PTX_CVT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, win_start,
+        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
+        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
+        PTX_CVT,
+    )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _tile_queries(tile, tile_req_ptr, tile_q_ptr, query_start_loc_ptr, HAS_TILE_MAP: tl.constexpr):
+    """The prologue of both kernels: a tile's request, its first query within the request,
+    and the request's first token and query length (without a tile map, tile i is request i
+    from query 0)."""
+    if HAS_TILE_MAP:
+        req = tl.load(tile_req_ptr + tile)
+        q0 = tl.load(tile_q_ptr + tile)
+    else:
+        req = tile
+        q0 = 0
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    return req, q0, q_begin, q_len
+
+
+@triton.jit
+def _key_range(ctx, q0, kv_end, split, num_splits, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+               SPLIT: tl.constexpr):  # fmt: skip
+    """The keys lo .. hi this program walks (SPLIT: its segment of them), the tile's first
+    visible key `win_start` and `full_start`, from which keys are inside every row's window
+    (WINDOW; else both 0)."""
+    lo = 0
+    win_start = 0
+    full_start = 0
+    if WINDOW:
+        win_start = ctx + q0 - WINDOW + 1  # the tile's first visible key (may be < 0)
+        lo = (tl.maximum(win_start, 0) // BLOCK_N) * BLOCK_N  # steps below: skipped
+        # keys from full_start on are inside every row's window (the last row's starts last)
+        full_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
+    hi = kv_end
+    if SPLIT:
+        seg = tl.cdiv(tl.cdiv(kv_end - lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * seg
+        hi = tl.minimum(lo + seg, kv_end)
+    return lo, hi, win_start, full_start
+
+
+@triton.jit
+def _store_partial(part, acc, m_i, l_i, row_ok, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   HEAD_DIM: tl.constexpr):  # fmt: skip
+    """A split's unnormalized rows, their running max and sum, at partial rows `part`."""
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    acc_offs = part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(part_acc_ptr + acc_offs, acc, mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
@@ -263,14 +359,9 @@ def _paged_attention_kernel(
     tile = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = pid_head // HEAD_GROUPS
-    if HAS_TILE_MAP:
-        req = tl.load(tile_req_ptr + tile)
-        q0 = tl.load(tile_q_ptr + tile)
-    else:
-        req = tile
-        q0 = 0
-    q_begin = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    req, q0, q_begin, q_len = _tile_queries(
+        tile, tile_req_ptr, tile_q_ptr, query_start_loc_ptr, HAS_TILE_MAP
+    )
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -291,52 +382,17 @@ def _paged_attention_kernel(
     max_key = ctx + q_idx  # [BLOCK_M] causal limit (inclusive)
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last visible key
     full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
-    lo = 0
-    hi = kv_end
-    if WINDOW:
-        win_start = ctx + q0 - WINDOW + 1  # the tile's first visible key (may be < 0)
-        lo = (tl.maximum(win_start, 0) // BLOCK_N) * BLOCK_N  # steps below: skipped
-        # keys from full_start on are inside every row's window (the last row's starts last)
-        full_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
-        if SPLIT:
-            seg = tl.cdiv(tl.cdiv(kv_end - lo, num_splits), BLOCK_N) * BLOCK_N
-            lo = lo + split * seg
-            hi = tl.minimum(lo + seg, kv_end)
-    else:
-        win_start = 0
-        full_start = 0
-        if SPLIT:
-            seg = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-            lo = split * seg
-            hi = tl.minimum(lo + seg, kv_end)
+    lo, hi, win_start, full_start = _key_range(
+        ctx, q0, kv_end, split, num_splits, BLOCK_N, WINDOW, SPLIT
+    )
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(kv_scale_ptr)  # scores of stored keys times k_scale
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    kv_head_offset = kv_head * stride_ch
-    if WINDOW:  # the window's edge: keys some rows of the tile no longer see
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, lo, tl.minimum(hi, full_start), kv_end, max_key, win_start,
-            k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-            BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
-            PTX_CVT,
-        )  # fmt: skip
-        lo = tl.maximum(lo, full_start)
-        full_end = tl.maximum(full_end, full_start)
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, lo, tl.minimum(hi, full_end), kv_end, max_key, win_start,
-        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, False, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
-        PTX_CVT,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, tl.maximum(lo, full_end), hi, kv_end, max_key, win_start,
-        k_cache_ptr, v_cache_ptr, bt_row, kv_head_offset, qk_scale, stride_cb, stride_cs,
-        BLOCK_N, HEAD_DIM, BLOCK_SIZE, True, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS,
-        PTX_CVT,
+    acc, m_i, l_i = _walk_keys(
+        q, lo, hi, kv_end, full_start, full_end, max_key, win_start, k_cache_ptr, v_cache_ptr,
+        bt_row, kv_head * stride_ch, qk_scale, stride_cb, stride_cs, BLOCK_M, BLOCK_N, HEAD_DIM,
+        BLOCK_SIZE, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS, PTX_CVT,
     )  # fmt: skip
 
     if KV_FP8:
@@ -344,11 +400,8 @@ def _paged_attention_kernel(
     if SPLIT:
         # partial results of row (tile, token-in-tile, head, split)
         part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * num_splits
-        part = part.to(tl.int64) + split
-        tl.store(part_max_ptr + part, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        acc_offs = part[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(part_acc_ptr + acc_offs, acc, mask=row_ok[:, None])
+        _store_partial(part.to(tl.int64) + split, acc, m_i, l_i, row_ok, part_acc_ptr,
+                       part_max_ptr, part_sum_ptr, HEAD_DIM)  # fmt: skip
     else:
         out = acc / l_i[:, None]
         o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -377,16 +430,11 @@ def _combine_splits_kernel(
     pdl.launch_dependents(PDL)
     head = tl.program_id(0)
     row = tl.program_id(1)  # tile * BLOCK_Q + token in tile
-    tile = row // BLOCK_Q
-    if HAS_TILE_MAP:
-        req = tl.load(tile_req_ptr + tile)
-        q0 = tl.load(tile_q_ptr + tile)
-    else:
-        req = tile
-        q0 = 0
+    req, q0, q_begin, q_len = _tile_queries(
+        row // BLOCK_Q, tile_req_ptr, tile_q_ptr, query_start_loc_ptr, HAS_TILE_MAP
+    )
     q_idx = q0 + row % BLOCK_Q
-    q_begin = tl.load(query_start_loc_ptr + req)
-    if q_idx >= tl.load(query_start_loc_ptr + req + 1) - q_begin:
+    if q_idx >= q_len:
         return
 
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -534,9 +582,36 @@ def _launch(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
+    constexprs = _constexprs(plan, cfg, q, kv_cache, has_map, splits, cap_log2)
+    _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
+    if splits > 1:
+        _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
+            out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
+            plan.num_heads, splits, out.stride(0), out.stride(1),
+            BLOCK_Q=cfg.block_q,
+            HEAD_DIM=plan.head_dim,
+            HAS_TILE_MAP=has_map,
+            SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
+            PDL=constexprs.get("PDL", False),
+            num_warps=4,
+        )  # fmt: skip
+
+
+def _constexprs(
+    plan: AttentionPlan,
+    cfg: TileConfig,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    has_map: bool,
+    splits: int,
+    cap_log2: float,
+) -> dict:
+    """The kernel's compile-time switches for one launch (a layer without a window, soft-cap
+    or fp8 cache leaves them at the kernel's defaults)."""
+    queries_per_kv = plan.num_heads // plan.num_kv_heads
     constexprs = dict(
         QUERIES_PER_KV=queries_per_kv,
-        HEAD_GROUPS=head_groups,
+        HEAD_GROUPS=triton.cdiv(queries_per_kv, cfg.heads_per_prog),
         HEADS_PER_PROG=cfg.heads_per_prog,
         BLOCK_Q=cfg.block_q,
         BLOCK_N=cfg.block_n,
@@ -557,18 +632,7 @@ def _launch(
             constexprs["PTX_CVT"] = kv_cache.device.type == "cuda"  # the interpreter: no PTX
     if pdl.enabled(q.device):
         constexprs["PDL"] = True
-    _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
-    if splits > 1:
-        _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
-            out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
-            plan.num_heads, splits, out.stride(0), out.stride(1),
-            BLOCK_Q=cfg.block_q,
-            HEAD_DIM=plan.head_dim,
-            HAS_TILE_MAP=has_map,
-            SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
-            PDL=constexprs.get("PDL", False),
-            num_warps=4,
-        )  # fmt: skip
+    return constexprs
 
 
 # (config, (q dtype, cache dtype), head_dim, block_size) -> num_stages that fit the GPU's

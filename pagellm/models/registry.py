@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from torch import nn
 
@@ -45,3 +46,11 @@ def get_model_cls(architecture: str) -> type[nn.Module]:
     module_name, cls_name = _MODELS[architecture]
     module = importlib.import_module(f"pagellm.models.{module_name}")
     return getattr(module, cls_name)
+
+
+def kv_sliding_window(architecture: str, hf_config: Any) -> int | None:
+    """The largest sliding window if every attention layer has one, else None: beyond it no
+    layer reads a request's keys, so the scheduler may free those blocks. Known from the
+    config (the family's `sliding_windows`), where the scheduler is built."""
+    windows = list(get_model_cls(architecture).sliding_windows(hf_config))
+    return None if not windows or None in windows else max(windows)

@@ -21,9 +21,8 @@ tensor on the device (`async_output.PendingTokens`).
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,61 +48,22 @@ from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
+from pagellm.worker.kv_cache import profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.step_batch import (
+    StepBatch,
+    block_table_rows,
+    dummy_inputs,
+    host_arrays,
+    prepare_batch,
+    profile_step,
+)
 from pagellm.worker.step_inputs import StepInputs, pad_decode
 
 logger = logging.getLogger(__name__)
 
-# kept free beyond the profiled peak: CUDA graphs' pool, allocator fragmentation
-GPU_MEMORY_MARGIN = 512 << 20
 # context length the decode graphs are planned for (it fixes their split-KV count)
 GRAPH_PLAN_SEQ_LEN = 4096
-
-
-class StepBatch:
-    """The flat batch of one step, on the host; `rows` are InputBatch rows in batch order."""
-
-    __slots__ = ("req_ids", "rows", "num_scheduled", "positions", "query_start_loc", "seq_lens")
-
-    def __init__(self, req_ids: list[str], rows: np.ndarray, num_scheduled: np.ndarray) -> None:
-        self.req_ids = req_ids
-        self.rows = rows  # [R] int64
-        self.num_scheduled = num_scheduled  # [R] int64
-        self.query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)  # [R + 1]
-        np.cumsum(num_scheduled, out=self.query_start_loc[1:])
-        self.positions = np.empty(0, dtype=np.int64)  # [T], set by the runner
-        self.seq_lens = np.empty(0, dtype=np.int32)  # [R], set by the runner
-
-    @property
-    def is_decode_only(self) -> bool:
-        return int(self.query_start_loc[-1]) == len(self.rows)
-
-
-def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros in fresh anonymous memory: the kernel maps its pages zeroed on
-    first touch, so the cache costs nothing until blocks are used (`torch.zeros` writes all
-    of a 2 GiB cache at start-up: 0.6-2 s on 2 cores)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-
-
-def profile_step(
-    max_tokens: int, max_seqs: int, max_len: int, block_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(query_lens, seq_lens) of the largest step the scheduler can make: min(max_tokens,
-    max_seqs * max_len) tokens in prompts of up to max_len, at most max_seqs requests; where
-    one is left, a token of the last prompt becomes a decode with a short context (so the
-    decode launch beside prefill tiles compiles now too)."""
-    tokens = min(max_tokens, max_seqs * max_len)
-    lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-    query_lens, seq_lens = list(lens), list(lens)
-    if len(lens) < max_seqs and lens[-1] > 1:
-        query_lens[-1] -= 1
-        seq_lens[-1] -= 1
-        query_lens.append(1)
-        seq_lens.append(min(block_size + 1, max_len))
-    return np.array(query_lens, np.int32), np.array(seq_lens, np.int32)
 
 
 class ModelRunner:
@@ -147,14 +107,13 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
         self.pending = PendingTokens(sc.max_num_seqs)
+        # the journey trace's dump of one request's paging, (batch, host arrays) each step
+        self.trace_paging: Callable[[StepBatch, dict[str, np.ndarray]], None] | None = None
         # a longrope model's long-factor rows follow this many short ones in its rotary table
         rope = long_rope(self.model_config.hf_config)
         self.long_rope_rows = 0 if rope is None else rope[1]
 
     # ---- KV cache -------------------------------------------------------------------------
-
-    def kv_sliding_window(self) -> int | None:
-        return kv_sliding_window(self.model)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -182,28 +141,8 @@ class ModelRunner:
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
-        return self._profiled_kv_budget()
-
-    def _profiled_kv_budget(self) -> int:
-        """gpu_memory_utilization of the GPU, less what is not ours, the profiled peak of a
-        full-budget step, and a margin."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
-        self.profile_run()  # also compiles the Triton kernels (cached on disk by Triton)
-        torch.cuda.synchronize(self.device)
-        logger.info("profiling forward pass in %.1f s", time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        not_torch = total - free - torch.cuda.memory_reserved(self.device)
-        util = self.config.cache_config.gpu_memory_utilization
-        budget = int(total * util) - not_torch - peak - GPU_MEMORY_MARGIN
-        gib = 1 << 30
-        logger.info(
-            "profiled peak %.2f GiB, other %.2f GiB of %.1f GiB: KV budget %.2f GiB",
-            peak / gib, not_torch / gib, total / gib, budget / gib,
-        )  # fmt: skip
-        return budget
+        utilization = self.config.cache_config.gpu_memory_utilization
+        return profiled_kv_budget(self.device, self.profile_run, utilization)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -220,44 +159,27 @@ class ModelRunner:
         shape = self.attn_backend_cls.kv_cache_shape(
             1, self.block_size, self.num_kv_heads, mc.head_dim
         )
-        kv = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
+        kv = [zeros_kv(shape, self.kv_cache_dtype, self.device) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
             sizes = capture_sizes(sc.max_num_seqs)
             graph_seq_len = min(mc.max_model_len, GRAPH_PLAN_SEQ_LEN)
             with compile_ahead(self.device):
-                self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
+                self._forward(*dummy_inputs(self.block_size, query_lens, seq_lens), kv)
                 for size in sorted({sizes[0], sizes[min(1, len(sizes) - 1)], sizes[-1]}):
                     ones = np.ones(size, np.int32)
-                    self._forward(*self._dummy_inputs(ones, ones * graph_seq_len), kv)
-        hidden = self._forward(*self._dummy_inputs(query_lens, seq_lens), kv)
+                    self._forward(*dummy_inputs(self.block_size, ones, ones * graph_seq_len), kv)
+        hidden = self._forward(*dummy_inputs(self.block_size, query_lens, seq_lens), kv)
         rows = min(sc.max_num_seqs, int(query_lens.sum()))
         meta = _profile_sampling(rows, self.device, self.input_batch.logits_processor(Penalties))
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
-
-    def _dummy_inputs(
-        self, query_lens: np.ndarray, seq_lens: np.ndarray
-    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """A step's host arrays for dummy requests: token 0 everywhere, no cache writes, every
-        block-table entry block 0."""
-        n = int(query_lens.sum())
-        arrays = {
-            "input_ids": np.zeros(n, np.int64),
-            "positions": np.concatenate(
-                [np.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]
-            ),
-            "slot_mapping": np.full(n, -1, np.int64),
-            "query_start_loc": np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
-            "seq_lens": np.asarray(seq_lens, np.int32),
-        }
-        block_rows = np.zeros((len(seq_lens), -(-int(seq_lens.max()) // self.block_size)), np.int32)
-        return arrays, block_rows
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
         )
-        self.kv_caches = [self._zeros_kv(shape) for _ in range(mc.num_layers)]
+        dtype = self.kv_cache_dtype
+        self.kv_caches = [zeros_kv(shape, dtype, self.device) for _ in range(mc.num_layers)]
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
@@ -267,15 +189,6 @@ class ModelRunner:
         )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
-
-    def _zeros_kv(self, shape: tuple[int, ...]) -> torch.Tensor:
-        # one layer's cache; fp8 zeros through a byte view (no fp8 fill on every device)
-        if self.device.type == "cpu":
-            return lazily_zeroed(shape, self.kv_cache_dtype)
-        if is_fp8(self.kv_cache_dtype):
-            raw = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-            return raw.view(self.kv_cache_dtype)
-        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -332,11 +245,13 @@ class ModelRunner:
         self._update_states(sched)
         if sched.total_num_scheduled_tokens == 0:
             return None
-        batch = self._prepare_batch(sched)
-        arrays = self._host_arrays(batch)
+        batch = prepare_batch(self.input_batch, sched)
+        arrays = host_arrays(self.input_batch, batch, self.block_size)
+        if self.trace_paging is not None:
+            self.trace_paging(batch, arrays)
         size = self._graph_size(batch)
         staged = arrays if size is None else pad_decode(arrays, size)
-        dev = self._stage(staged, self._block_rows(batch))
+        dev = self._stage(staged, block_table_rows(self.input_batch, batch, self.block_size))
         self.pending.patch_inputs(batch, self.input_batch.num_tokens, dev["input_ids"])
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
@@ -375,37 +290,6 @@ class ModelRunner:
             ib.num_computed_tokens[row] = num_computed
             if block_ids:
                 ib.append_block_ids(row, block_ids)
-
-    def _prepare_batch(self, sched: SchedulerOutput) -> StepBatch:
-        ib = self.input_batch
-        req_ids = list(sched.num_scheduled_tokens)
-        rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
-        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
-        batch = StepBatch(req_ids, rows, num_scheduled)
-        num_computed = ib.num_computed_tokens[rows]
-        # position of each token: its request's computed count + its index within the request
-        offsets = np.arange(batch.query_start_loc[-1]) - np.repeat(
-            batch.query_start_loc[:-1], num_scheduled
-        )
-        batch.positions = np.repeat(num_computed, num_scheduled) + offsets
-        batch.seq_lens = (num_computed + num_scheduled).astype(np.int32)
-        return batch
-
-    def _host_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        ib, bs = self.input_batch, self.block_size
-        token_rows = np.repeat(batch.rows, batch.num_scheduled)  # [T]
-        block_ids = ib.block_table[token_rows, batch.positions // bs]
-        return {
-            "input_ids": ib.token_ids[token_rows, batch.positions],  # [T]
-            "positions": batch.positions + ib.rope_offset[token_rows],  # [T]: rotary table rows
-            "slot_mapping": block_ids.astype(np.int64) * bs + batch.positions % bs,  # [T]
-            "query_start_loc": batch.query_start_loc,  # [R + 1]
-            "seq_lens": batch.seq_lens,  # [R]
-        }
-
-    def _block_rows(self, batch: StepBatch) -> np.ndarray:
-        max_blocks = -(-int(batch.seq_lens.max()) // self.block_size)
-        return self.input_batch.block_table[batch.rows, :max_blocks]  # [R, max_blocks]
 
     def _stage(self, arrays: dict[str, np.ndarray], block_rows: np.ndarray) -> dict:
         self.inputs.begin()
@@ -497,13 +381,6 @@ def _cpu_note(device: torch.device, dtype: torch.dtype) -> str:
     if cpu_prepack_supported(device, dtype):
         note += f"; {cpu_gemm_plan().describe(dtype)}"
     return note
-
-
-def kv_sliding_window(model: torch.nn.Module) -> int | None:
-    """The largest sliding window if every attention layer has one, else None: beyond it
-    no layer reads a request's keys, so the scheduler may free those blocks."""
-    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
-    return None if not windows or None in windows else max(windows)
 
 
 def _profile_sampling(rows: int, device: torch.device, penalties: Penalties) -> SamplingMetadata:

@@ -76,9 +76,6 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def kv_sliding_window(self) -> int | None:
-        return self.model_runner.kv_sliding_window()
-
     def execute_model(
         self,
         scheduler_output: SchedulerOutput,

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates
 from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.generation import Generation, until_disconnect
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -38,12 +39,10 @@ from pagellm.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from pagellm.entrypoints.openai.serving_engine import (
-    Generation,
     OpenAIServing,
     api_logprob,
     gather_choices,
     random_id,
-    until_disconnect,
     usage,
 )
 from pagellm.entrypoints.openai.structured import function_name, named_tool, tool_constraint
@@ -69,15 +68,11 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         model = self.model_name(request.model)
         mode = self._tool_mode(request)
-        release = self.admit(request.n)
-        try:
-            response = await self._create(request, raw_request, model, mode, release)
-        except BaseException:
-            release()
-            raise
-        if not request.stream:
-            release()
-        return response
+        return await self.admitted(
+            request.n,
+            request.stream,
+            lambda release: self._create(request, raw_request, model, mode, release),
+        )
 
     async def _create(
         self,

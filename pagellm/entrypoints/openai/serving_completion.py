@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.entrypoints.openai.generation import Generation
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -23,7 +24,6 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.serving_engine import (
     ChoiceState,
-    Generation,
     OpenAIServing,
     api_logprob,
     gather_choices,
@@ -36,15 +36,11 @@ from pagellm.outputs import CompletionOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.model_name(request.model)
-        release = self.admit(request.n * _num_prompts(request.prompt))
-        try:
-            response = await self._create(request, raw_request, model, release)
-        except BaseException:
-            release()
-            raise
-        if not request.stream:
-            release()
-        return response
+        return await self.admitted(
+            request.n * _num_prompts(request.prompt),
+            request.stream,
+            lambda release: self._create(request, raw_request, model, release),
+        )
 
     async def _create(
         self, request: CompletionRequest, raw_request: Request, model: str, release: Any

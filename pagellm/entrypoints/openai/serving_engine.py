@@ -1,11 +1,7 @@
 """What completions and chat share: the model-name check, the context-length check, admission
-(a bound on queued work), tokenizing off the event loop, running one engine request per prompt,
-and answering as JSON or as server-sent events.
-
-The HTTP handler never iterates `AsyncLLM.generate()` itself. Each prompt's request runs in its
-own task (a `Generation`); when the client goes away, the handler or its stream is cancelled
-and cancels those tasks, each `generate()` sees a plain CancelledError and aborts its request
-in the engine core, which frees its KV blocks.
+(a bound on queued work, held while a request runs: `admitted`), tokenizing off the event loop,
+running one engine request per prompt (a `Generation`, generation.py), and answering as JSON
+or as server-sent events.
 """
 
 from __future__ import annotations
@@ -17,19 +13,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.input_processor import check_structured_outputs, truncate_prompt
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
+from pagellm.entrypoints.openai.generation import Generation, until_disconnect
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
-_DONE = object()  # a request's task ended normally
-_START_BATCH = 32  # engine requests a Generation adds before it lets the event loop run others
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
@@ -44,100 +39,6 @@ _MIN_LOGPROB = -9999.0
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class Generation:
-    """One engine request per prompt, each iterated by its own task; outputs merge in a queue.
-    Tasks start `_START_BATCH` at a time, so that a request with many prompts does not hold the
-    event loop while it adds them all."""
-
-    def __init__(
-        self,
-        engine: AsyncLLM,
-        prompts: list[dict[str, Any]],
-        params: list[SamplingParams],
-        request_id: str,
-        metrics: ServerMetrics,
-        priority: int = 0,
-    ) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.peeked: tuple[int, Any] | None = None
-        self.priority = priority
-        self.tasks: list[asyncio.Task] = []
-        self.num_running = len(prompts)
-        self.starter = asyncio.create_task(
-            self._start_all(engine, prompts, params, request_id, metrics)
-        )
-
-    async def _start_all(
-        self,
-        engine: AsyncLLM,
-        prompts: list[dict[str, Any]],
-        params: list[SamplingParams],
-        request_id: str,
-        metrics: ServerMetrics,
-    ) -> None:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            if i and i % _START_BATCH == 0:
-                await asyncio.sleep(0)  # the loop serves others between batches
-            self.tasks.append(
-                asyncio.create_task(self._run(engine, i, prompt, sp, f"{request_id}-{i}", metrics))
-            )
-
-    async def _run(
-        self,
-        engine: AsyncLLM,
-        index: int,
-        prompt: dict[str, Any],
-        params: SamplingParams,
-        request_id: str,
-        metrics: ServerMetrics,
-    ) -> None:
-        timer = metrics.timer()
-        try:
-            async for out in engine.generate(prompt, params, request_id, self.priority):
-                timer.on_output(out)
-                self.queue.put_nowait((index, out))
-        except Exception as e:
-            self.queue.put_nowait((index, e))
-        else:
-            self.queue.put_nowait((index, _DONE))
-
-    async def wait_first(self) -> None:
-        """Waits for the first output, so that an invalid request fails before a stream starts."""
-        self.peeked = await self._next()
-
-    async def _next(self) -> tuple[int, Any]:
-        while True:
-            index, item = await self.queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is not _DONE:
-                return index, item
-            self.num_running -= 1
-            if self.num_running == 0:
-                return index, None
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, DELTA output) pairs until every request is finished."""
-        try:
-            if self.peeked is not None:
-                index, out = self.peeked
-                self.peeked = None
-                if out is None:
-                    return
-                yield index, out
-            while self.num_running:
-                index, out = await self._next()
-                if out is not None:
-                    yield index, out
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        self.starter.cancel()
-        for task in self.tasks:
-            task.cancel()
 
 
 class ChoiceState:
@@ -243,6 +144,24 @@ class OpenAIServing:
         if self.engine.errored:
             raise unavailable(f"the engine is not running: {self.engine.dead_error}")
         return self.admission.acquire(cost)
+
+    async def admitted(
+        self,
+        cost: int,
+        stream: bool,
+        create: Callable[[Callable[[], None]], Awaitable[Response]],
+    ) -> Response:
+        """`create(release)` holding room for `cost` engine requests: released when it fails
+        or returns, but a stream's only when the stream ends (`stream` calls `release`)."""
+        release = self.admit(cost)
+        try:
+            response = await create(release)
+        except BaseException:
+            release()
+            raise
+        if not stream:
+            release()
+        return response
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested in self.model_names:
@@ -395,27 +314,3 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 _UNICODE_TO_BYTE = _unicode_to_byte()
-
-
-async def until_disconnect(
-    raw_request: Request, work: Awaitable, generation: Generation | None = None
-) -> Any:
-    """Awaits `work`; if the client disconnects first, cancels it and the engine requests."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
-    try:
-        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done() or task.cancelled() or task.exception() is not None:
-            task.cancel()
-            if generation is not None:
-                generation.cancel()
-    if task not in done:
-        raise APIError("the client disconnected", 499)
-    return task.result()
-
-
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass
