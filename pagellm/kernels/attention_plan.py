@@ -193,16 +193,10 @@ def plan_attention(
     host_maps: list[np.ndarray] = []
     pending: list[tuple[TileConfig, int, int]] = []  # config, num_tiles, num_splits
     if len(dec_reqs):
-        groups = triton.cdiv(queries_per_kv, decode.heads_per_prog)
-        programs = len(dec_reqs) * num_kv_heads * groups
-        # a step with prefill tiles keeps its decodes whole: the prefill fills the GPU, and
-        # one variant fewer is compiled while serving
-        max_keys = int(seq_lens[dec_reqs].max())
-        if sliding_window is not None:
-            max_keys = min(max_keys, sliding_window + decode.block_q - 1)
-        splits = num_splits or (
-            1 if len(pre_reqs) else choose_num_splits(programs, max_keys, _num_sms(device))
-        )
+        splits = num_splits or _decode_splits(
+            decode, seq_lens[dec_reqs], num_heads // num_kv_heads, num_kv_heads,
+            sliding_window, device, beside_prefill=len(pre_reqs) > 0,
+        )  # fmt: skip
         pending.append((decode, len(dec_reqs), splits))
         if len(pre_reqs):
             host_maps += [dec_reqs, np.zeros_like(dec_reqs)]
@@ -217,6 +211,28 @@ def plan_attention(
         tile_req, tile_q = (maps.pop(0), maps.pop(0)) if maps else (None, None)
         launches.append(Launch(config, num_tiles, splits, tile_req, tile_q))
     return AttentionPlan(num_heads, num_kv_heads, head_dim, launches, sliding_window)
+
+
+def _decode_splits(
+    decode: TileConfig,
+    seq_lens: np.ndarray,  # of the decode launch's requests
+    queries_per_kv: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
+    device: torch.device,
+    beside_prefill: bool,
+) -> int:
+    """How many key segments the decode launch splits each request into. A step with
+    prefill tiles keeps its decodes whole: the prefill fills the GPU, and one variant fewer
+    is compiled while serving."""
+    if beside_prefill:
+        return 1
+    groups = triton.cdiv(queries_per_kv, decode.heads_per_prog)
+    programs = len(seq_lens) * num_kv_heads * groups
+    max_keys = int(seq_lens.max())
+    if sliding_window is not None:
+        max_keys = min(max_keys, sliding_window + decode.block_q - 1)
+    return choose_num_splits(programs, max_keys, _num_sms(device))
 
 
 def _maps_to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

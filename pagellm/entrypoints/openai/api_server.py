@@ -33,17 +33,19 @@ from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard
+from pagellm.entrypoints.openai.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
     ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
 )
-from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard
 from pagellm.entrypoints.openai.server_options import ServerOptions
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pagellm.engine.core_client import EngineDeadError
-from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagellm.entrypoints.openai.response_models import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -25,17 +25,16 @@ from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.generation import Generation, until_disconnect
-from pagellm.entrypoints.openai.protocol import (
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from pagellm.entrypoints.openai.response_models import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
-    TokenizeRequest,
     TopLogprob,
 )
 from pagellm.entrypoints.openai.serving_engine import (

@@ -16,10 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.openai.generation import Generation
-from pagellm.entrypoints.openai.protocol import (
+from pagellm.entrypoints.openai.protocol import CompletionRequest
+from pagellm.entrypoints.openai.response_models import (
     CompletionChoice,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
 )
 from pagellm.entrypoints.openai.serving_engine import (

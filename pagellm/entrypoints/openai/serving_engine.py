@@ -21,7 +21,8 @@ from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.generation import Generation, until_disconnect
 from pagellm.entrypoints.openai.metrics import ServerMetrics
-from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.protocol import SamplingRequest
+from pagellm.entrypoints.openai.response_models import UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
