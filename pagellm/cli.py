@@ -195,8 +195,21 @@ def _server_options(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                            help=f.metadata["help"])  # fmt: skip
         else:
-            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
-                           choices=f.metadata["choices"])  # fmt: skip
+            parse = f.metadata["parse"]
+            p.add_argument(flag, type=_arg_type(parse) if parse else kind, default=f.default,
+                           help=f.metadata["help"], choices=f.metadata["choices"])  # fmt: skip
+
+
+def _arg_type(parse: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
+    """A field's own parser as an argparse type: its ValueError's text is the usage error."""
+
+    def arg_type(text: str) -> typing.Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return arg_type
 
 
 _TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"

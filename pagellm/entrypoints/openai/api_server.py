@@ -37,7 +37,7 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard
+from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard, add_cors
 from pagellm.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -278,6 +278,7 @@ def build_app(
         max_body_bytes=options.max_request_body_bytes,
         json_paths=json_paths,
     )
+    add_cors(app, options)  # after the guard: outside it
     app.openapi = lambda: _openapi(app, options.api_key is not None)
     return app
 
