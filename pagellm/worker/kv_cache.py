@@ -12,17 +12,17 @@ from collections.abc import Callable
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagellm.kv_cache_size import gpu_kv_budget
 
-# kept free beyond the profiled peak: CUDA graphs' pool, allocator fragmentation
-GPU_MEMORY_MARGIN = 512 << 20
+logger = logging.getLogger(__name__)
 
 
 def profiled_kv_budget(
     device: torch.device, profile_run: Callable[[], None], utilization: float
 ) -> int:
     """`utilization` of the GPU, less what is not ours, the peak of `profile_run` (a
-    full-budget step), and a margin: bytes for the KV cache."""
+    full-budget step), and a margin: bytes for the KV cache (`gpu_kv_budget`, which
+    `pagellm plan` predicts with)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -32,7 +32,7 @@ def profiled_kv_budget(
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
     not_torch = total - free - torch.cuda.memory_reserved(device)
-    budget = int(total * utilization) - not_torch - peak - GPU_MEMORY_MARGIN
+    budget = gpu_kv_budget(total, utilization, not_torch, peak)
     gib = 1 << 30
     logger.info(
         "profiled peak %.2f GiB, other %.2f GiB of %.1f GiB: KV budget %.2f GiB",

@@ -36,6 +36,7 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.kernels.cpu_gemm import cpu_gemm_plan, cpu_prepack_supported
 from pagellm.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
+from pagellm.kv_cache_size import kv_block_bytes, num_kv_blocks
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import heads_per_rank
 from pagellm.layers.rope import long_rope
@@ -118,8 +119,9 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.kv_element_size
-        return per_layer * mc.num_layers
+        return kv_block_bytes(
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_element_size, self.block_size
+        )
 
     @property
     def kv_element_size(self) -> int:
@@ -130,13 +132,7 @@ class ModelRunner:
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
-        num_blocks = budget // self.kv_block_bytes
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds fewer than 2 blocks of "
-                f"{self.kv_block_bytes} bytes; raise kv_cache_memory_bytes"
-            )
-        return int(num_blocks)
+        return num_kv_blocks(budget, self.kv_block_bytes)
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
