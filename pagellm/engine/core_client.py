@@ -64,9 +64,9 @@ def start_engine(engine_args: EngineArgs, asyncio_mode: bool = False) -> tuple:
 
     if not envs.enable_multiprocessing():
         config = engine_args.create_engine_config()
-        inproc = InprocClient(config)
         tokenizer = loader.load_tokenizer(config.model_config.source)
-        return inproc.engine_core.config, tokenizer, inproc
+        inproc = InprocClient(config)
+        return inproc.engine_core.config, tokenizer, inproc  # max_model_len "auto" resolved
     client = (AsyncMPClient if asyncio_mode else SyncMPClient)()
     try:
         config = engine_args.create_engine_config()

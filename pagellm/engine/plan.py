@@ -29,6 +29,7 @@ from pagellm.engine.arg_utils import EngineArgs, resolve_device
 from pagellm.engine.plan_model import ModelFacts, read_model
 from pagellm.kv_cache_size import (
     GPU_MEMORY_MARGIN,
+    cdiv,
     gpu_kv_budget,
     kv_capacity_tokens,
     max_concurrent_requests,
@@ -191,10 +192,16 @@ def gpu_reserved(args: EngineArgs, facts: ModelFacts) -> dict[str, int]:
         "not_torch": CUDA_CONTEXT_BYTES + (NCCL_BYTES if tp > 1 else 0),
         "weights": facts.weight_bytes,
         "buffers": facts.buffer_bytes,
-        "sampling_state": args.max_num_seqs * mc.vocab_size * PENALTY_BYTES_PER_LOGIT,
+        "persistent": persistent_bytes(args.max_num_seqs, mc.vocab_size, max_len, args.block_size),
         "activations": max(forward, sampling),
         "margin": GPU_MEMORY_MARGIN,
     }
+
+
+def persistent_bytes(max_num_seqs: int, vocab_size: int, max_len: int, block_size: int) -> int:
+    """What the runner keeps on the device from the start: the penalty state (a row a
+    request) and the step's block-table buffers (`StepInputs`)."""
+    return max_num_seqs * (vocab_size * PENALTY_BYTES_PER_LOGIT + 8 * cdiv(max_len, block_size))
 
 
 def forward_peak_bytes(hf_config, tokens: int, tp: int, itemsize: int) -> int:

@@ -90,7 +90,7 @@ def render_text(plan: MemoryPlan) -> str:
     for problem in plan.problems:
         lines.append(f"does not fit: {problem}")
     if plan.suggestions:
-        lines += ["", "what would change it:"] + [f"  {s}" for s in plan.suggestions]
+        lines += ["", "alternatives (each planned):"] + [f"  {s}" for s in plan.suggestions]
     return "\n".join(lines)
 
 
@@ -110,8 +110,9 @@ def _header(plan: MemoryPlan) -> list[str]:
     )
     lines += _window_lines(plan)
     if plan.reserved:
-        parts = ", ".join(f"{k} {_gib(v)}" for k, v in plan.reserved.items() if k != "weights")
-        lines.append(f"  reserved         {parts}")
+        parts = [f"{_LABELS[k]} {_gib(v)}" for k, v in plan.reserved.items() if k in _LABELS]
+        lines.append(f"  reserved         {', '.join(parts[:3])},")
+        lines.append(f"                   {', '.join(parts[3:])}")
     if plan.num_blocks:
         lines.append(
             f"  KV cache         {_gib(plan.kv_budget_bytes)}{per}: {plan.num_blocks} blocks of "
@@ -123,6 +124,15 @@ def _header(plan: MemoryPlan) -> list[str]:
             f"(the model's: {plan.max_position_embeddings})"
         )
     return lines
+
+
+_LABELS = {  # MemoryPlan.reserved's keys as the text shows them (the weights have their line)
+    "not_torch": "CUDA context",
+    "buffers": "buffers",
+    "persistent": "sampling state",
+    "activations": "profiling step",
+    "margin": "margin (CUDA graphs)",
+}
 
 
 def _where(plan: MemoryPlan) -> str:

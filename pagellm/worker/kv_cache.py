@@ -9,6 +9,7 @@ import math
 import mmap
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -17,9 +18,19 @@ from pagellm.kv_cache_size import gpu_kv_budget
 logger = logging.getLogger(__name__)
 
 
+class ProfiledMemory(NamedTuple):
+    """A GPU's memory as the profiling step found it, in bytes (the runner keeps it: its
+    `describe()` reports it, benchmarks/plan_check.py compares it with `pagellm plan`)."""
+
+    budget: int  # for the KV cache
+    peak: int  # torch's peak over the step: weights, buffers, activations, sampling
+    not_torch: int  # what torch did not allocate: the CUDA context, NCCL
+    total: int  # the card's
+
+
 def profiled_kv_budget(
     device: torch.device, profile_run: Callable[[], None], utilization: float
-) -> int:
+) -> ProfiledMemory:
     """`utilization` of the GPU, less what is not ours, the peak of `profile_run` (a
     full-budget step), and a margin: bytes for the KV cache (`gpu_kv_budget`, which
     `pagellm plan` predicts with)."""
@@ -38,7 +49,7 @@ def profiled_kv_budget(
         "profiled peak %.2f GiB, other %.2f GiB of %.1f GiB: KV budget %.2f GiB",
         peak / gib, not_torch / gib, total / gib, budget / gib,
     )  # fmt: skip
-    return budget
+    return ProfiledMemory(budget, peak, not_torch, total)
 
 
 def zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

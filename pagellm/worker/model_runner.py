@@ -49,7 +49,7 @@ from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
-from pagellm.worker.kv_cache import profiled_kv_budget, zeros_kv
+from pagellm.worker.kv_cache import ProfiledMemory, profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
 from pagellm.worker.step_batch import (
     StepBatch,
@@ -105,6 +105,7 @@ class ModelRunner:
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
         self.kv_caches: list[torch.Tensor] = []
+        self.profiled: ProfiledMemory | None = None  # a GPU's, once its KV budget is found
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
         self.pending = PendingTokens(sc.max_num_seqs)
@@ -138,7 +139,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
         utilization = self.config.cache_config.gpu_memory_utilization
-        return profiled_kv_budget(self.device, self.profile_run, utilization)
+        self.profiled = profiled_kv_budget(self.device, self.profile_run, utilization)
+        return self.profiled.budget
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -114,6 +114,7 @@ class Worker:
             "weight_bytes": runner.weight_bytes,
             "kv_block_bytes": runner.kv_block_bytes,
             "kv_cache_bytes": sum(t.numel() * t.element_size() for t in runner.kv_caches),
+            "profiled": None if runner.profiled is None else runner.profiled._asdict(),
         }
 
     def shutdown(self) -> None:
