@@ -255,6 +255,15 @@ def test_cli_says_what_does_not_fit(capsys):
     assert "-tp 2:" in out and "--quantization fp8:" in out
 
 
+def test_a_set_kv_cache_size_over_the_card():
+    args = EngineArgs(model="llama-3.1-8b", kv_cache_memory_bytes=20 << 30)
+    plan = plan_memory(args, 24.0)
+    assert plan.num_blocks == (20 << 30) // plan.kv_block_bytes and plan.chosen is None
+    (problem,) = plan.problems
+    assert f"a KV cache of {plan.num_blocks} blocks need" in problem
+    assert plan_memory(args, 48.0).fits
+
+
 def test_cli_max_model_len_over_the_cache(tiny, capsys):
     argv = ["plan", tiny, "--device", "cpu", "--dtype", "float32"]
     argv += ["--kv-cache-memory-bytes", str(TINY_KV_BYTES), "--max-model-len", "512"]

@@ -293,22 +293,9 @@ def _is_shipped_name(model: str | None) -> bool:
 
 def _check(plan: MemoryPlan, args: EngineArgs) -> None:
     """What does not fit, and by how much."""
-    gib = _GiB
-    fixed = args.num_gpu_blocks_override or args.kv_cache_memory_bytes
-    if (
-        plan.memory_bytes is not None
-        and not fixed
-        and plan.kv_budget_bytes < 2 * plan.kv_block_bytes
-    ):
-        usable = int(plan.memory_bytes * plan.gpu_memory_utilization)
-        needed = sum(plan.reserved.values()) + 2 * plan.kv_block_bytes
-        plan.problems.append(
-            f"the model alone needs {needed / gib:.2f} GiB per GPU (weights "
-            f"{plan.weight_bytes / gib:.2f} GiB, the engine's reserve and 2 KV blocks): "
-            f"{(needed - usable) / gib:.2f} GiB more than gpu_memory_utilization "
-            f"{plan.gpu_memory_utilization} of {plan.memory_bytes / gib:.1f} GiB leaves"
-        )
-    elif not plan.num_blocks:
+    if plan.memory_bytes is not None:
+        _check_gpu(plan, args)
+    if not plan.num_blocks and not plan.problems:
         plan.problems.append(
             f"a KV cache of {plan.kv_budget_bytes} bytes holds fewer than 2 blocks of "
             f"{plan.kv_block_bytes} bytes: raise --kv-cache-memory-bytes"
@@ -321,6 +308,36 @@ def _check(plan: MemoryPlan, args: EngineArgs) -> None:
         )
     if plan.device == "cpu":
         _check_ram(plan)
+
+
+def _check_gpu(plan: MemoryPlan, args: EngineArgs) -> None:
+    """The model alone too big for gpu_memory_utilization of the card; or (a KV cache of a
+    set size) the whole too big for the card: then no row is chosen."""
+    others, count = sum(plan.reserved.values()), len(plan.problems)
+    _check_gpu_memory(plan, args, others)
+    if len(plan.problems) > count:
+        plan.chosen = None  # no row can be served
+
+
+def _check_gpu_memory(plan: MemoryPlan, args: EngineArgs, others: int) -> None:
+    if args.num_gpu_blocks_override or args.kv_cache_memory_bytes:
+        needed = others + plan.num_blocks * plan.kv_block_bytes
+        if needed > plan.memory_bytes:
+            plan.problems.append(
+                f"weights, the engine's reserve and a KV cache of {plan.num_blocks} blocks "
+                f"need {needed / _GiB:.2f} GiB per GPU: {(needed - plan.memory_bytes) / _GiB:.2f}"
+                f" GiB more than the card's {plan.memory_bytes / _GiB:.1f} GiB"
+            )
+        return
+    needed = others + 2 * plan.kv_block_bytes
+    usable = int(plan.memory_bytes * plan.gpu_memory_utilization)
+    if needed > usable:
+        plan.problems.append(
+            f"the model alone needs {needed / _GiB:.2f} GiB per GPU (weights "
+            f"{plan.weight_bytes / _GiB:.2f} GiB, the engine's reserve and 2 KV blocks): "
+            f"{(needed - usable) / _GiB:.2f} GiB more than gpu_memory_utilization "
+            f"{plan.gpu_memory_utilization} of {plan.memory_bytes / _GiB:.1f} GiB leaves"
+        )
 
 
 def _check_ram(plan: MemoryPlan) -> None:

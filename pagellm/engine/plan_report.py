@@ -51,7 +51,8 @@ def _weight_changes(plan: MemoryPlan) -> list[dict]:
 
 
 def _alternatives(args: EngineArgs, gpu_memory_gib: float | None, changes: list[dict]) -> list:
-    """Each change that fits, with the KV tokens it buys; only the first fitting -tp."""
+    """Each change that makes the plan fit, with the KV tokens it buys; only the first
+    fitting -tp."""
     out, tp_found = [], False
     for change in changes:
         if tp_found and "tensor_parallel_size" in change:
@@ -60,7 +61,7 @@ def _alternatives(args: EngineArgs, gpu_memory_gib: float | None, changes: list[
             alt = plan_memory(dataclasses.replace(args, **change), gpu_memory_gib)
         except ValueError:  # heads that do not split, quantization with -tp, ...
             continue
-        if alt.num_blocks == 0:
+        if not alt.fits:
             continue
         tp_found |= "tensor_parallel_size" in change
         flags = " ".join(_flag(k, v) for k, v in change.items())
@@ -87,8 +88,7 @@ def render_text(plan: MemoryPlan) -> str:
         row = plan.chosen
         lines += ["", f"to serve {row.max_model_len}-token requests, {row.max_num_seqs} at once:"]
         lines.append(f"  {row.command}")
-    for problem in plan.problems:
-        lines.append(f"does not fit: {problem}")
+    lines += [""] * bool(plan.problems) + [f"does not fit: {p}" for p in plan.problems]
     if plan.suggestions:
         lines += ["", "alternatives (each planned):"] + [f"  {s}" for s in plan.suggestions]
     return "\n".join(lines)
