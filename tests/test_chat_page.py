@@ -11,6 +11,7 @@ The thinking block needs a reasoning parser: a second, small server (a tiny rand
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -87,13 +88,19 @@ def test_page_is_public_html_and_loads_nothing_from_elsewhere(api_server):
 # ---- in a browser --------------------------------------------------------------------------
 
 
+def in_browser(test):
+    """A test in Chromium: skipped (before any server starts) without the browser or Selenium."""
+    no_chromium = not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER))
+    no_selenium = importlib.util.find_spec("selenium") is None
+    test = pytest.mark.skipif(
+        no_chromium, reason="no Chromium: apt-get install chromium chromium-driver"
+    )(test)
+    return pytest.mark.skipif(no_selenium, reason="no selenium: pip install -e '.[dev]'")(test)
+
+
 @pytest.fixture(scope="module")
 def browser():
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.skip("no Chromium: apt-get install chromium chromium-driver")
-    webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="no selenium: pip install -e '.[dev]'"
-    )
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
@@ -191,6 +198,7 @@ def api_chat(server: Server, messages: list[dict], **fields) -> dict:
 GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
 
 
+@in_browser
 def test_key_asked_on_401_then_reply_streams_as_the_api_answers(browser, api_server):
     page = Page(browser, api_server.url, key=None).open()
     page.wait_for(lambda: page.el("key-bar").is_displayed())
@@ -220,6 +228,7 @@ def test_key_asked_on_401_then_reply_streams_as_the_api_answers(browser, api_ser
     assert partial and all(expected.startswith(r) for r in partial), "no render before the end"
 
 
+@in_browser
 def test_a_server_asking_again_for_the_key_resends_the_prompt(browser, api_server):
     page = Page(browser, api_server.url, key=API_KEY).open()
     page.js("localStorage.setItem('pagellm.apiKey', 'stale-key')")  # the key changed meanwhile
@@ -234,6 +243,7 @@ def test_a_server_asking_again_for_the_key_resends_the_prompt(browser, api_serve
     assert reply["text"] == expected["content"]
 
 
+@in_browser
 def test_conversation_stop_sequences_and_new_chat(page, api_server):
     page.open()
     first, second = "<b>Hi!</b> <img src=x>", "Tell me about the moon."
@@ -265,6 +275,7 @@ def test_conversation_stop_sequences_and_new_chat(page, api_server):
     assert reply["status"].startswith(f"{alone['usage']['prompt_tokens']} prompt tokens,")
 
 
+@in_browser
 def test_stop_button_aborts_the_reply_on_the_server(page, api_server):
     page.open()
     page.settings(temperature="0", max_tokens="600")
@@ -278,6 +289,7 @@ def test_stop_button_aborts_the_reply_on_the_server(page, api_server):
     wait_kv_free(api_server)  # the server aborted the request: it runs nothing, holds no block
 
 
+@in_browser
 def test_server_errors_are_shown_and_the_prompt_is_kept(page, api_server):
     page.open()
     prompt = "Hello there."
@@ -307,6 +319,7 @@ WEATHER_TOOL = {
 }
 
 
+@in_browser
 def test_tool_calls_are_shown_apart_and_copied(page, api_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -349,6 +362,7 @@ def thinking_server(tiny_chat_model, tmp_path_factory):
         stop_server(srv)
 
 
+@in_browser
 def test_thinking_is_shown_apart_from_the_answer(browser, thinking_server):
     page = Page(browser, thinking_server.url, key=None).open()
     page.wait_for(lambda: page.js("return document.getElementById('model').length") > 0)
