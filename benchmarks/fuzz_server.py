@@ -32,7 +32,13 @@ import tempfile
 import time
 import urllib.request
 
-_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2}
+_CAPS = {
+    "max_tokens": 4,
+    "max_completion_tokens": 4,
+    "max_output_tokens": 4,
+    "min_tokens": 4,
+    "n": 2,
+}
 _MAX_PROMPTS = 3
 _CONFIG = """
 [checks.positive_data_acceptance]
@@ -50,6 +56,7 @@ _UNSTATABLE = re.compile(
             r"^invalid (regex|grammar|JSON schema)",  # a constraint xgrammar cannot compile
             r"^the (regex|grammar|JSON schema)|^a pattern",  # ... or one over a limit of its cost
             r"StructuredOutputsParams\.json (is not valid JSON|nests)",  # JSON text in a string
+            r"arguments must be JSON",  # a function_call item's arguments (JSON text in a string)
             r"only one output constraint",  # fields that exclude one another
             r"^tool_choice|^tools",  # a tool_choice naming a function not in tools
             r"^best_of",  # best_of above n
@@ -63,7 +70,10 @@ _UNSTATABLE = re.compile(
 def _cap(body: dict) -> dict:
     """A valid body made cheap: numbers over the caps lowered, prompt lists shortened, and no
     chat reply left to fill the context."""
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if "input" in body:  # /v1/responses
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = _CAPS["max_output_tokens"]
+    elif "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = _CAPS["max_tokens"]
     for name, cap in _CAPS.items():
         value = body.get(name)

@@ -18,12 +18,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import pagellm
 from pagellm import envs
-from pagellm.config import StructuredOutputsConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai import chat_page
@@ -32,13 +30,14 @@ from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
 from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
+from pagellm.entrypoints.openai.openapi import openapi_document
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard, add_cors
+from pagellm.entrypoints.openai.request_guard import RequestGuard, add_cors
 from pagellm.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -47,12 +46,15 @@ from pagellm.entrypoints.openai.response_models import (
     ModelCard,
     ModelList,
 )
+from pagellm.entrypoints.openai.responses_output import ResponseObject
+from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagellm.entrypoints.openai.responses_store import ResponseStore
 from pagellm.entrypoints.openai.server_options import ServerOptions
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import Admission
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagellm.sampling_params import INT64_MAX
 from pagellm.sandbox import Sandbox
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,16 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
+
+
+@v1.post("/responses", response_model=ResponseObject, responses={**_GENERATE_ERRORS, **_STREAM})
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    return await raw_request.app.state.serving_responses.create_response(request, raw_request)
+
+
+@v1.get("/responses/{response_id}", response_model=ResponseObject, responses=_errors(401, 404))
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    return raw_request.app.state.serving_responses.retrieve(response_id)
 
 
 @v1.get("/models", response_model=ModelList, responses=_errors(401))
@@ -185,10 +197,15 @@ def init_app_state(
     state.serving_completion = OpenAIServingCompletion(*args)
     state.serving_chat = OpenAIServingChat(*args, templates=templates, **chat_options)
     state.serving_tokenization = OpenAIServingTokenization(*args, templates=templates)
+    store = ResponseStore(options.responses_store_max, options.responses_store_ttl)
+    state.serving_responses = OpenAIServingResponses(
+        *args, templates=templates, store=store, **chat_options
+    )
     state.constraints = ConstraintChecks(
         engine.tokenizer, model_config, engine.config.structured_outputs_config, options
     )
-    state.serving_completion.constraints = state.serving_chat.constraints = state.constraints
+    for serving in (state.serving_completion, state.serving_chat, state.serving_responses):
+        serving.constraints = state.constraints
     state.supervisor = EngineSupervisor(
         engine,
         getattr(state, "request_exit", _no_exit),
@@ -281,83 +298,8 @@ def build_app(
         json_paths=json_paths,
     )
     add_cors(app, options)  # after the guard: outside it
-    app.openapi = lambda: _openapi(app, options.api_key is not None)
+    app.openapi = lambda: openapi_document(app, options.api_key is not None, __doc__)
     return app
-
-
-def _openapi(app: FastAPI, with_key: bool) -> dict[str, Any]:
-    """FastAPI's document, without the 422 it declares for every body (this server sends 400),
-    with the API key declared as a bearer scheme where it is required, integer bounds exact,
-    token ids bounded by the served model's vocabulary and the structured-output limits this
-    server enforces."""
-    if app.openapi_schema is None:
-        schema = get_openapi(
-            title=app.title, version=app.version, routes=app.routes, description=__doc__
-        )
-        _exact_integer_bounds(schema)
-        engine = getattr(app.state, "engine", None)
-        if engine is not None:
-            _bound_token_ids(schema, engine.config.model_config.vocab_size)
-            _state_limits(schema["components"]["schemas"], engine.config.structured_outputs_config)
-        components = schema.setdefault("components", {})
-        for path, operations in schema["paths"].items():
-            for operation in operations.values():
-                operation["responses"].pop("422", None)
-                if with_key and path.startswith(PROTECTED_PATHS):
-                    operation["security"] = [{"bearer": []}]
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.get("schemas", {}).pop(name, None)
-        if with_key:
-            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-def _exact_integer_bounds(node: Any) -> None:
-    """FastAPI writes every bound as a float: 2^63 - 1 becomes 2^63, a value this server
-    refuses. An integer's bounds go back to exact integers."""
-    if isinstance(node, dict):
-        if node.get("type") == "integer":
-            for key in _BOUNDS:
-                if isinstance(node.get(key), float):
-                    node[key] = min(int(node[key]), INT64_MAX)  # float(2^63 - 1) is 2^63
-        for value in node.values():
-            _exact_integer_bounds(value)
-    elif isinstance(node, list):
-        for value in node:
-            _exact_integer_bounds(value)
-
-
-def _state_limits(models: dict[str, Any], limits: StructuredOutputsConfig) -> None:
-    """The structured-output limits a document can state: a regex's or grammar's length and
-    a choice list's size (the rest, a schema's nesting or cost, only the server can tell)."""
-    for name in ("CompletionRequest", "ChatCompletionRequest", "StructuredOutputsBody"):
-        for field, node in models.get(name, {}).get("properties", {}).items():
-            for branch in node.get("anyOf", [node]):
-                if field in _TEXT_CONSTRAINTS and branch.get("type") == "string":
-                    branch["maxLength"] = limits.max_spec_chars
-                elif field in _CHOICES and branch.get("type") == "array":
-                    branch["maxItems"] = limits.max_enum_values
-
-
-_TEXT_CONSTRAINTS = {"regex", "grammar", "guided_regex", "guided_grammar"}
-_CHOICES = {"choice", "guided_choice"}
-
-
-def _bound_token_ids(node: Any, vocab_size: int) -> None:
-    """Every token id (an integer in [0, int64 max]) becomes one in [0, vocab_size)."""
-    if isinstance(node, dict):
-        if node.get("type") == "integer" and node.get("maximum") == INT64_MAX:
-            if node.get("minimum") == 0:
-                node["maximum"] = vocab_size - 1
-        for value in node.values():
-            _bound_token_ids(value, vocab_size)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_token_ids(value, vocab_size)
 
 
 def run_server(

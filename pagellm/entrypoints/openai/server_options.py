@@ -110,18 +110,27 @@ class ServerOptions:
     allow_credentials: bool = _flag(
         False, "CORS (with --allowed-origins): allow requests with cookies or HTTP authentication"
     )
+    responses_store_max: int = _flag(
+        1000,
+        "finished /v1/responses kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, the oldest dropped first; 0: none",
+    )
+    responses_store_ttl: float = _flag(
+        3600.0, "seconds a finished /v1/responses response is kept for previous_response_id"
+    )
 
     def __post_init__(self) -> None:
         self._normalize_lists()
         if self.engine_spare not in ENGINE_SPARES:
             raise ValueError(f"engine_spare must be one of {ENGINE_SPARES}: {self.engine_spare!r}")
-        for name in ("max_request_body_bytes", "max_waiting_requests", "max_engine_restarts"):
+        for name in ("max_request_body_bytes", "max_waiting_requests", "max_engine_restarts",
+                     "responses_store_max"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         for name in ("chat_template_timeout", "chat_template_max_memory_mb",
                      "chat_template_max_output_chars", "chat_template_workers",
                      "structured_outputs_check_timeout",
-                     "structured_outputs_check_max_memory_mb"):  # fmt: skip
+                     "structured_outputs_check_max_memory_mb", "responses_store_ttl"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")

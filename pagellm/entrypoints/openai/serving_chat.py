@@ -47,6 +47,7 @@ from pagellm.entrypoints.openai.serving_engine import (
 )
 from pagellm.entrypoints.openai.structured import function_name, named_tool, tool_constraint
 from pagellm.outputs import CompletionOutput, Logprob
+from pagellm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -82,6 +83,27 @@ class OpenAIServingChat(OpenAIServing):
         mode: str | None,
         release: Any,
     ) -> Response:
+        prompt, prompt_ids, params = await self.prepare(request, raw_request, mode)
+        request_id = random_id("chatcmpl")
+        generation = self.start(
+            [{"prompt": prompt, "prompt_token_ids": prompt_ids}],
+            [params],
+            request_id,
+            request.priority,
+        )
+        if request.stream:
+            events = self._stream_events(request, model, request_id, len(prompt_ids), generation)
+            return await self.stream(raw_request, generation, events, release)
+        outputs = await self.collect(raw_request, generation)
+        return JSONResponse(
+            self._response(request, model, request_id, len(prompt_ids), outputs).model_dump()
+        )
+
+    async def prepare(
+        self, request: ChatCompletionRequest, raw_request: Request, mode: str | None
+    ) -> tuple[str, list[int], SamplingParams]:
+        """A chat request's prompt, its tokens and its sampling params (a tool_choice that
+        constrains the reply as its constraint), checked as the engine would (`check`)."""
         prompt, prompt_ids = await self.render_and_encode(request, raw_request)
         prompt_ids = self.truncated(request, prompt_ids)
         requested = request.max_completion_tokens or request.max_tokens
@@ -101,20 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             constraint = tool_constraint(request.tools, request.tool_choice)
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         await self.check(request, [params])
-        request_id = random_id("chatcmpl")
-        generation = self.start(
-            [{"prompt": prompt, "prompt_token_ids": prompt_ids}],
-            [params],
-            request_id,
-            request.priority,
-        )
-        if request.stream:
-            events = self._stream_events(request, model, request_id, len(prompt_ids), generation)
-            return await self.stream(raw_request, generation, events, release)
-        outputs = await self.collect(raw_request, generation)
-        return JSONResponse(
-            self._response(request, model, request_id, len(prompt_ids), outputs).model_dump()
-        )
+        return prompt, prompt_ids, params
 
     async def render_and_encode(
         self,
@@ -143,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
         if choice == "auto":
             if not (self.enable_auto_tool_choice and self.tool_parser):
                 raise APIError(
-                    '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                    'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                     "and --tool-call-parser",
                     400,
                     "tool_choice",

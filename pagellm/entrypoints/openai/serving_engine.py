@@ -273,11 +273,14 @@ class OpenAIServing:
         generation: Generation,
         events: AsyncIterator[str],
         release: Callable[[], None],
+        framed: bool = False,
     ) -> StreamingResponse:
         """Server-sent events; errors before the first output still get an HTTP status.
-        `release` (the admission) is called when the stream ends."""
+        `release` (the admission) is called when the stream ends. `events` yields each event's
+        data, or (`framed`: the Responses API's typed events) whole frames, with no `[DONE]`."""
         await until_disconnect(raw_request, generation.wait_first(), generation)
-        return StreamingResponse(_sse(events, generation, release), media_type="text/event-stream")
+        frames = _sse(events, generation, release, framed)
+        return StreamingResponse(frames, media_type="text/event-stream")
 
 
 async def _collect(generation: Generation) -> list[tuple[int, RequestOutput]]:
@@ -285,17 +288,21 @@ async def _collect(generation: Generation) -> list[tuple[int, RequestOutput]]:
 
 
 async def _sse(
-    events: AsyncIterator[str], generation: Generation, release: Callable[[], None]
+    events: AsyncIterator[str],
+    generation: Generation,
+    release: Callable[[], None],
+    framed: bool = False,
 ) -> AsyncIterator[str]:
     try:
         async for data in events:
-            yield f"data: {data}\n\n"
+            yield data if framed else f"data: {data}\n\n"
     except Exception as e:  # the status line is already out: report the error in the stream
         yield f"data: {from_exception(e).to_response().model_dump_json()}\n\n"
     finally:
         generation.cancel()
         release()
-    yield "data: [DONE]\n\n"
+    if not framed:
+        yield "data: [DONE]\n\n"
 
 
 def _raw_token_bytes(serving: OpenAIServing, token_id: int) -> bytes:
