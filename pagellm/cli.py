@@ -1,4 +1,4 @@
-"""The `pagellm` command line: `generate`, `serve`, `chat` and `bench serve`.
+"""The `pagellm` command line: `generate`, `serve`, `chat`, `plan` and `bench serve`.
 
 Engine flags are generated from the EngineArgs dataclass, so `--max-model-len` here and
 `LLM(max_model_len=...)` are the same setting.
@@ -45,12 +45,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default)
         else:
-            group.add_argument(*flags, type=_scalar_type(hint), default=f.default)
+            group.add_argument(*flags, type=_flag_type(hint), default=f.default)
 
 
 def _scalar_type(hint: typing.Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+def _flag_type(hint: typing.Any) -> typing.Callable[[str], typing.Any]:
+    """A flag's parser: its type, or for `int | str` (--max-model-len 4096 | auto) an int
+    where the text is one."""
+    args = set(typing.get_args(hint))
+    return _int_or_str if {int, str} <= args else _scalar_type(hint)
+
+
+def _int_or_str(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _add_structured_outputs_flags(group: argparse._ArgumentGroup) -> None:
@@ -195,8 +209,21 @@ def _server_options(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                            help=f.metadata["help"])  # fmt: skip
         else:
-            p.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
-                           choices=f.metadata["choices"])  # fmt: skip
+            parse = f.metadata["parse"]
+            p.add_argument(flag, type=_arg_type(parse) if parse else kind, default=f.default,
+                           help=f.metadata["help"], choices=f.metadata["choices"])  # fmt: skip
+
+
+def _arg_type(parse: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:
+    """A field's own parser as an argparse type: its ValueError's text is the usage error."""
+
+    def arg_type(text: str) -> typing.Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return arg_type
 
 
 _TRACE_HELP = "write a request-journey trace (Chrome trace JSON, ui.perfetto.dev) to FILE"
@@ -253,6 +280,38 @@ def run_chat(ns: argparse.Namespace) -> int:
     return chat(engine_args_from(ns), ns)
 
 
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="will a model fit, and with which flags? (from its config; no weights loaded)",
+        description="Predict the KV cache the engine would size for MODEL with these engine "
+        "flags, and how many requests of each context length it holds at once; exit status 1 "
+        "when it does not fit.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=_PLAN_MODEL_HELP)
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="memory of one GPU (default: the local GPU's)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="the plan as JSON, for scripts")
+    add_engine_args(p)
+    p.set_defaults(func=run_plan)
+
+
+_PLAN_MODEL_HELP = (
+    "HF folder, .gguf file, shipped config name (qwen3-0.6b, llama-3.1-8b, ...) or Hub id "
+    "(its config.json only); none: the embedded SmolLM2"
+)
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    from pagellm.engine.plan_report import make_plan, render_text, to_json
+
+    ns.model = ns.model_tag or ns.model
+    plan = make_plan(engine_args_from(ns), ns.gpu_memory)
+    print(to_json(plan) if ns.json else render_text(plan))
+    return 0 if plan.fits else 1
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     from pagellm.benchmarks import serve
 
@@ -285,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _chat_parser(sub)
+    _plan_parser(sub)
     _bench_parser(sub)
     _trace_parser(sub)
     return parser

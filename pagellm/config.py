@@ -61,6 +61,8 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     served_model_name: str
+    # max_model_len="auto": the EngineCore lowers max_model_len to what its KV cache holds
+    max_model_len_auto: bool = False
     seed: int = 0
     max_logprobs: int = 20
     # from generation_config.json (pagellm/loader/generation_config.py)
@@ -247,6 +249,17 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """This config with a settled max_model_len (what max_model_len="auto" became)."""
+        mc, sc = self.model_config, self.scheduler_config
+        return dataclasses.replace(
+            self,
+            model_config=dataclasses.replace(
+                mc, max_model_len=max_model_len, max_model_len_auto=False
+            ),
+            scheduler_config=dataclasses.replace(sc, max_model_len=max_model_len),
+        )
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for the EngineCore process (msgpack): the HF config as its dict."""

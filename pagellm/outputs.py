@@ -27,6 +27,11 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
+    # LLM.chat / chat_stream with tool_call_parser / reasoning_parser (the server's parsers):
+    # `text` is then the reply's content; tool calls as the server returns them (dicts: id,
+    # type "function", function name and JSON arguments), None where no tool parser ran
+    tool_calls: list[dict] | None = None
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -48,6 +53,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt tokens served from the prefix cache at the request's first scheduling (n > 1: the
+    # fewest any completion found, i.e. what was cached before the request came)
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None

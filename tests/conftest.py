@@ -84,20 +84,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 def tiny_chat_model(tmp_path_factory) -> str:
     """A tiny random Llama with the embedded model's tokenizer (vocabulary and all): an engine
     on it starts in seconds and its outputs detokenize to text."""
-    from model_utils import make_tiny_hf_model
+    from model_utils import make_tiny_chat_model
 
-    from pagellm.loader import load_tokenizer, resolve_model_source
-
-    tokenizer = load_tokenizer(resolve_model_source(None, "auto", None))
-    folder = make_tiny_hf_model(
-        "llama",
-        tmp_path_factory.mktemp("tiny-chat"),
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    tokenizer.save_pretrained(folder)
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 SERVER_MAX_BODY = 256 * 1024  # the shared server's --max-request-body-bytes

@@ -84,6 +84,29 @@ def make_tiny_hf_model(
     return str(folder)
 
 
+def make_tiny_chat_model(
+    tmp_path: Path | str, added_tokens: tuple[str, ...] = (), chat_template: str | None = None
+) -> str:
+    """A tiny random Llama with the embedded model's tokenizer (vocabulary and all, plus
+    `added_tokens`; `chat_template` in place of its own): an engine on it starts in seconds and
+    its outputs detokenize to text."""
+    from pagellm.loader import load_tokenizer, resolve_model_source
+
+    tokenizer = load_tokenizer(resolve_model_source(None, "auto", None))
+    tokenizer.add_tokens(list(added_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    folder = make_tiny_hf_model(
+        "llama",
+        tmp_path,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.engine.input_processor import eos_token_ids
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.serving_engine import OpenAIServing
+
+pytest.importorskip("fastapi")  # the server's extra (a GPU machine may lack it)
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
+from pagellm.entrypoints.openai.serving_engine import OpenAIServing  # noqa: E402
 
 PROMPTS = [[5, 99, 300, 17, 42, 8], [250, 3, 77, 410, 11]]
 NEW = 32

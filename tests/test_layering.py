@@ -3,8 +3,8 @@
 The package is a house of floors; a module imports modules of its own floor or of those
 below it, never above, at the top of the file or inside a function. From the bottom:
 
-    base          utils, envs, logger, cpp_build, kv_cache_dtype, tracing, sandbox and
-                  sandbox_worker; the data that crosses boundaries: outputs,
+    base          utils, envs, logger, cpp_build, kv_cache_dtype, kv_cache_size, tracing,
+                  sandbox and sandbox_worker; the data that crosses boundaries: outputs,
                   sampling_params, structured_output/params, protocol (caller <-> core)
                   and core/sched_output (scheduler -> runner)
     config        config.py: plain dataclasses (EngineConfig and its parts, HFConfigView)
@@ -39,6 +39,7 @@ BASE = (
     "pagellm.logger",
     "pagellm.cpp_build",
     "pagellm.kv_cache_dtype",
+    "pagellm.kv_cache_size",
     "pagellm.tracing",
     "pagellm.sandbox",
     "pagellm.sandbox_worker",

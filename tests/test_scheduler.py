@@ -542,6 +542,24 @@ def test_prefix_cache_hits_in_stats_and_first_output():
     assert first["a"][1] == FinishReason.LENGTH
 
 
+def test_cached_tokens_count_from_the_first_scheduling():
+    """A request preempted during its prefill hits its own computed blocks when it resumes;
+    its first output still says what the cache held when it was first scheduled."""
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    runner = FakeRunner()
+    scheduler.add_request(make_request("c", list(range(70, 82)), eos=None, max_tokens=2))
+    step(scheduler, runner)  # the first chunk: one full block, now in the prefix cache
+    request = scheduler.requests["c"]
+    scheduler.running.remove(request)  # preempted, as `_allocate_or_preempt` does it
+    scheduler._preempt(request)
+    so, _ = step(scheduler, runner)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == BLOCK_SIZE  # a hit of its own block
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        outputs += step(scheduler, runner)[1].outputs
+    assert [o.num_cached_tokens for o in outputs if o.new_token_ids] == [0, 0]
+
+
 def test_prefix_hit_within_one_step():
     scheduler = make_scheduler()
     runner = FakeRunner()

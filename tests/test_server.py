@@ -138,7 +138,11 @@ def test_chat_sync_and_stream(client, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reference["chat"]
-    assert chunks[-1].usage == out.usage
+    usage = chunks[-1].usage
+    assert usage.model_dump(exclude={"prompt_tokens_details"}) == out.usage.model_dump(
+        exclude={"prompt_tokens_details"}
+    )
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again: a prefix hit
 
 
 def test_n_times_prompts_choices(client):

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 from pagellm.core.block_pool import BlockPool, KVCacheBlock
 from pagellm.core.request import Request
+from pagellm.kv_cache_size import cdiv, kv_capacity_tokens
+from pagellm.kv_cache_size import max_request_len as cache_max_request_len
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +41,6 @@ def hash_block_tokens(parent_hash: int, block_token_ids: tuple[int, ...]) -> int
     (PYTHONHASHSEED only salts str/bytes). 64 bits, not cryptographic: fine for trusted
     token ids inside one engine process."""
     return hash((parent_hash, block_token_ids))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _RequestBlocks:
@@ -82,17 +80,19 @@ class KVCacheManager:
         """The longest request the cache holds: max_model_len, or fewer tokens if the whole
         cache holds fewer (blocks outside a window are freed: then a step needs at most the
         window before its first token and a full token budget after it)."""
-        capacity = (self.block_pool.num_blocks - 1) * self.block_size  # the null block: none
-        window, needed = self.sliding_window, max_num_batched_tokens + self.block_size
-        if window is not None and capacity >= window + needed:
-            return self.max_model_len
-        if capacity < self.max_model_len:
+        num_blocks = self.block_pool.num_blocks
+        longest = cache_max_request_len(
+            num_blocks, self.block_size, self.max_model_len, self.sliding_window,
+            max_num_batched_tokens,
+        )  # fmt: skip
+        if longest < self.max_model_len:
             logger.warning(
                 "%d KV blocks of %d tokens hold only %d tokens: requests stop there, "
-                "below max_model_len=%d",
-                *(self.block_pool.num_blocks, self.block_size, capacity, self.max_model_len),
-            )
-        return min(capacity, self.max_model_len)
+                "below max_model_len=%d (max_model_len='auto' fits it to the cache)",
+                num_blocks, self.block_size, kv_capacity_tokens(num_blocks, self.block_size),
+                self.max_model_len,
+            )  # fmt: skip
+        return longest
 
     @property
     def num_free_blocks(self) -> int:

@@ -24,6 +24,7 @@ from pagellm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ModelSource,
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -57,7 +58,9 @@ class EngineArgs:
     generation_config: str = "auto"  # auto | vllm | a folder with generation_config.json
     dtype: str = "auto"
     seed: int = 0
-    max_model_len: int | None = None
+    # None: the model's length; "auto": the longest a request can have in the KV cache, set
+    # once the cache is sized (capped by the model's length)
+    max_model_len: int | str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     block_size: int = 16
@@ -121,10 +124,9 @@ class EngineArgs:
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         model_config = self.create_model_config(device)
         max_len = model_config.max_model_len
-        batched = self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
+            max_num_batched_tokens=self.token_budget(device),
             max_model_len=max_len,
             policy=self.scheduling_policy,
         )
@@ -148,21 +150,29 @@ class EngineArgs:
             structured_outputs_config=structured_outputs_config,
         )
 
-    def create_model_config(self, device: torch.device) -> ModelConfig:
-        """The model's config: its source resolved, its HF and generation configs read."""
+    def token_budget(self, device: torch.device) -> int:
+        """max_num_batched_tokens, or its default: 2048 on the CPU, 8192 on CUDA."""
+        return self.max_num_batched_tokens or (2048 if device.type == "cpu" else 8192)
+
+    def create_model_config(
+        self, device: torch.device, source: ModelSource | None = None
+    ) -> ModelConfig:
+        """The model's config: its source resolved (unless given: `pagellm plan` resolves
+        it without weights), its HF and generation configs read."""
         # imported here: the CLI builds its flags from EngineArgs without them
         from pagellm import loader
         from pagellm.layers.rope import long_rope
         from pagellm.models.registry import check_architecture
 
-        source = loader.resolve_model_source(
-            self.model,
-            self.load_format,
-            self.tokenizer,
-            revision=self.revision,
-            download_dir=self.download_dir,
-            tokenizer_revision=self.tokenizer_revision,
-        )
+        if source is None:
+            source = loader.resolve_model_source(
+                self.model,
+                self.load_format,
+                self.tokenizer,
+                revision=self.revision,
+                download_dir=self.download_dir,
+                tokenizer_revision=self.tokenizer_revision,
+            )
         hf_config = loader.load_hf_config(source)
         check_architecture(architecture_of(hf_config))
         generation = loader.load_generation_config(source, hf_config, self.generation_config)
@@ -178,6 +188,7 @@ class EngineArgs:
             hf_config=hf_config,
             dtype=dtype,
             max_model_len=max_len,
+            max_model_len_auto=self.max_model_len == "auto",
             served_model_name=self.served_model_name or source.name,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
@@ -196,7 +207,7 @@ class EngineArgs:
         if backend is None:
             backend = "uni" if tp == 1 else ("ray" if address else "mp")
         config = ParallelConfig(tp, backend, address if backend == "ray" else None)
-        _check_heads(model_config.hf_config, tp)
+        check_heads(model_config.hf_config, tp)
         if backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} needs {tp} GPUs on this machine, "
@@ -214,12 +225,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | None) -> int:
+def _resolve_max_model_len(hf_config: PretrainedConfig, requested: int | str | None) -> int:
+    """The length asked for, checked; the model's for None and "auto" ("auto" comes down to
+    what the KV cache holds once it is sized: `pagellm.engine.core.fit_max_model_len`)."""
     from pagellm.layers.rope import max_positions
 
     limit = max_positions(hf_config)
-    if requested is None:
+    if requested is None or requested == "auto":
         return limit
+    if isinstance(requested, str) or isinstance(requested, bool):
+        raise ValueError(f"max_model_len must be an integer or 'auto', got {requested!r}")
     if requested < 1 or requested > limit:
         raise ValueError(
             f"max_model_len={requested} must be in [1, {limit}] "
@@ -254,7 +269,7 @@ def _ray_address() -> str | None:
     return os.environ.get("RAY_ADDRESS") or None
 
 
-def _check_heads(hf_config: Any, tp: int) -> None:
+def check_heads(hf_config: Any, tp: int) -> None:
     """A clear error before any process starts when the heads cannot be split over `tp`."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

@@ -31,6 +31,7 @@ from pagellm.core.sampled import error_output
 from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.executor import executor_class
+from pagellm.kv_cache_size import kv_capacity_tokens, max_request_len
 from pagellm.models.registry import kv_sliding_window
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
@@ -55,6 +56,8 @@ class EngineCore:
         self.model_executor = executor_class(config)(config)
         self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(self.num_kv_blocks)
+        window = kv_sliding_window(config.model_config.architecture, config.model_config.hf_config)
+        self.config = config = fit_max_model_len(config, self.num_kv_blocks, window)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
@@ -62,9 +65,7 @@ class EngineCore:
             config.log_stats,
             async_scheduling=config.async_scheduling,
             policy=config.scheduler_config.policy,
-            sliding_window=kv_sliding_window(
-                config.model_config.architecture, config.model_config.hf_config
-            ),
+            sliding_window=window,
             long_rope_switch=config.model_config.long_rope_switch,
         )
         self.async_scheduling = config.async_scheduling
@@ -201,6 +202,24 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output.shutdown()
         self.model_executor.shutdown()
+
+
+def fit_max_model_len(config: EngineConfig, num_blocks: int, window: int | None) -> EngineConfig:
+    """max_model_len="auto": the longest request the sized KV cache holds (`max_request_len`,
+    the same arithmetic as `pagellm plan`), at most the model's length; the config as is
+    otherwise. The ready message carries it back to the caller."""
+    mc, sc = config.model_config, config.scheduler_config
+    if not mc.max_model_len_auto:
+        return config
+    block_size = config.cache_config.block_size
+    length = max_request_len(
+        num_blocks, block_size, mc.max_model_len, window, sc.max_num_batched_tokens
+    )
+    logger.info(
+        "max_model_len auto: %d tokens (the KV cache holds %d tokens)",
+        length, kv_capacity_tokens(num_blocks, block_size),
+    )  # fmt: skip
+    return config.with_max_model_len(length)
 
 
 def _is_empty(step: SchedulerOutput) -> bool:

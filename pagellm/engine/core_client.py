@@ -64,17 +64,20 @@ def start_engine(engine_args: EngineArgs, asyncio_mode: bool = False) -> tuple:
 
     if not envs.enable_multiprocessing():
         config = engine_args.create_engine_config()
-        return config, loader.load_tokenizer(config.model_config.source), InprocClient(config)
+        tokenizer = loader.load_tokenizer(config.model_config.source)
+        inproc = InprocClient(config)
+        return inproc.engine_core.config, tokenizer, inproc  # max_model_len "auto" resolved
     client = (AsyncMPClient if asyncio_mode else SyncMPClient)()
     try:
         config = engine_args.create_engine_config()
         client.start_core(config)
         tokenizer = loader.load_tokenizer(config.model_config.source)
-        client.wait_for_ready()
+        ready = client.wait_for_ready()
     except BaseException:
         client.shutdown()
         raise
-    return config, tokenizer, client
+    # max_model_len="auto" resolves in the core, once its KV cache is sized
+    return config.with_max_model_len(ready.max_model_len), tokenizer, client
 
 
 class EngineCoreClient(ABC):

@@ -37,7 +37,7 @@ class ParentRequest:
 
     __slots__ = (
         "request_id", "child_ids", "completions", "num_finished", "n", "output_kind",
-        "sent_prompt_logprobs",
+        "sent_prompt_logprobs", "num_cached_tokens",
     )  # fmt: skip
 
     def __init__(self, request_id: str, n: int, output_kind: RequestOutputKind) -> None:
@@ -48,6 +48,9 @@ class ParentRequest:
         self.completions: list[CompletionOutput | None] = [None] * n
         self.num_finished = 0
         self.sent_prompt_logprobs = False  # DELTA: the first child's carry them, no other
+        # the fewest prompt tokens a child found cached (a later child may hit the blocks of
+        # an earlier one: the request's own prompt, not the cache it came to)
+        self.num_cached_tokens: int | None = None
 
 
 def fan_out(
@@ -247,6 +250,10 @@ class OutputProcessor:
         if state.metrics.first_token_time is None and new_ids:
             state.metrics.first_token_time = now
             state.num_cached_tokens = out.num_cached_tokens
+            parent, cached = state.parent, out.num_cached_tokens
+            if parent is not None:
+                known = parent.num_cached_tokens
+                parent.num_cached_tokens = cached if known is None else min(known, cached)
         state.metrics.last_token_time = now
         if out.new_logprobs is not None and state.logprobs is not None:
             self._update_logprobs(state, out)
@@ -353,10 +360,17 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            num_cached_tokens=state.num_cached_tokens,
+            num_cached_tokens=_num_cached_tokens(state),
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def _num_cached_tokens(state: RequestState) -> int:
+    parent = state.parent
+    if parent is None or parent.num_cached_tokens is None:
+        return state.num_cached_tokens
+    return parent.num_cached_tokens
 
 
 def _logprob_entry(values: list[float], ids: list[int], rank: int) -> dict[int, Logprob]:

@@ -3,6 +3,8 @@
 `generate()` is the add-then-step loop: every prompt goes in with add_request(), then step()
 runs until no request is unfinished, and the finished outputs come back in input order.
 `generate_stream()` is the same loop as an iterator: each output as step() produces it.
+`chat()` / `chat_stream()` render conversations through the chat template and split the
+replies with the server's tool-call and reasoning parsers (`chat_outputs.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.chat_template import render_chat
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.chat_outputs import ChatParsing
 from pagellm.logger import ensure_library_logging
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -26,9 +29,15 @@ ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    """Offline batch generation. Takes vLLM's engine arguments by name (see EngineArgs)."""
+    """Offline batch generation. Takes vLLM's engine arguments by name (see EngineArgs), and
+    the server's `tool_call_parser` (hermes, llama3_json, mistral, pythonic) for `chat()`;
+    `reasoning_parser` (qwen3, deepseek_r1) is an engine argument that `chat()` uses too."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, tool_call_parser: str | None = None, **kwargs: Any
+    ) -> None:
+        # checked before the model loads
+        self.chat_parsing = ChatParsing(tool_call_parser, kwargs.get("reasoning_parser"))
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         ensure_library_logging()  # the stats line and start-up lines reach a plain script
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
@@ -84,16 +93,56 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the chat template (`tools`: OpenAI tool definitions the
-        template shows the model; `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
+        template shows the model; `chat_template_kwargs`, e.g. {"enable_thinking": False}).
+        With a reasoning parser, or a tool-call parser and `tools`, each completion's `text`
+        is the reply's content and its `reasoning_content` / `tool_calls` are set, as the
+        server's /v1/chat/completions message has them."""
+        prompts = self._chat_prompts(
+            messages, chat_template, add_generation_prompt, tools, chat_template_kwargs
+        )
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.chat_parsing.final(outputs, tools)
+
+    def chat_stream(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """`chat()` as `generate_stream()` with DELTA outputs (whatever `output_kind` says):
+        each output carries the reply since the last one, its content in `text` and, with
+        the parsers, its thinking in `reasoning_content` and tool-call deltas in `tool_calls`
+        (the server's stream deltas). Leaving early aborts the unfinished requests."""
+        prompts = self._chat_prompts(
+            messages, chat_template, add_generation_prompt, tools, chat_template_kwargs
+        )
+        params_list = []
+        for params in self._params_for(prompts, sampling_params):
+            params = params.clone()
+            params.output_kind = RequestOutputKind.DELTA
+            params_list.append(params)
+        request_ids = self._add_requests(prompts, params_list, keep_output_kind=True)
+        return self.chat_parsing.deltas(self._stream(request_ids), tools)
+
+    def _chat_prompts(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> list[str]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
-        prompts = [
+        return [
             render_chat(
                 tokenizer, conv, add_generation_prompt, chat_template, tools, chat_template_kwargs
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_for(
         self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams] | None

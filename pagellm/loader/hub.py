@@ -46,6 +46,12 @@ def download_model(
     return _snapshot(repo_id, revision, cache_dir, weights, reason)
 
 
+def download_config(repo_id: str, revision: str | None, cache_dir: str | None) -> str:
+    """The local snapshot folder of `repo_id` with its config.json only (`pagellm plan`)."""
+    _, reason = _list_files(repo_id, revision)
+    return _snapshot(repo_id, revision, cache_dir, ["config.json"], reason)
+
+
 def download_tokenizer(repo_id: str, revision: str | None, cache_dir: str | None) -> str:
     _, reason = _list_files(repo_id, revision)
     return _snapshot(repo_id, revision, cache_dir, TOKENIZER_PATTERNS, reason)

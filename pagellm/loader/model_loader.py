@@ -48,20 +48,8 @@ def load_model(
 ) -> nn.Module:
     device = torch.device(device)
     dtype = model_config.dtype
-    model_cls = get_model_cls(model_config.architecture)
     source = model_config.source
-    checkpoint = None  # quantization="gguf" picks its layers by the file's tensor types
-    if model_config.quantization == "gguf":
-        checkpoint = gguf_tensors(read_gguf(source.path))
-    quant = get_quant_config(model_config, device, checkpoint)
-    with _default_dtype(dtype), torch.device("meta"):
-        model = model_cls(model_config.hf_config, attn_backend_cls)
-        if quant is not None:
-            count = quant.attach(model)
-            moe = sum(isinstance(m, FusedMoE) for m in model.modules())
-            kind = str(dtype).removeprefix("torch.")
-            kept = f"; {moe} MoE layers' experts and routers stay in {kind}" if moe else ""
-            logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
+    model, quant = build_on_meta(model_config, device, attn_backend_cls)
     if source.kind == "dummy":
         std = getattr(model_config.hf_config, "initializer_range", None) or 0.02
         init_dummy_weights(model, device, dtype, std, model_config.seed)
@@ -73,6 +61,29 @@ def load_model(
     if quant is not None:
         quant.process_weights_after_loading(model)
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)
+
+
+def build_on_meta(
+    model_config: ModelConfig, device: torch.device, attn_backend_cls: type[AttentionBackend]
+) -> tuple[nn.Module, QuantizationConfig | None]:
+    """The model on `meta` in its dtype (this process's tensor-parallel shard), its Linears
+    given their quantization methods: what `load_model` fills, and what `pagellm plan`
+    counts the bytes of."""
+    dtype = model_config.dtype
+    model_cls = get_model_cls(model_config.architecture)
+    checkpoint = None  # quantization="gguf" picks its layers by the file's tensor types
+    if model_config.quantization == "gguf":
+        checkpoint = gguf_tensors(read_gguf(model_config.source.path))
+    quant = get_quant_config(model_config, device, checkpoint)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = model_cls(model_config.hf_config, attn_backend_cls)
+        if quant is not None:
+            count = quant.attach(model)
+            moe = sum(isinstance(m, FusedMoE) for m in model.modules())
+            kind = str(dtype).removeprefix("torch.")
+            kept = f"; {moe} MoE layers' experts and routers stay in {kind}" if moe else ""
+            logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
+    return model, quant
 
 
 def check_checkpoint(model: nn.Module, source: ModelSource) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,3 +83,20 @@ def _read_safetensors(path: str, meta: bool) -> Iterator[tuple[str, Any]]:
         for name in f.keys():
             part = f.get_slice(name)
             yield name, torch.empty(part.get_shape(), device="meta") if meta else part
+
+
+def checkpoint_dtype_bytes(files: list[str]) -> dict[str, int]:
+    """Bytes of a checkpoint's tensors by stored dtype ("BF16", "F8_E4M3", ...), from the
+    safetensors headers alone (`pagellm plan`); {} for `.bin` files (no header to read)."""
+    totals: dict[str, int] = {}
+    for path in files:
+        if not path.endswith(".safetensors"):
+            return {}
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                totals[entry["dtype"]] = totals.get(entry["dtype"], 0) + end - start
+    return totals

@@ -101,6 +101,11 @@ class LinearMethod(ABC):
         """Build the layer's `QuantizedWeight` as `layer.packed_weight` from its loaded
         parameters, and drop the parameters it no longer needs."""
 
+    def weight_bytes(self, layer: Linear) -> int:
+        """Bytes the layer holds once loaded and processed, counted on the `meta` layer
+        `create_weights` left (`pagellm plan`); default: its parameters as they are."""
+        return param_bytes(layer)
+
 
 class QuantizationConfig(ABC):
     """A quantization method for a whole model (one per `quantization=` name)."""
@@ -159,6 +164,33 @@ class QuantizationConfig(ABC):
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if getattr(model, "tie_word_embeddings", False) and embed is not None:
             model.packed_tied_head = self.tied_head_weight(embed.weight)
+
+
+def param_bytes(module: nn.Module, but: tuple[str, ...] = ()) -> int:
+    """Bytes of a module's own parameters (not its children's), but those named in `but`."""
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in module.named_parameters(recurse=False)
+        if name not in but
+    )
+
+
+def loaded_weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's weights once loaded (one rank's), counted on the `meta` model
+    `attach` left: each quantized Linear as its method holds it, the rest as parameters (a
+    tied parameter once)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            total += method.weight_bytes(module)
+            seen.update(id(p) for p in module.parameters(recurse=False))
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total
 
 
 def replace_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:

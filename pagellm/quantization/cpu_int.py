@@ -37,6 +37,7 @@ from pagellm.quantization.base import (
     QuantizationConfig,
     QuantizedWeight,
     drop_params,
+    param_bytes,
 )
 
 INT4_GROUP = 32  # weights per (scale, zero): GGUF's block size; the kernel allows 32..256
@@ -149,6 +150,18 @@ class FloatToIntMethod(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         layer.packed_weight = float_weight_to_int(layer.weight.detach(), self.bits)
         drop_params(layer, "weight")
+
+    def weight_bytes(self, layer) -> int:
+        # the float weight's dequantized copy (as large as the weight) and the int form
+        n, k = layer.out_features, layer.in_features
+        small = int4_bytes(n, k) if self.bits == 4 else n * k + 2 * n  # int8: bf16 scales
+        return param_bytes(layer) + small
+
+
+def int4_bytes(n: int, k: int) -> int:
+    """An int4 weight [n, k] packed for torch's kernel: two values a byte, and a bfloat16
+    (scale, zero) pair per group of `INT4_GROUP`."""
+    return n * k // 2 + (k // INT4_GROUP) * n * 2 * 2
 
 
 def int4_fits(in_features: int) -> bool:

@@ -44,6 +44,7 @@ from pagellm.quantization.base import (
     QuantizedWeight,
     checkpoint_names,
     drop_params,
+    param_bytes,
     quant_config_dict,
     replace_param,
 )
@@ -175,6 +176,15 @@ class Fp8LinearMethod(LinearMethod):
             return
         layer.packed_weight = Fp8Weight(q.contiguous(), scale)
         drop_params(layer, "weight")
+
+    def weight_bytes(self, layer) -> int:
+        # fp8 values and float32 scales (a row's, or a 128x128 block's), or dequantized
+        n, k = layer.out_features, layer.in_features
+        rest = param_bytes(layer, but=("weight", "weight_scale", "weight_scale_inv"))
+        if self.dequantize:
+            return rest + n * k * self.dtype.itemsize
+        scales = -(-n // BLOCK) * -(-k // BLOCK) if self.scheme == "block" else n
+        return rest + n * k + 4 * scales
 
 
 def _check_block_shards(layer) -> None:

@@ -43,12 +43,14 @@ from pagellm.quantization.base import (
     QuantizedWeight,
     checkpoint_names,
     drop_params,
+    param_bytes,
     replace_param,
 )
 from pagellm.quantization.cpu_int import (
     FloatToIntMethod,
     dense_weight,
     float_weight_to_int,
+    int4_bytes,
     int4_fits,
     int4_weight,
 )
@@ -113,6 +115,15 @@ class GGUFBlocksMethod(LinearMethod):
             q, scale, low = q.view(n, k).to(torch.int32), d.view(n, k // 32), m.view(n, k // 32)
             layer.packed_weight = int4_weight(q, scale, low, dense.to(self.dtype))
         drop_params(layer, "weight")
+
+    def weight_bytes(self, layer) -> int:
+        # the blocks (the block kernel's), or int4 values and bfloat16 (scale, zero) pairs;
+        # and the dequantized copy for large batches
+        n, k = layer.out_features, layer.in_features
+        dense = n * k * self.dtype.itemsize
+        if self.block_kernel:
+            return param_bytes(layer) + dense
+        return param_bytes(layer, but=("weight",)) + int4_bytes(n, k) + dense
 
 
 class GGUFConfig(QuantizationConfig):

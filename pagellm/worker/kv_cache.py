@@ -9,20 +9,31 @@ import math
 import mmap
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
+from pagellm.kv_cache_size import gpu_kv_budget
+
 logger = logging.getLogger(__name__)
 
-# kept free beyond the profiled peak: CUDA graphs' pool, allocator fragmentation
-GPU_MEMORY_MARGIN = 512 << 20
+
+class ProfiledMemory(NamedTuple):
+    """A GPU's memory as the profiling step found it, in bytes (the runner keeps it: its
+    `describe()` reports it, benchmarks/plan_check.py compares it with `pagellm plan`)."""
+
+    budget: int  # for the KV cache
+    peak: int  # torch's peak over the step: weights, buffers, activations, sampling
+    not_torch: int  # what torch did not allocate: the CUDA context, NCCL
+    total: int  # the card's
 
 
 def profiled_kv_budget(
     device: torch.device, profile_run: Callable[[], None], utilization: float
-) -> int:
+) -> ProfiledMemory:
     """`utilization` of the GPU, less what is not ours, the peak of `profile_run` (a
-    full-budget step), and a margin: bytes for the KV cache."""
+    full-budget step), and a margin: bytes for the KV cache (`gpu_kv_budget`, which
+    `pagellm plan` predicts with)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -32,13 +43,13 @@ def profiled_kv_budget(
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
     not_torch = total - free - torch.cuda.memory_reserved(device)
-    budget = int(total * utilization) - not_torch - peak - GPU_MEMORY_MARGIN
+    budget = gpu_kv_budget(total, utilization, not_torch, peak)
     gib = 1 << 30
     logger.info(
         "profiled peak %.2f GiB, other %.2f GiB of %.1f GiB: KV budget %.2f GiB",
         peak / gib, not_torch / gib, total / gib, budget / gib,
     )  # fmt: skip
-    return budget
+    return ProfiledMemory(budget, peak, not_torch, total)
 
 
 def zeros_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

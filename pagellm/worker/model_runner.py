@@ -36,6 +36,7 @@ from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.compile_ahead import compile_ahead
 from pagellm.kernels.cpu_gemm import cpu_gemm_plan, cpu_prepack_supported
 from pagellm.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
+from pagellm.kv_cache_size import kv_block_bytes, num_kv_blocks
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import heads_per_rank
 from pagellm.layers.rope import long_rope
@@ -48,7 +49,7 @@ from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
 from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
-from pagellm.worker.kv_cache import profiled_kv_budget, zeros_kv
+from pagellm.worker.kv_cache import ProfiledMemory, profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
 from pagellm.worker.step_batch import (
     StepBatch,
@@ -104,6 +105,7 @@ class ModelRunner:
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
         self.kv_caches: list[torch.Tensor] = []
+        self.profiled: ProfiledMemory | None = None  # a GPU's, once its KV budget is found
         self.graphs: CudaGraphRunner | None = None
         # the last queued step's samples: their ids feed the next step's inputs on the device
         self.pending = PendingTokens(sc.max_num_seqs)
@@ -118,8 +120,9 @@ class ModelRunner:
     @property
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        per_layer = 2 * self.block_size * self.num_kv_heads * mc.head_dim * self.kv_element_size
-        return per_layer * mc.num_layers
+        return kv_block_bytes(
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_element_size, self.block_size
+        )
 
     @property
     def kv_element_size(self) -> int:
@@ -130,19 +133,14 @@ class ModelRunner:
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
-        num_blocks = budget // self.kv_block_bytes
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes holds fewer than 2 blocks of "
-                f"{self.kv_block_bytes} bytes; raise kv_cache_memory_bytes"
-            )
-        return int(num_blocks)
+        return num_kv_blocks(budget, self.kv_block_bytes)
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
         utilization = self.config.cache_config.gpu_memory_utilization
-        return profiled_kv_budget(self.device, self.profile_run, utilization)
+        self.profiled = profiled_kv_budget(self.device, self.profile_run, utilization)
+        return self.profiled.budget
 
     @torch.inference_mode()
     def profile_run(self) -> None:

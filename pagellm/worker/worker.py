@@ -103,7 +103,8 @@ class Worker:
         return output if self.rank == 0 else None
 
     def describe(self) -> dict:
-        """This rank's process, device and shard sizes (for logs and tests)."""
+        """This rank's process, device and shard sizes (for logs, tests and the planner's
+        check, benchmarks/plan_check.py)."""
         runner = self.model_runner
         return {
             "rank": self.rank,
@@ -111,6 +112,9 @@ class Worker:
             "device": str(runner.device),
             "num_kv_heads": runner.num_kv_heads,
             "weight_bytes": runner.weight_bytes,
+            "kv_block_bytes": runner.kv_block_bytes,
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in runner.kv_caches),
+            "profiled": None if runner.profiled is None else runner.profiled._asdict(),
         }
 
     def shutdown(self) -> None:

@@ -26,6 +26,7 @@ from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai import chat_page
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
@@ -37,7 +38,7 @@ from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard
+from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS, RequestGuard, add_cors
 from pagellm.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -271,6 +272,7 @@ def build_app(
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(open_routes)
+    app.include_router(chat_page.router)  # GET /: the chat page, public
     json_paths = {r.path for r in (*v1.routes, *open_routes.routes) if "POST" in r.methods}
     app.add_middleware(
         RequestGuard,
@@ -278,6 +280,7 @@ def build_app(
         max_body_bytes=options.max_request_body_bytes,
         json_paths=json_paths,
     )
+    add_cors(app, options)  # after the guard: outside it
     app.openapi = lambda: _openapi(app, options.api_key is not None)
     return app
 

@@ -9,6 +9,8 @@ tool calls found by the tool-call parser the request's tool mode picks:
 
 `final(text)` splits a whole reply; `update(delta, final)` the same incrementally, for a
 stream: reasoning, content and tool-call deltas (a call's name first, then its arguments).
+The server (`serving_chat.py`) and `LLM.chat` (`entrypoints/chat_outputs.py`) both split
+replies here (`make_reply`): no FastAPI or pydantic below this module.
 """
 
 from __future__ import annotations
@@ -44,6 +46,26 @@ def tool_parser_for(mode: str | None, parser_name: str | None, named: str | None
     if mode == "named":
         return NamedToolParser(named)
     return None
+
+
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """A ValueError naming the known parsers for a name that is not one of them."""
+    for what, name, known in (
+        ("tool_call_parser", tool_call_parser, TOOL_PARSERS),
+        ("reasoning_parser", reasoning_parser, REASONING_PARSERS),
+    ):
+        if name is not None and name not in known:
+            raise ValueError(f"{what} must be one of {sorted(known)}, got {name!r}")
+
+
+def make_reply(
+    mode: str | None,
+    tool_call_parser: str | None,
+    reasoning_parser: str | None,
+    named: str | None = None,
+) -> ChatReply:
+    """The splitter of one reply: `mode` None, "auto", "required" or "named" (see above)."""
+    return ChatReply(tool_parser_for(mode, tool_call_parser, named), reasoning_parser)
 
 
 class ChatReply:

@@ -1,18 +1,27 @@
-"""RequestGuard: what the server checks before it reads a request's body (an ASGI middleware).
+"""RequestGuard: what the server checks before it reads a request's body (an ASGI middleware);
+`add_cors`: the CORS layer in front of it.
 
 In order: the API key (`Authorization: Bearer KEY`, the scheme in any case, RFC 7235) on `/v1/*`,
-`/tokenize` and `/detokenize`; the Content-Type of a POST to a JSON endpoint; a body's size
-(`--max-request-body-bytes`: a Content-Length over it is refused before a byte is read, a
-chunked body as soon as it grows past it). A request refused here costs the server no parsing.
+`/tokenize` and `/detokenize` (not on a CORS preflight, which browsers send without it); the
+Content-Type of a POST to a JSON endpoint; a body's size (`--max-request-body-bytes`: a
+Content-Length over it is refused before a byte is read, a chunked body as soon as it grows past
+it). A request refused here costs the server no parsing.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
 from pagellm.entrypoints.openai.errors import APIError, error_json
+from pagellm.entrypoints.openai.server_options import ServerOptions
+
+logger = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -36,7 +45,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         try:
             headers = _headers(scope)
-            self._check_key(scope["path"], headers)
+            if not _is_preflight(scope, headers):  # browsers send no Authorization with it
+                self._check_key(scope["path"], headers)
             if scope["method"] in _BODY_METHODS:
                 if scope["path"] in self.json_paths:
                     _check_content_type(headers)
@@ -85,6 +95,11 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
 
+def _is_preflight(scope: Scope, headers: dict[str, str]) -> bool:
+    """A browser's CORS preflight: OPTIONS asking whether a method may be used."""
+    return scope["method"] == "OPTIONS" and "access-control-request-method" in headers
+
+
 def _check_content_type(headers: dict[str, str]) -> None:
     given = headers.get("content-type")
     media_type = (given or "").split(";")[0].strip().lower()
@@ -103,3 +118,19 @@ def _replay(first: dict[str, Any], receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return replayed
+
+
+def add_cors(app: FastAPI, options: ServerOptions) -> None:
+    """CORS headers only for the origins --allowed-origins names (none by default). Added after
+    the RequestGuard, it is the outer layer: a preflight is answered before any key is asked
+    for, and refusals (401, 413) carry the headers that let the page read them."""
+    if not options.allowed_origins:
+        return
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=options.allowed_origins,
+        allow_methods=options.allowed_methods,
+        allow_headers=options.allowed_headers,
+        allow_credentials=options.allow_credentials,
+    )
+    logger.info("CORS: allowing origins %s", ", ".join(options.allowed_origins))

@@ -4,11 +4,35 @@ its own, so the CLI builds its parser without importing FastAPI."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def _flag(default: object, help: str, choices: tuple[str, ...] | None = None) -> object:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _flag(
+    default: object,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[str], object] | None = None,
+) -> object:
+    """`parse`: how the CLI reads the flag's text (default: the field's scalar type)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """A list flag's text: a JSON list of strings, as vLLM takes it (`'["https://a.example"]'`),
+    or the same comma-separated (`https://a.example,https://b.example`)."""
+    text = text.strip()
+    if not text.startswith("["):
+        items: object = text.split(",")
+    else:
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{text!r} is not a JSON list ({e})") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{text!r} is not a list of strings")
+    return tuple(item.strip() for item in items if item.strip())
 
 
 # --engine-spare: a core loaded ahead, one that has only imported, by device, or none
@@ -67,8 +91,28 @@ class ServerOptions:
         "imported on GPUs",
         choices=ENGINE_SPARES,
     )
+    allowed_origins: tuple[str, ...] = _flag(
+        (),
+        "CORS: the origins whose web pages may call this server, a JSON list or comma-separated "
+        "(* for any). Default: none, and no CORS headers at all (vLLM's default is *)",
+        parse=parse_list,
+    )
+    allowed_methods: tuple[str, ...] = _flag(
+        ("*",),
+        "CORS (with --allowed-origins): the methods allowed, a list as above",
+        parse=parse_list,
+    )
+    allowed_headers: tuple[str, ...] = _flag(
+        ("*",),
+        "CORS (with --allowed-origins): the request headers allowed, a list as above",
+        parse=parse_list,
+    )
+    allow_credentials: bool = _flag(
+        False, "CORS (with --allowed-origins): allow requests with cookies or HTTP authentication"
+    )
 
     def __post_init__(self) -> None:
+        self._normalize_lists()
         if self.engine_spare not in ENGINE_SPARES:
             raise ValueError(f"engine_spare must be one of {ENGINE_SPARES}: {self.engine_spare!r}")
         for name in ("max_request_body_bytes", "max_waiting_requests", "max_engine_restarts"):
@@ -81,3 +125,15 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+
+    def _normalize_lists(self) -> None:
+        """The CORS lists as tuples of strings (given in code as a list or a flag's text);
+        methods in capitals, as browsers send them."""
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            value = parse_list(value) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            if name == "allowed_methods":
+                value = tuple(method.upper() for method in value)
+            object.__setattr__(self, name, value)

@@ -21,7 +21,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagellm.entrypoints.openai.chat_reply import ChatReply, tool_parser_for
+from pagellm.entrypoints.openai.chat_reply import ChatReply, make_reply
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.generation import Generation, until_disconnect
@@ -40,6 +40,7 @@ from pagellm.entrypoints.openai.response_models import (
 from pagellm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     api_logprob,
+    count_cached,
     gather_choices,
     random_id,
     usage,
@@ -159,8 +160,7 @@ class OpenAIServingChat(OpenAIServing):
     def _reply(self, request: ChatCompletionRequest) -> ChatReply:
         mode = None if not request.tools else self._tool_mode(request)
         named = request.tool_choice["function"]["name"] if mode == "named" else None
-        parser = tool_parser_for(mode, self.tool_parser, named)
-        return ChatReply(parser, self.reasoning_parser)
+        return make_reply(mode, self.tool_parser, self.reasoning_parser, named)
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:
@@ -201,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=model,
             choices=choices,
-            usage=usage(num_prompt_tokens, num_generated),
+            usage=usage(num_prompt_tokens, num_generated, count_cached({}, outputs)),
         )
 
     def _logprobs(
@@ -242,8 +242,9 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([ChatStreamChoice(index=index, delta=role)])
         num_generated = 0
         replies = [self._reply(request) for _ in range(request.n)]
-        called = [False] * request.n
-        async for _, out in generation.outputs():
+        called, cached = [False] * request.n, {}
+        async for prompt_index, out in generation.outputs():
+            count_cached(cached, [(prompt_index, out)])
             for completion in out.outputs:
                 num_generated += len(completion.token_ids)
                 choice = self._stream_choice(request, completion, replies[completion.index])
@@ -255,7 +256,8 @@ class OpenAIServingChat(OpenAIServing):
                         )
                     yield chunk([choice])
         if request.include_usage:
-            yield chunk([], usage=usage(num_prompt_tokens, num_generated))
+            cached_tokens = sum(cached.values())
+            yield chunk([], usage=usage(num_prompt_tokens, num_generated, cached_tokens))
 
     def _stream_choice(
         self, request: ChatCompletionRequest, completion: CompletionOutput, reply: ChatReply

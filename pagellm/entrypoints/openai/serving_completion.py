@@ -26,6 +26,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
     api_logprob,
+    count_cached,
     gather_choices,
     random_id,
     usage,
@@ -70,8 +71,9 @@ class OpenAIServingCompletion(OpenAIServing):
         for index, out in outputs:
             _keep_prompt_logprobs(prompts[index], out.prompt_logprobs)
         choices = gather_choices(outputs, request.n)
+        cached = count_cached({}, outputs)
         return JSONResponse(
-            self._response(request, model, request_id, prompts, choices).model_dump()
+            self._response(request, model, request_id, prompts, choices, cached).model_dump()
         )
 
     def _prompts(self, prompt: str | list) -> list[dict[str, Any]]:
@@ -99,6 +101,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         prompts: list[dict[str, Any]],
         choices: list[ChoiceState],
+        cached: int,
     ) -> CompletionResponse:
         out = []
         for index, state in enumerate(choices):
@@ -122,7 +125,10 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
         num_generated = sum(len(c.token_ids) for c in choices)
         return CompletionResponse(
-            id=request_id, model=model, choices=out, usage=usage(num_prompt, num_generated)
+            id=request_id,
+            model=model,
+            choices=out,
+            usage=usage(num_prompt, num_generated, cached),
         )
 
     def _logprobs(
@@ -176,8 +182,9 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
-        num_generated = 0
+        num_generated, cached = 0, {}
         async for prompt_index, out in generation.outputs():
+            count_cached(cached, [(prompt_index, out)])
             _keep_prompt_logprobs(prompts[prompt_index], out.prompt_logprobs)
             for completion in out.outputs:
                 index = prompt_index * request.n + completion.index
@@ -197,7 +204,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 created=created,
                 model=model,
                 choices=[],
-                usage=usage(num_prompt, num_generated),
+                usage=usage(num_prompt, num_generated, sum(cached.values())),
             )
             yield chunk.model_dump_json()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -22,7 +22,7 @@ from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy
 from pagellm.entrypoints.openai.generation import Generation, until_disconnect
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest
-from pagellm.entrypoints.openai.response_models import UsageInfo
+from pagellm.entrypoints.openai.response_models import PromptTokensDetails, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -108,12 +108,22 @@ def gather_choices(outputs: list[tuple[int, RequestOutput]], n: int) -> list[Cho
     return [choices[k] for k in sorted(choices)]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+def count_cached(cached: dict[int, int], outputs: Iterable[tuple[int, RequestOutput]]) -> int:
+    """Prompt tokens served from the prefix cache, over the prompts: each prompt's count
+    (`num_cached_tokens`) as its latest output in `cached` (prompt index -> count) says it;
+    with n > 1 the latest counts every completion (see RequestOutput)."""
+    for index, out in outputs:
+        cached[index] = out.num_cached_tokens
+    return sum(cached.values())
 
 
 class OpenAIServing:
