@@ -156,6 +156,14 @@ def test_without_an_open_span_the_budget_waits_for_the_start_tag(think_llm, tags
     assert out[:4] == [start, start, start, end] and out[4:] == [start] * (MAX_TOKENS - 4)
 
 
+def test_llm_chat_separates_n_tokens_of_reasoning(think_llm, tags):
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    out = think_llm.chat(messages, greedy(thinking_token_budget=3), use_tqdm=False)[0].outputs[0]
+    ids, decode = out.token_ids, think_llm.get_tokenizer().decode
+    assert ids[3] == tags[1] and tags[1] not in ids[4:]
+    assert out.reasoning_content == decode(ids[:3]) and out.text == decode(ids[4:])
+
+
 def test_every_block_is_free_after_and_the_tight_engine_preempted(think_llm, request):
     engine = think_llm.llm_engine
     num_blocks = engine.call_utility("get_num_kv_blocks")
