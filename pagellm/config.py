@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 
 _GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
+# each reasoning parser's tags around the thinking (`reasoning_parser`): the caller tokenizes
+# them for `thinking_token_budget`; the server's parsers split a reply's text at them
+REASONING_TAGS: dict[str, tuple[str, str]] = {
+    "qwen3": ("<think>", "</think>"),
+    "deepseek_r1": ("<think>", "</think>"),
+}
 
 
 class HFConfigView(SimpleNamespace):

@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "logprobs": Range(0, INT32_MAX),
     "prompt_logprobs": Range(0, INT32_MAX),
     "truncate_prompt_tokens": Range(1, INT32_MAX, note="or -1: the model's length"),
+    "thinking_token_budget": Range(0, INT32_MAX, note="0: close the thinking at once"),
 }
 TOKEN_ID = Range(0, INT64_MAX)  # any vocabulary's; `verify_for_model` checks the model's
 LOGIT_BIAS = Range(-FLOAT32_MAX, FLOAT32_MAX)  # a bias: any finite float32
@@ -80,6 +81,7 @@ _INT_FIELDS = {
     "logprobs": True,
     "prompt_logprobs": True,
     "truncate_prompt_tokens": True,
+    "thinking_token_budget": True,
 }
 _FLOAT_FIELDS = (
     "temperature",
@@ -134,6 +136,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words: list[str] | None = None  # never generated (as vLLM: with and without a space)
     # bad_words as token id sequences, filled by the engine's input processor
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: at most this many tokens of thinking, then the reasoning parser's end tag is
+    # forced (the engine needs a reasoning_parser)
+    thinking_token_budget: int | None = None
+    # the reasoning parser's (start tag, end tag) as token ids, filled by the input processor
+    reasoning_tag_ids: tuple[list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         self._normalize_types()
@@ -162,6 +169,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             ok = isinstance(ids, (list, tuple))
             _check(ok, "bad_words_token_ids", "must be a list of token id lists")
             self.bad_words_token_ids = [_as_token_ids("bad_words_token_ids", w) for w in ids]
+        if self.reasoning_tag_ids is not None:
+            tags = self.reasoning_tag_ids
+            ok = isinstance(tags, (list, tuple)) and len(tags) == 2
+            _check(ok, "reasoning_tag_ids", "must be (start tag ids, end tag ids)")
+            start, end = (_as_token_ids("reasoning_tag_ids", t) for t in tags)
+            _check(bool(start and end), "reasoning_tag_ids", "must not hold an empty tag")
+            self.reasoning_tag_ids = (start, end)
         structured = self.structured_outputs
         ok = structured is None or isinstance(structured, StructuredOutputsParams)
         expected = f"must be StructuredOutputsParams, got {_show(structured)}"

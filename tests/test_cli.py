@@ -132,6 +132,7 @@ def test_generate_sampling_flags_are_the_sampling_params_fields():
     assert ns.seed == 0 and ns.sampling_seed is None  # --seed stays the engine's
     flagged = {n for n in SamplingParams.__struct_fields__ if hasattr(ns, n)} | {"seed"}
     not_flags = {"logit_bias", "output_kind", "structured_outputs", "bad_words_token_ids"}
+    not_flags |= {"reasoning_tag_ids"}
     assert flagged == set(SamplingParams.__struct_fields__) - not_flags
 
 

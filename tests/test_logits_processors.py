@@ -22,6 +22,7 @@ from pagellm.sample.logits_processor.interface import (
 from pagellm.sample.logits_processor.logit_bias import LogitBias
 from pagellm.sample.logits_processor.min_tokens import MinTokens
 from pagellm.sample.logits_processor.penalties import Penalties
+from pagellm.sample.logits_processor.thinking_budget import ThinkingBudget
 from pagellm.sample.sampler import Sampler
 from pagellm.sampling_params import SamplingParams
 from pagellm.structured_output.bitmask import GrammarBitmask
@@ -150,6 +151,29 @@ def test_grammar_mask_uses_the_steps_bitmask():
     expected = logits.clone()
     expected[1] = _only(logits[1], [1, 4])
     assert torch.equal(out, expected)
+
+
+def test_thinking_budget_forces_the_end_tag_once_spent():
+    proc = ThinkingBudget(4, VOCAB, CPU)
+    budget = dict(thinking_token_budget=2, reasoning_tag_ids=([5], [6, 4]))
+    _add(proc, 0, prompt=[1, 5], output=[3, 3], **budget)  # opened in the prompt: 2 thought
+    _add(proc, 1, prompt=[1], output=[5, 3], **budget)  # opened by the output: 1 thought
+    _add(proc, 2, prompt=[1, 5], output=[3, 3, 6], **budget)  # the end tag's first token in
+    _add(proc, 3, prompt=[1, 5], output=[3, 6, 4], **budget)  # closed by the model
+    tokens = _Tokens(
+        {0: ([1, 5], [3, 3]), 1: ([1], [5, 3]), 2: ([1, 5], [3, 3, 6]), 3: ([1, 5], [3, 6, 4])}
+    )
+    logits = _logits(4)
+    out = _apply(proc, logits, tokens.step([3, 2, 1, 0]))
+    expected = logits.clone()
+    expected[1] = _only(torch.zeros(VOCAB), [4])  # the tag's second token, whatever its logit
+    expected[3] = _only(torch.zeros(VOCAB), [6])
+    assert torch.equal(out, expected)
+    proc.remove_request(0)
+    proc.remove_request(2)
+    assert proc.prepare(tokens.step([3, 2, 1, 0])) is None
+    _add(proc, 0, prompt=[1, 5], output=[3, 3], thinking_token_budget=2)  # no tags: not used
+    assert proc.rows.keys() == {1, 3}
 
 
 def _new(req_id: str, output=(), **params) -> NewRequestData:

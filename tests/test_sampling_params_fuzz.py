@@ -49,6 +49,10 @@ def _field_values() -> dict[str, st.SearchStrategy]:
         for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
     }
     fields |= {"prompt_logprobs": INTS | st.none(), "truncate_prompt_tokens": INTS | st.none()}
+    fields |= {"thinking_token_budget": INTS | st.none()}
+    fields |= {
+        "reasoning_tag_ids": st.tuples(TOKEN_IDS, TOKEN_IDS) | st.lists(TOKEN_IDS, max_size=3)
+    }
     fields |= {
         "stop": STRINGS | st.lists(STRINGS, max_size=3) | st.none(),
         "stop_token_ids": TOKEN_IDS | st.none(),
@@ -156,6 +160,7 @@ def _request_bodies(extra: dict) -> st.SearchStrategy:
     openai_names |= {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
     openai_names |= {"allowed_token_ids", "truncate_prompt_tokens", "ignore_eos", "min_tokens"}
     openai_names |= {"stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"}
+    openai_names |= {"thinking_token_budget"}
     fields = {name: FIELDS[name] for name in openai_names}
     fields |= {"stream": st.booleans(), "max_tokens": INTS, **extra}
     return _some_fields(fields)

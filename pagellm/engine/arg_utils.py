@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagellm.config import (
+    REASONING_TAGS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -82,7 +83,7 @@ class EngineArgs:
     trace_kv: str | None = None  # with trace: dump this request's block table, slot mapping
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: constraints start after </think>
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: </think> ends the thinking
     quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
     # vLLM's name: the limits on output constraints, StructuredOutputsConfig's fields by name
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
@@ -105,9 +106,10 @@ class EngineArgs:
                 f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
                 f"got {self.block_size}"
             )
-        if self.reasoning_parser not in (None, "qwen3", "deepseek_r1"):
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_TAGS:
             raise ValueError(
-                f"reasoning_parser must be 'qwen3' or 'deepseek_r1', got {self.reasoning_parser!r}"
+                f"reasoning_parser must be one of {', '.join(map(repr, REASONING_TAGS))}, got "
+                f"{self.reasoning_parser!r}"
             )
         # checked before the model is resolved (a download, a file read)
         cache_config = CacheConfig(

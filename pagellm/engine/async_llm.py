@@ -42,7 +42,10 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(
-            config.model_config, tokenizer, config.structured_outputs_config
+            config.model_config,
+            tokenizer,
+            config.structured_outputs_config,
+            config.reasoning_parser,
         )
         self.tracer = CallerTracer() if config.trace else None
         self.output_processor = OutputProcessor(tokenizer, self.tracer)

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from pagellm.config import ModelConfig, StructuredOutputsConfig
+from pagellm.config import REASONING_TAGS, ModelConfig, StructuredOutputsConfig
 from pagellm.loader.source import TOKENIZER_FILES
 from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
@@ -31,11 +31,14 @@ class InputProcessor:
         model_config: ModelConfig,
         tokenizer: Any | None,
         structured_outputs_config: StructuredOutputsConfig | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
+        self.reasoning_parser = reasoning_parser
+        self._reasoning_tag_ids: tuple[list[int], list[int]] | None = None  # once tokenized
 
     def process_inputs(
         self,
@@ -60,6 +63,8 @@ class InputProcessor:
         if params.bad_words:
             ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = msgspec.structs.replace(params, bad_words_token_ids=ids)
+        if params.thinking_token_budget is not None or params.reasoning_tag_ids is not None:
+            params = self._with_reasoning_tags(params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -69,6 +74,29 @@ class InputProcessor:
             priority=priority,
         )
         return text, request
+
+    def _with_reasoning_tags(self, params: SamplingParams) -> SamplingParams:
+        """A thinking budget gets the reasoning parser's tags as token ids (the engine forces
+        the end tag's); without a budget, the tags are dropped."""
+        if params.thinking_token_budget is None:
+            return msgspec.structs.replace(params, reasoning_tag_ids=None)
+        if self.reasoning_parser is None:
+            raise ValueError(
+                "thinking_token_budget needs a reasoning parser to know where the thinking "
+                "ends: start the server with --reasoning-parser (qwen3 | deepseek_r1), or "
+                "pass LLM(reasoning_parser=...)"
+            )
+        if self._reasoning_tag_ids is None:
+            self._reasoning_tag_ids = reasoning_tag_ids(self.tokenizer, self.reasoning_parser)
+        start, end = self._reasoning_tag_ids
+        check_in_vocab([*start, *end], self.model_config.vocab_size, "the reasoning tags")
+        allowed = params.allowed_token_ids
+        if allowed is not None and not set(end) <= set(allowed):
+            raise ValueError(
+                f"thinking_token_budget forces the end tag {end} when spent: allowed_token_ids "
+                "must include its ids"
+            )
+        return msgspec.structs.replace(params, reasoning_tag_ids=(start, end))
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -126,6 +154,18 @@ def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]
             if ids and ids not in sequences:
                 sequences.append(ids)
     return sequences
+
+
+def reasoning_tag_ids(tokenizer: Any, reasoning_parser: str) -> tuple[list[int], list[int]]:
+    """The parser's start and end tags as the model's tokenizer writes them (a tag that is not
+    one token is a sequence of ids)."""
+    if tokenizer is None:
+        raise ValueError("thinking_token_budget needs a tokenizer; this model has none")
+    tags = REASONING_TAGS[reasoning_parser]
+    start, end = (tokenizer.encode(tag, add_special_tokens=False) for tag in tags)
+    if not start or not end:
+        raise ValueError(f"the model's tokenizer writes the reasoning tags {tags} as no tokens")
+    return start, end
 
 
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

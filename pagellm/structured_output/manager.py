@@ -11,7 +11,8 @@ short). A compile still queued when no request waits for it any more (aborted, t
 cancelled.
 
 Each step, `sampling_requests()` names the scheduled requests that sample and whose sampling
-reads their last token on the host (a grammar's matcher, a multi-token bad word), and
+reads their last token on the host (a grammar's matcher, a multi-token bad word, a thinking
+budget whose end tag may be forced this step: `ThinkingSpan.must_see_last_token`), and
 `grammar_bitmask()` fills one bitmask row per constrained one (`bitmask.py` applies them).
 """
 
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagellm.config import StructuredOutputsConfig
+from pagellm.sample.logits_processor.thinking_budget import ThinkingSpan
 from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.structured_output.limits import limit_message
 from pagellm.structured_output.request import StructuredOutputRequest
@@ -72,6 +74,8 @@ class StructuredOutputManager:
         self._waiters: dict[Future, int] = {}  # unfinished compiles -> requests waiting
         # unfinished requests whose sampling reads their last token on the host, by id
         self.live: dict[str, Request] = {}
+        # unfinished requests with a thinking budget: those read it near its end, by id
+        self.budgets: dict[str, tuple[Request, ThinkingSpan]] = {}
         self._bitmask: torch.Tensor | None = None  # [max_num_seqs, words] int32, host
 
     # ---- requests in ---------------------------------------------------------------------
@@ -83,6 +87,10 @@ class StructuredOutputManager:
             request.structured_output = self._wait_for(constraint, request.prompt_token_ids)
         if constraint is not None or any(len(seq) > 1 for seq in params.bad_words_token_ids or ()):
             self.live[request.request_id] = request
+        budget, tags = params.thinking_token_budget, params.reasoning_tag_ids
+        if budget is not None and tags is not None:
+            span = ThinkingSpan(budget, *tags, request.prompt_token_ids)
+            self.budgets[request.request_id] = (request, span)
 
     def _wait_for(
         self, constraint: StructuredOutputsParams, prompt_token_ids: list[int]
@@ -168,11 +176,19 @@ class StructuredOutputManager:
 
     def sampling_requests(self, sched: SchedulerOutput) -> list[Request]:
         """The requests of `sched` that sample and need their last token on the host first."""
-        if not self.live:
-            return []
-        self.live = {rid: r for rid, r in self.live.items() if not r.is_finished}
         scheduled = sched.num_scheduled_tokens
-        return [r for rid, r in self.live.items() if rid in scheduled and self._samples(r)]
+        waiting = []
+        if self.live:
+            self.live = {rid: r for rid, r in self.live.items() if not r.is_finished}
+            waiting = [r for rid, r in self.live.items() if rid in scheduled and self._samples(r)]
+        if self.budgets:
+            self.budgets = {rid: b for rid, b in self.budgets.items() if not b[0].is_finished}
+            for rid, (r, span) in self.budgets.items():
+                if rid in scheduled and rid not in self.live and self._samples(r):
+                    unknown = r.num_output_placeholders - self.placeholder
+                    if span.must_see_last_token(r.output_token_ids, unknown):
+                        waiting.append(r)
+        return waiting
 
     def _samples(self, request: Request) -> bool:
         """Whether the step just scheduled brings the request to the end of its tokens."""
@@ -182,12 +198,19 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
         """One row per request whose next token the grammar constrains (its last token must be
         on the host, in `output_token_ids`); None when no row restricts anything."""
+        requests = [
+            r
+            for r in requests
+            if r.structured_output is not None
+            and r.structured_output.matcher is not None
+            and not r.is_finished
+        ]
+        if not requests:  # bad words, thinking budgets: no grammar, no backend
+            return None
         bitmask = self._bitmask_buffer()
         req_ids: list[str] = []
         for request in requests:
             so = request.structured_output
-            if so is None or so.matcher is None or request.is_finished:
-                continue
             so.sync(request.output_token_ids)
             if so.constrains_next and so.fill(bitmask, len(req_ids)):
                 req_ids.append(request.request_id)

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagellm.config import StructuredOutputsConfig
+from pagellm.config import EngineConfig
 from pagellm.entrypoints.openai.request_guard import PROTECTED_PATHS
 from pagellm.sampling_params import INT64_MAX
 
@@ -18,8 +18,8 @@ from pagellm.sampling_params import INT64_MAX
 def openapi_document(app: FastAPI, with_key: bool, description: str | None) -> dict[str, Any]:
     """FastAPI's document, without the 422 it declares for every body (this server sends 400),
     with the API key declared as a bearer scheme where it is required, integer bounds exact,
-    token ids bounded by the served model's vocabulary and the structured-output limits this
-    server enforces."""
+    token ids bounded by the served model's vocabulary, the structured-output limits this
+    server enforces and, without a reasoning parser, no thinking budget."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, routes=app.routes, description=description
@@ -28,7 +28,7 @@ def openapi_document(app: FastAPI, with_key: bool, description: str | None) -> d
         engine = getattr(app.state, "engine", None)
         if engine is not None:
             _bound_token_ids(schema, engine.config.model_config.vocab_size)
-            _state_limits(schema["components"]["schemas"], engine.config.structured_outputs_config)
+            _state_limits(schema["components"]["schemas"], engine.config)
         components = schema.setdefault("components", {})
         for path, operations in schema["paths"].items():
             for operation in operations.values():
@@ -61,12 +61,16 @@ def _exact_integer_bounds(node: Any) -> None:
             _exact_integer_bounds(value)
 
 
-def _state_limits(models: dict[str, Any], limits: StructuredOutputsConfig) -> None:
+def _state_limits(models: dict[str, Any], config: EngineConfig) -> None:
     """The structured-output limits a document can state: a regex's or grammar's length and
-    a choice list's size (the rest, a schema's nesting or cost, only the server can tell)."""
+    a choice list's size (the rest, a schema's nesting or cost, only the server can tell);
+    thinking_token_budget only null without --reasoning-parser."""
+    limits = config.structured_outputs_config
     for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest",
                  "StructuredOutputsBody"):  # fmt: skip
         for field, node in models.get(name, {}).get("properties", {}).items():
+            if field == "thinking_token_budget" and config.reasoning_parser is None:
+                node["anyOf"] = [{"type": "null"}]
             for branch in node.get("anyOf", [node]):
                 if field in _TEXT_CONSTRAINTS and branch.get("type") == "string":
                     branch["maxLength"] = limits.max_spec_chars

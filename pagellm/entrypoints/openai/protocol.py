@@ -202,6 +202,8 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     user: Text | None = None
     bad_words: list[Text] | None = None  # vLLM's: never generated
+    # vLLM's: thinking tokens before the reasoning parser's end tag is forced (--reasoning-parser)
+    thinking_token_budget: SamplingInt("thinking_token_budget") | None = None
     # vLLM's: lower first, with --scheduling-policy priority
     priority: IntIn(INT64_MIN, INT64_MAX) = 0
     # output constraints: vLLM's body and its older fields (`structured.py`)
@@ -258,6 +260,7 @@ class SamplingRequest(RequestModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            thinking_token_budget=self.thinking_token_budget,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -234,14 +234,22 @@ class OpenAIServing:
 
     async def check(self, request: SamplingRequest, params: list[SamplingParams]) -> None:
         """What the engine would refuse later, refused now: a priority without the priority
-        policy, a constraint over a limit, that does not parse or compile, or that matches
-        nothing (`constraints`: the server's sandboxed check; without it, the check without
-        the compile off the event loop, cached for the engine's own)."""
+        policy, a thinking budget without a reasoning parser, a constraint over a limit, that
+        does not parse or compile, or that matches nothing (`constraints`: the server's
+        sandboxed check; without it, the check without the compile off the event loop, cached
+        for the engine's own)."""
         if request.priority and self.engine.config.scheduler_config.policy != "priority":
             raise APIError(
                 "priority needs the server started with --scheduling-policy priority",
                 400,
                 "priority",
+            )
+        if request.thinking_token_budget is not None and not self.engine.config.reasoning_parser:
+            raise APIError(
+                "thinking_token_budget needs the server started with --reasoning-parser (to "
+                "know where the thinking ends)",
+                400,
+                "thinking_token_budget",
             )
         constraint = params[0].structured_outputs if params else None
         if constraint is None:

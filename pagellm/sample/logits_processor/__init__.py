@@ -1,6 +1,7 @@
 """The sampling features, one logits processor each (`interface.py`), in the order the
-Sampler applies them: the masks first (the logprobs are taken after them), then the rest
-on a float32 copy, as vLLM orders them: allowed ids, logit bias, penalties.
+Sampler applies them: the masks first (the logprobs are taken after them; a spent thinking
+budget's forced end tag last of them), then the rest on a float32 copy, as vLLM orders
+them: allowed ids, logit bias, penalties.
 
 A new feature is a file here with its `LogitsProcessor` subclass and a line in `PROCESSORS`.
 """
@@ -16,11 +17,13 @@ from pagellm.sample.logits_processor.interface import LogitsProcessor, NewRow, S
 from pagellm.sample.logits_processor.logit_bias import LogitBias
 from pagellm.sample.logits_processor.min_tokens import MinTokens
 from pagellm.sample.logits_processor.penalties import Penalties
+from pagellm.sample.logits_processor.thinking_budget import ThinkingBudget
 
 PROCESSORS: list[type[LogitsProcessor]] = [
     GrammarMask,
     MinTokens,
     BadWords,
+    ThinkingBudget,  # after the bans: a forced end tag wins over them
     AllowedTokenIds,
     LogitBias,
     Penalties,
