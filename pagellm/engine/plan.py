@@ -40,7 +40,9 @@ from pagellm.worker.step_batch import profile_step
 
 _GiB = 1 << 30
 # estimates of what the profiling pass measures on a GPU (checked by benchmarks/plan_check.py)
-CUDA_CONTEXT_BYTES = 600 << 20  # the context, cuBLAS and Triton modules: not torch's
+# the context, cuBLAS and Triton modules, not torch's: 687 MiB measured on an H100 (torch 2.11,
+# CUDA 13, 2026-12-06) by benchmarks/plan_check.py
+CUDA_CONTEXT_BYTES = 687 << 20
 NCCL_BYTES = 400 << 20  # a rank's NCCL buffers with tensor parallelism
 # top-k / top-p sampling over the profile's rows: float32 copies, sort values and int64
 # indices, masks, probabilities, noise (pagellm/sample/sampler.py), per logit
