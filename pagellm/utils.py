@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import subprocess
 
 import numpy as np
 import torch
@@ -42,3 +43,14 @@ def cpuinfo_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(line.partition(":")[2].split())
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    """Give `proc` `timeout` seconds to exit, then SIGKILL it; either way it is reaped (no
+    zombie left behind). For a child already asked to stop (SHUTDOWN, stdin closed, SIGTERM)
+    that may be stuck where no handler runs."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -11,6 +11,7 @@ import subprocess
 import zmq
 
 from pagellm.protocol import EngineCoreRequestType
+from pagellm.utils import wait_or_kill
 
 _SHUTDOWN_S = 5.0  # how long the core process gets to exit before it is killed
 
@@ -30,11 +31,7 @@ def cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
             in_sock.send_multipart((EngineCoreRequestType.SHUTDOWN.value, b"\xc0"), zmq.NOBLOCK)
         except zmq.ZMQError:
             proc.terminate()
-    try:
-        proc.wait(timeout=_SHUTDOWN_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    wait_or_kill(proc, _SHUTDOWN_S)
     in_sock.close(linger=0)
     out_sock.close(linger=0)
     shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -31,6 +31,7 @@ import zmq
 
 from pagellm.config import EngineConfig
 from pagellm.executor.abstract import DistributedExecutor
+from pagellm.utils import wait_or_kill
 
 logger = logging.getLogger(__name__)
 
@@ -190,10 +191,6 @@ def _cleanup(procs: list, closing: threading.Event, ctx: zmq.Context, ipc_dir: s
         if proc.poll() is None:
             proc.terminate()
     for proc in procs:
-        try:
-            proc.wait(timeout=_SHUTDOWN_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_or_kill(proc, _SHUTDOWN_S)
     ctx.destroy(linger=0)
     shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -90,6 +90,52 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
 
 
 @triton.jit
+def _gemm_step(acc, a_ptrs, w_ptrs, w_ptr, w_rows, a_scale_ptr, w_scale_ptr, rm, rn, m_ok, n_ok,
+               k0, stride_asm, stride_wsn, A_FP8: tl.constexpr, W_BLOCK: tl.constexpr,
+               BLOCK_K: tl.constexpr, W_PAIRS: tl.constexpr, PTX_CVT: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] + one K step: the x tile at `a_ptrs` [BLOCK_M, BLOCK_K] times the
+    weight tile's transpose, fp8 by fp8 (A_FP8) or the weight upcast to x's dtype in
+    registers (W_PAIRS: through int16 pairs, before the MMA layout change); block scales
+    (W_BLOCK) multiply each step's product, per-row scales wait for the epilogue."""
+    a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+    if A_FP8:
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        part = tl.dot(a, tl.trans(w))
+    else:
+        if W_PAIRS:
+            w = fp8_pairs_to_f16(load_fp8_pairs(w_ptr, w_rows + k0, n_ok, BLOCK_K), 1, PTX_CVT)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        part = tl.dot(a, tl.trans(w.to(a.dtype)))
+    if W_BLOCK:
+        kb = k0 // W_BLOCK
+        ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + kb, mask=n_ok, other=0.0)
+        if A_FP8:
+            xs = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok, other=0.0)
+            part = part * xs[:, None]
+        acc += part * ws[None, :]
+    else:
+        acc += part
+    return acc
+
+
+@triton.jit
+def _gemm_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_asm,
+                stride_cm, A_FP8: tl.constexpr, W_BLOCK: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The epilogue: per-row scales (weight rows', and x rows' with A_FP8: once, not per K
+    step), bias, the tile stored in c's dtype."""
+    if not W_BLOCK:
+        acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        if A_FP8:
+            acc = acc * tl.load(a_scale_ptr + rm * stride_asm, mask=m_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr,  # [M, K] bf16 (weight-only) or fp8 (A_FP8)
     a_scale_ptr,  # A_FP8: [M, K / 128] (block) or [M, 1] float32
@@ -123,35 +169,13 @@ def _fp8_gemm_kernel(
     w_rows = rn.to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (checked by the wrapper)
-        a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-        if A_FP8:
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            part = tl.dot(a, tl.trans(w))
-        else:
-            if W_PAIRS:
-                w = fp8_pairs_to_f16(load_fp8_pairs(w_ptr, w_rows + k0, n_ok, BLOCK_K), 1, PTX_CVT)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            part = tl.dot(a, tl.trans(w.to(a.dtype)))
-        if W_BLOCK:
-            kb = k0 // W_BLOCK
-            ws = tl.load(w_scale_ptr + (rn // W_BLOCK) * stride_wsn + kb, mask=n_ok, other=0.0)
-            if A_FP8:
-                xs = tl.load(a_scale_ptr + rm * stride_asm + kb, mask=m_ok, other=0.0)
-                part = part * xs[:, None]
-            acc += part * ws[None, :]
-        else:
-            acc += part
+        acc = _gemm_step(acc, a_ptrs, w_ptrs, w_ptr, w_rows, a_scale_ptr, w_scale_ptr, rm, rn,
+                         m_ok, n_ok, k0, stride_asm, stride_wsn, A_FP8, W_BLOCK, BLOCK_K, W_PAIRS,
+                         PTX_CVT)  # fmt: skip
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if not W_BLOCK:
-        acc = acc * tl.load(w_scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        if A_FP8:
-            acc = acc * tl.load(a_scale_ptr + rm * stride_asm, mask=m_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _gemm_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, rm, rn, m_ok, n_ok, stride_asm,
+                stride_cm, A_FP8, W_BLOCK, HAS_BIAS)  # fmt: skip
 
 
 @triton.jit
@@ -274,6 +298,32 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _store_kv(first, second, head, d, ok, num_heads, num_kv_heads, k_cache_ptr, v_cache_ptr,
+              slot_ptr, kv_scale_ptr, stride_cb, stride_cs, stride_ch, HALF_D: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+              FP8_MAX: tl.constexpr):  # fmt: skip
+    """The q | k | v GEMV's cache write: the pairs (first, second) [PAIRS] of k and v heads
+    (`head` past num_heads) into the token's slot, as `reshape_and_cache` writes them
+    (QUANT: by k_scale or v_scale into an fp8 cache); nothing for q's heads, nor for a
+    padding token (slot -1)."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    kv = head - num_heads  # keys' heads, then values'
+    is_v = kv >= num_kv_heads
+    at = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs)
+    at += tl.where(is_v, kv - num_kv_heads, kv) * stride_ch + d
+    kv_ok = ok & (kv >= 0) & (slot >= 0)
+    scale_ptr = kv_scale_ptr + is_v.to(tl.int32)  # k_scale or v_scale, per value
+    cache = k_cache_ptr.dtype.element_ty
+    first_kv = to_cache(first, scale_ptr, cache, QUANT, FP8_MAX)
+    second_kv = to_cache(second, scale_ptr, cache, QUANT, FP8_MAX)
+    is_k = kv_ok & (kv < num_kv_heads)
+    tl.store(k_cache_ptr + at, first_kv, mask=is_k)
+    tl.store(k_cache_ptr + at + HALF_D, second_kv, mask=is_k)
+    tl.store(v_cache_ptr + at, first_kv, mask=kv_ok & is_v)
+    tl.store(v_cache_ptr + at + HALF_D, second_kv, mask=kv_ok & is_v)
+
+
+@triton.jit
 def _fp8_gemv_qkv_kernel(
     x_ptr,  # [K] bf16 / fp16: one activation row
     w_ptr,  # [N, K] fp8: q | k | v, N = (H + 2 H_kv) * 2 HALF_D
@@ -328,21 +378,9 @@ def _fp8_gemv_qkv_kernel(
     is_q = ok & (head < num_heads)
     tl.store(q_ptr + head * (2 * HALF_D) + d, first, mask=is_q)
     tl.store(q_ptr + head * (2 * HALF_D) + HALF_D + d, second, mask=is_q)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    kv = head - num_heads  # keys' heads, then values'
-    is_v = kv >= num_kv_heads
-    at = slot_offset(slot, BLOCK_SIZE, stride_cb, stride_cs)
-    at += tl.where(is_v, kv - num_kv_heads, kv) * stride_ch + d
-    kv_ok = ok & (kv >= 0) & (slot >= 0)
-    scale_ptr = kv_scale_ptr + is_v.to(tl.int32)  # k_scale or v_scale, per value
-    cache = k_cache_ptr.dtype.element_ty
-    first_kv = to_cache(first, scale_ptr, cache, QUANT, FP8_MAX)
-    second_kv = to_cache(second, scale_ptr, cache, QUANT, FP8_MAX)
-    is_k = kv_ok & (kv < num_kv_heads)
-    tl.store(k_cache_ptr + at, first_kv, mask=is_k)
-    tl.store(k_cache_ptr + at + HALF_D, second_kv, mask=is_k)
-    tl.store(v_cache_ptr + at, first_kv, mask=kv_ok & is_v)
-    tl.store(v_cache_ptr + at + HALF_D, second_kv, mask=kv_ok & is_v)
+    _store_kv(first, second, head, d, ok, num_heads, num_kv_heads, k_cache_ptr, v_cache_ptr,
+              slot_ptr, kv_scale_ptr, stride_cb, stride_cs, stride_ch, HALF_D, BLOCK_SIZE, QUANT,
+              FP8_MAX)  # fmt: skip
 
 
 def gemv_config(n: int, k: int, block: int) -> dict:

@@ -162,6 +162,48 @@ def _tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_dot(a_ptrs, w_ptrs, row_ok, n_ok, offs_k, n_out, k_dim, stride_wn, GATED: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """The rows' a [BLOCK_M, K] times the expert's weight columns [K, BLOCK_N], walking K
+    from `a_ptrs` / `w_ptrs` (the first BLOCK_K step), float32 accumulators; GATED: the up
+    rows' product too (n_out rows further into w), from the same a tile."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        a_mask = row_ok[:, None]
+        w_mask = n_ok[None, :]
+        if not EVEN_K:
+            a_mask = a_mask & (offs_k[None, :] < k_dim - k0)
+            w_mask = w_mask & (offs_k[:, None] < k_dim - k0)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision="ieee")
+        if GATED:
+            w_up = tl.load(w_ptrs + n_out * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc, acc_up
+
+
+@triton.jit
+def _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out,
+                GATED: tl.constexpr, APPLY_WEIGHTS: tl.constexpr):  # fmt: skip
+    """The epilogue, rounded where the torch path rounds: the GEMM's output in out's dtype,
+    GATED: SiLU(gate) * up, APPLY_WEIGHTS: times the row's routing weight; scattered to the
+    rows' own places in out (`rows`, not the sorted order)."""
+    dtype = out_ptr.dtype.element_ty
+    out = acc.to(dtype).to(tl.float32)
+    if GATED:
+        act = (out * tl.sigmoid(out)).to(dtype).to(tl.float32)  # rounded, as F.silu returns it
+        out = act * acc_up.to(dtype).to(tl.float32)
+    if APPLY_WEIGHTS:
+        out = out * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * n_out + offs_n[None, :]
+    tl.store(out_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [*, K] rows contiguous: x [T, H] (gate_up) or act [N, I] (down)
     w_ptr,  # [E, N_W, K] K contiguous: w13 [E, 2I, H] or w2 [E, H, I]
@@ -201,30 +243,10 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // ROWS_PER_A)[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        a_mask = row_ok[:, None]
-        w_mask = n_ok[None, :]
-        if not EVEN_K:
-            a_mask = a_mask & (offs_k[None, :] < k_dim - k0)
-            w_mask = w_mask & (offs_k[:, None] < k_dim - k0)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision="ieee")
-        if GATED:
-            w_up = tl.load(w_ptrs + n_out * stride_wn, mask=w_mask, other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    dtype = out_ptr.dtype.element_ty
-    out = acc.to(dtype).to(tl.float32)
-    if GATED:
-        act = (out * tl.sigmoid(out)).to(dtype).to(tl.float32)  # rounded, as F.silu returns it
-        out = act * acc_up.to(dtype).to(tl.float32)
-    if APPLY_WEIGHTS:
-        out = out * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * n_out + offs_n[None, :]
-    tl.store(out_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
+    acc, acc_up = _expert_dot(a_ptrs, w_ptrs, row_ok, n_ok, offs_k, n_out, k_dim, stride_wn,
+                              GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
+                APPLY_WEIGHTS)  # fmt: skip
 
 
 def topk_softmax(

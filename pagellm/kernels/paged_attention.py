@@ -301,6 +301,51 @@ def _key_range(ctx, q0, kv_end, split, num_splits, BLOCK_N: tl.constexpr, WINDOW
 
 
 @triton.jit
+def _tile_rows(pid_head, kv_head, q0, q_begin, q_len, BLOCK_M: tl.constexpr,
+               HEADS_PER_PROG: tl.constexpr, HEAD_GROUPS: tl.constexpr,
+               QUERIES_PER_KV: tl.constexpr):  # fmt: skip
+    """What each of the tile's BLOCK_M rows is (all [BLOCK_M]): its query token within the
+    tile `row_q` and within the chunk `q_idx`, its query head, `row_ok` (false on padding:
+    past the query, past the KV head's query heads) and its token (the row of q and out)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row_q = offs_m // HEADS_PER_PROG
+    q_idx = q0 + row_q
+    head_in_kv = (pid_head % HEAD_GROUPS) * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
+    head = kv_head * QUERIES_PER_KV + head_in_kv
+    row_ok = (q_idx < q_len) & (head_in_kv < QUERIES_PER_KV)
+    token = (q_begin + q_idx).to(tl.int64)
+    return row_q, q_idx, head, row_ok, token
+
+
+@triton.jit
+def _load_q(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
+            FP8_PAIRS: tl.constexpr, FP32_DOT: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, HEAD_DIM] the tile's query rows (0 on padding rows), in the dots' dtype; they
+    stay in registers for the whole walk."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+    if FP8_PAIRS and not FP32_DOT:
+        q = q.to(tl.float16)  # the dots' dtype: fp8 converts to fp16 in one instruction
+    return q
+
+
+@triton.jit
+def _tile_keys(ctx, q0, q_idx, q_len, split, num_splits, BLOCK_Q: tl.constexpr,
+               BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """The keys of a tile: each row's causal limit `max_key` [BLOCK_M] (inclusive), `kv_end`
+    (one past the tile's last visible key), `full_end` (keys below it are visible to every
+    row: no mask), and `_key_range`'s walk lo .. hi, win_start and full_start."""
+    max_key = ctx + q_idx
+    kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)
+    full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N
+    lo, hi, win_start, full_start = _key_range(
+        ctx, q0, kv_end, split, num_splits, BLOCK_N, WINDOW, SPLIT
+    )
+    return max_key, kv_end, full_end, lo, hi, win_start, full_start
+
+
+@triton.jit
 def _store_partial(part, acc, m_i, l_i, row_ok, part_acc_ptr, part_max_ptr, part_sum_ptr,
                    HEAD_DIM: tl.constexpr):  # fmt: skip
     """A split's unnormalized rows, their running max and sum, at partial rows `part`."""
@@ -310,37 +355,47 @@ def _store_partial(part, acc, m_i, l_i, row_ok, part_acc_ptr, part_max_ptr, part
     tl.store(part_acc_ptr + acc_offs, acc, mask=row_ok[:, None])
 
 
+@triton.jit
+def _store_tile(acc, m_i, l_i, row_q, head, row_ok, token, tile, split, num_heads, num_splits,
+                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, stride_ot,
+                stride_oh, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+                SPLIT: tl.constexpr):  # fmt: skip
+    """The epilogue: the rows normalized into out, or (SPLIT) this segment's unnormalized rows
+    with their running max and sum, for `_combine_splits_kernel` to merge."""
+    if KV_FP8:
+        acc = acc * tl.load(kv_scale_ptr + 1)  # a mix of stored values, times v_scale
+    if SPLIT:
+        # partial results of row (tile, token-in-tile, head, split)
+        part = ((tile * BLOCK_Q + row_q) * num_heads + head) * num_splits
+        _store_partial(part.to(tl.int64) + split, acc, m_i, l_i, row_ok, part_acc_ptr,
+                       part_max_ptr, part_sum_ptr, HEAD_DIM)  # fmt: skip
+    else:
+        out = acc / l_i[:, None]
+        offs_d = tl.arange(0, HEAD_DIM)
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one variant for every split count
 def _paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr, q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
-    tile_req_ptr,  # [num_tiles] int32 request of each tile (HAS_TILE_MAP)
-    tile_q_ptr,  # [num_tiles] int32 first query (within the request) of each tile
+    tile_req_ptr, tile_q_ptr,  # [num_tiles] int32: a tile's request, its first query (HAS_TILE_MAP)
     part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits, HEAD_DIM] fp32 (SPLIT)
-    part_max_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
-    part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
+    part_max_ptr, part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
     kv_scale_ptr,  # [2] float32 k_scale, v_scale (KV_FP8)
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_splits,  # KV segments per tile (grid axis 2); > 1 only with SPLIT
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # q's and out's: between tokens, heads
+    stride_cb, stride_cs, stride_ch,  # the caches': between blocks, slots, KV heads
+    stride_bt,  # block_table's rows
     QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
     HEAD_GROUPS: tl.constexpr,  # programs per KV head = cdiv(QUERIES_PER_KV, HEADS_PER_PROG)
-    HEADS_PER_PROG: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HEADS_PER_PROG: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache page
     HAS_TILE_MAP: tl.constexpr,  # False: tile i is request i, starting at query 0
@@ -352,40 +407,25 @@ def _paged_attention_kernel(
     FP8_PAIRS: tl.constexpr = 0,  # KV_FP8 as int16 pairs, fp16 dots: 1 e4m3fn, 2 e5m2
     PTX_CVT: tl.constexpr = False,  # FP8_PAIRS converted by PTX (compiled; not interpreted)
     PDL: tl.constexpr = False,  # let the next kernel (o_proj's GEMV) launch now (`kernels.pdl`)
-):
+):  # fmt: skip
+    """Grid (KV head x head group, tile, key segment): load a tile's q, walk its keys, store."""
     pdl.launch_dependents(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS_PER_PROG
-    pid_head = tl.program_id(0)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_head, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = pid_head // HEAD_GROUPS
     req, q0, q_begin, q_len = _tile_queries(
         tile, tile_req_ptr, tile_q_ptr, query_start_loc_ptr, HAS_TILE_MAP
     )
     if q0 >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    ctx = seq_len - q_len
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_idx = q0 + offs_m // HEADS_PER_PROG  # [BLOCK_M] query position within the chunk
-    head_in_kv = (pid_head % HEAD_GROUPS) * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
-    head = kv_head * QUERIES_PER_KV + head_in_kv  # [BLOCK_M] query head
-    row_ok = (q_idx < q_len) & (head_in_kv < QUERIES_PER_KV)
-    token = (q_begin + q_idx).to(tl.int64)
-    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
-    if FP8_PAIRS and not FP32_DOT:
-        q = q.to(tl.float16)  # the dots' dtype: fp8 converts to fp16 in one instruction
-
-    max_key = ctx + q_idx  # [BLOCK_M] causal limit (inclusive)
-    kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the tile's last visible key
-    full_end = ((ctx + q0 + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
-    lo, hi, win_start, full_start = _key_range(
-        ctx, q0, kv_end, split, num_splits, BLOCK_N, WINDOW, SPLIT
+    ctx = tl.load(seq_lens_ptr + req) - q_len  # the request's cached context
+    row_q, q_idx, head, row_ok, token = _tile_rows(
+        pid_head, kv_head, q0, q_begin, q_len, BLOCK_M, HEADS_PER_PROG, HEAD_GROUPS, QUERIES_PER_KV
     )
-
+    q = _load_q(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, FP8_PAIRS, FP32_DOT)
+    max_key, kv_end, full_end, lo, hi, win_start, full_start = _tile_keys(
+        ctx, q0, q_idx, q_len, split, num_splits, BLOCK_Q, BLOCK_N, WINDOW, SPLIT
+    )
     if KV_FP8:
         qk_scale = qk_scale * tl.load(kv_scale_ptr)  # scores of stored keys times k_scale
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
@@ -394,18 +434,9 @@ def _paged_attention_kernel(
         bt_row, kv_head * stride_ch, qk_scale, stride_cb, stride_cs, BLOCK_M, BLOCK_N, HEAD_DIM,
         BLOCK_SIZE, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS, PTX_CVT,
     )  # fmt: skip
-
-    if KV_FP8:
-        acc = acc * tl.load(kv_scale_ptr + 1)  # a mix of stored values, times v_scale
-    if SPLIT:
-        # partial results of row (tile, token-in-tile, head, split)
-        part = ((tile * BLOCK_Q + offs_m // HEADS_PER_PROG) * num_heads + head) * num_splits
-        _store_partial(part.to(tl.int64) + split, acc, m_i, l_i, row_ok, part_acc_ptr,
-                       part_max_ptr, part_sum_ptr, HEAD_DIM)  # fmt: skip
-    else:
-        out = acc / l_i[:, None]
-        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    _store_tile(acc, m_i, l_i, row_q, head, row_ok, token, tile, split, num_heads, num_splits,
+                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, stride_ot,
+                stride_oh, BLOCK_Q, HEAD_DIM, KV_FP8, SPLIT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
