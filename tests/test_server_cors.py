@@ -15,13 +15,23 @@ import json
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
-from server_utils import API_KEY, AUTH, Server, post, start_server, stop_server, wait_healthy
 
-from pagellm.cli import build_parser
-from pagellm.engine.arg_utils import EngineArgs
-from pagellm.entrypoints.openai.api_server import build_app
-from pagellm.entrypoints.openai.server_options import ServerOptions
+pytest.importorskip("fastapi")  # the server's extra (a GPU machine may lack it)
+from fastapi.testclient import TestClient  # noqa: E402
+from server_utils import (  # noqa: E402
+    API_KEY,
+    AUTH,
+    Server,
+    post,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
+
+from pagellm.cli import build_parser  # noqa: E402
+from pagellm.engine.arg_utils import EngineArgs  # noqa: E402
+from pagellm.entrypoints.openai.api_server import build_app  # noqa: E402
+from pagellm.entrypoints.openai.server_options import ServerOptions  # noqa: E402
 
 GOOD = "http://good.example"
 ALSO = "https://also.example:8443"
