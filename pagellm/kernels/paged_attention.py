@@ -301,33 +301,27 @@ def _key_range(ctx, q0, kv_end, split, num_splits, BLOCK_N: tl.constexpr, WINDOW
 
 
 @triton.jit
-def _tile_rows(pid_head, kv_head, q0, q_begin, q_len, BLOCK_M: tl.constexpr,
-               HEADS_PER_PROG: tl.constexpr, HEAD_GROUPS: tl.constexpr,
-               QUERIES_PER_KV: tl.constexpr):  # fmt: skip
-    """What each of the tile's BLOCK_M rows is (all [BLOCK_M]): its query token within the
-    tile `row_q` and within the chunk `q_idx`, its query head, `row_ok` (false on padding:
-    past the query, past the KV head's query heads) and its token (the row of q and out)."""
+def _tile_q(q_ptr, pid_head, kv_head, q0, q_begin, q_len, stride_qt, stride_qh,
+            BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PER_PROG: tl.constexpr,
+            HEAD_GROUPS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, FP8_PAIRS: tl.constexpr,
+            FP32_DOT: tl.constexpr):  # fmt: skip
+    """The tile's rows and its q [BLOCK_M, HEAD_DIM] (0 on padding rows, in the dots' dtype;
+    it stays in registers for the whole walk). Each row m, all [BLOCK_M]: its query token
+    within the tile `row_q` and within the chunk `q_idx`, its query head, `row_ok` (false on
+    padding: past the query, past the KV head's query heads), its token (row of q and out)."""
     offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
     row_q = offs_m // HEADS_PER_PROG
     q_idx = q0 + row_q
     head_in_kv = (pid_head % HEAD_GROUPS) * HEADS_PER_PROG + offs_m % HEADS_PER_PROG
     head = kv_head * QUERIES_PER_KV + head_in_kv
     row_ok = (q_idx < q_len) & (head_in_kv < QUERIES_PER_KV)
     token = (q_begin + q_idx).to(tl.int64)
-    return row_q, q_idx, head, row_ok, token
-
-
-@triton.jit
-def _load_q(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM: tl.constexpr,
-            FP8_PAIRS: tl.constexpr, FP32_DOT: tl.constexpr):  # fmt: skip
-    """[BLOCK_M, HEAD_DIM] the tile's query rows (0 on padding rows), in the dots' dtype; they
-    stay in registers for the whole walk."""
-    offs_d = tl.arange(0, HEAD_DIM)
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
     if FP8_PAIRS and not FP32_DOT:
         q = q.to(tl.float16)  # the dots' dtype: fp8 converts to fp16 in one instruction
-    return q
+    return q, row_q, q_idx, head, row_ok, token
 
 
 @triton.jit
@@ -419,10 +413,9 @@ def _paged_attention_kernel(
     if q0 >= q_len:
         return
     ctx = tl.load(seq_lens_ptr + req) - q_len  # the request's cached context
-    row_q, q_idx, head, row_ok, token = _tile_rows(
-        pid_head, kv_head, q0, q_begin, q_len, BLOCK_M, HEADS_PER_PROG, HEAD_GROUPS, QUERIES_PER_KV
-    )
-    q = _load_q(q_ptr, token, head, row_ok, stride_qt, stride_qh, HEAD_DIM, FP8_PAIRS, FP32_DOT)
+    q, row_q, q_idx, head, row_ok, token = _tile_q(
+        q_ptr, pid_head, kv_head, q0, q_begin, q_len, stride_qt, stride_qh, BLOCK_M, HEAD_DIM,
+        HEADS_PER_PROG, HEAD_GROUPS, QUERIES_PER_KV, FP8_PAIRS, FP32_DOT)  # fmt: skip
     max_key, kv_end, full_end, lo, hi, win_start, full_start = _tile_keys(
         ctx, q0, q_idx, q_len, split, num_splits, BLOCK_Q, BLOCK_N, WINDOW, SPLIT
     )
