@@ -228,6 +228,9 @@ _STACKS_SCRIPT = r"""
 import os, signal, time
 from pagellm import LLM, SamplingParams
 llm = LLM(dtype="float32", max_model_len=256)
+# one request first: once it is answered the core's main thread is in its busy loop (READY can
+# reach us while that thread is still starting the output thread)
+llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
 pid = llm.llm_engine.engine_core.proc.pid
 os.kill(pid, signal.SIGUSR1)
 time.sleep(1.0)
