@@ -13,7 +13,7 @@ below it, never above, at the top of the file or inside a function. From the bot
     layers        layers/: linear, norms, rotary, embeddings, the attention layer, MoE
     models        models/: one file a family, the registry, checkpoint names
     loader        loader/: checkpoint files, configs and tokenizers, `load_model()`
-    sampling      sample/, structured_output/
+    sampling      sample/, structured_output/, spec_decode/ (draft proposers)
     worker        worker/: the model runner
     executor      executor/
     core          core/: the scheduler, KV blocks, requests
@@ -57,7 +57,7 @@ FLOORS = (
     ("pagellm.layers",),
     ("pagellm.models",),
     ("pagellm.loader",),
-    ("pagellm.sample", "pagellm.structured_output"),
+    ("pagellm.sample", "pagellm.structured_output", "pagellm.spec_decode"),
     ("pagellm.worker",),
     ("pagellm.executor",),
     ("pagellm.core",),
