@@ -20,33 +20,27 @@ from __future__ import annotations
 
 import torch
 
-from pagellm import envs
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.base import QuantizedWeight
 from pagellm.quantization.cpu_int import dense_weight
+from pagellm.quantization.gguf_cpu import GGUFBlockWeight
 from pagellm.quantization.gguf_kernel import BLOCK, BlockPlanes
 from pagellm.quantization.wna16_formats import dequantize, unpack_canonical, unpermuted
 
 
-class WNA16BlockWeight(QuantizedWeight):
-    """Blocks for a few rows of x (the block kernel), the dequantized copy for more; an
-    act-order layer's x gathered by `perm` first (its columns were sorted by group)."""
-
-    MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}  # as GGUFBlockWeight's, measured there
+class WNA16BlockWeight(GGUFBlockWeight):
+    """`GGUFBlockWeight` (blocks for a few rows of x, the dequantized copy for more), an
+    act-order layer's x gathered by `perm` for the blocks (their columns sorted by group)."""
 
     def __init__(self, planes: BlockPlanes, dense, perm: torch.Tensor | None) -> None:
-        self.planes = planes
-        self.dense = dense  # x [T, in] (checkpoint column order), bias -> [T, out]
-        self.perm = perm  # [K] int64: kernel column j is checkpoint column perm[j]
-        self.max_rows = {dt: envs.cpu_quant_max_rows(n) for dt, n in self.MAX_ROWS.items()}
+        super().__init__(planes, dense)  # dense: x in the checkpoint's column order
+        self.perm = perm  # [K] int64: block column j is checkpoint column perm[j]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] > self.max_rows.get(x.dtype, 0):
-            return self.dense(x, bias)
-        if self.perm is not None:
+        if self.perm is not None and x.shape[0] <= self.max_rows.get(x.dtype, 0):
             x = x.index_select(1, self.perm)
-        return gguf_kernel.block_gemm(x, self.planes, None if bias is None else bias.float())
+        return super().__call__(x, bias)
 
 
 def block_planes(
