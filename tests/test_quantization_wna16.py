@@ -165,7 +165,9 @@ def test_wrong_scales_and_float_weights_are_clear_errors(tmp_path):
         state[f"{stem}.weight"] = torch.zeros(256, 128)
 
     _write(folder, to_float)
-    with pytest.raises(ValueError, match=rf"{stem}.weight: a float weight where .* 'weight_packed'"):
+    with pytest.raises(
+        ValueError, match=rf"{stem}.weight: a float weight where .* 'weight_packed'"
+    ):
         load_our_model(folder)
 
 

@@ -1,8 +1,8 @@
-"""The paged attention, fp8 and int4 / int8 GEMM / GEMV kernels compiled for Hopper (sm_90) on this CPU-only
-machine: Triton's front end, its GPU passes and ptxas, without a device. The interpreter runs
-the kernels' semantics in CI, but accepts Python the compiler refuses (an `if` on a float
-constexpr once broke every GPU run); this catches that class of error before device time is
-spent. Each test compiles in a fresh process: with TRITON_INTERPRET=1 set (other test
+"""The paged attention, fp8 and int4 / int8 GEMM / GEMV kernels compiled for Hopper (sm_90)
+on this CPU-only machine: Triton's front end, its GPU passes and ptxas, without a device. The
+interpreter runs the kernels' semantics in CI, but accepts Python the compiler refuses (an
+`if` on a float constexpr once broke every GPU run); this catches that class of error before
+device time is spent. Each test compiles in a fresh process: with TRITON_INTERPRET=1 set (other test
 modules set it) `@triton.jit` makes interpreter functions, which cannot be compiled."""
 
 from __future__ import annotations

@@ -108,16 +108,26 @@ def test_gptq_engine_on_cuda_agrees_with_dequantized(tmp_path):
 
 
 def test_act_order_weight_gathers_x_by_its_permutation():
-    """`WNA16GpuWeight` of a layer whose columns were sorted by group at load: x is taken in
-    the same order, so the product is the checkpoint-order weight's."""
-    from pagellm.quantization.wna16_formats import permute_columns
+    """`WNA16GpuWeight` of an act-order layer, its columns sorted by group at load (as
+    `WNA16LinearMethod` does): x is taken in the same order, so the product is the
+    checkpoint's weight's."""
+    from pagellm.quantization.wna16_formats import (
+        dequantize,
+        pack_nibbles,
+        permute_columns,
+        sort_groups,
+    )
     from pagellm.quantization.wna16_gpu import gpu_weight
 
-    qweight, scales, zeros, deq, size = _weight(32, 128, 4, 32, False)
-    perm = torch.randperm(128, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    weight = gpu_weight(permute_columns(qweight, 4, perm), scales, zeros, 4, size, perm)
-    x = torch.randn(2, 128, device=DEVICE).to(X_DTYPE)
-    want = F.linear(x.float(), deq)  # deq: qweight's columns in checkpoint order
+    q, scale, zero, g_idx = quantize(torch.randn(32, 128), Packing("gptq", 4, 32, False, True))
+    qweight, zeros = pack_nibbles(q), zero.to(torch.uint8)
+    deq = dequantize(qweight, scale, zeros, 4, 32, g_idx)
+    perm = sort_groups(g_idx, 32)
+    assert perm is not None and not torch.equal(perm, torch.arange(128))
+    on = [t.to(DEVICE) for t in (permute_columns(qweight, 4, perm), scale, zeros, perm)]
+    weight = gpu_weight(*on[:3], 4, 32, on[3])
+    x = torch.randn(2, 128).to(DEVICE, X_DTYPE)
+    want = F.linear(x.float(), deq.to(DEVICE))
     tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
     torch.testing.assert_close(weight(x).float(), want, rtol=1e-2, atol=tol)
-    assert gpu_weight(qweight, scales, zeros, 4, 24, None) is None  # groups the kernels refuse
+    assert gpu_weight(qweight, scale, zeros, 4, 24, None) is None  # groups the kernels refuse

@@ -46,8 +46,11 @@ def _wna16_gemv_kernel(
         if BITS == 4:
             offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # bytes: two columns each
             b_mask = offs_b < K // 2
-            qb = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
-                         mask=n_mask[:, None] & b_mask[None, :], other=0).to(tl.int32)
+            qb = tl.load(
+                q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
+                mask=n_mask[:, None] & b_mask[None, :],
+                other=0,
+            ).to(tl.int32)
             xe = tl.load(x_row + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
             xo = tl.load(x_row + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
             lo, hi = (qb & 15).to(tl.float32), (qb >> 4).to(tl.float32)
@@ -56,8 +59,11 @@ def _wna16_gemv_kernel(
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
-            qv = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :],
-                         mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.float32)
+            qv = tl.load(
+                q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0,
+            ).to(tl.float32)
             xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             dot = tl.sum(qv * xv[None, :], axis=1)
             xsum = tl.sum(xv, axis=0)

@@ -2,8 +2,8 @@
 (caller side, `resolve_quantization`), and built into a `QuantizationConfig` for the loader
 (EngineCore side, `get_quant_config`). Method modules are imported lazily.
 
-    None (default)   a checkpoint's own method ("fp8", "compressed-tensors", "awq",
-                     "gptq" from its `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
+    None (default)   a checkpoint's own method ("fp8", "compressed-tensors", "awq", "gptq"
+                     from its `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
                      AVX-512 or AVX2 where the block kernel builds, on one rank (its float32
                      results are the dequantized path's: 64 of 64 identical 32-token greedy
                      continuations of the embedded model, docs/benchmarks.md); otherwise
@@ -166,8 +166,8 @@ def get_quant_config(
     model_config: Any, device: torch.device, checkpoint: dict[str, Any] | None = None
 ) -> QuantizationConfig | None:
     """The loader's `QuantizationConfig` for a resolved `model_config.quantization` (a
-    quantized checkpoint gets one even with None: its tensors are dequantized at load); `checkpoint`:
-    the tensors the loader read ahead, by HF name (a GGUF file's)."""
+    quantized checkpoint gets one even with None: its tensors are dequantized at load);
+    `checkpoint`: the tensors the loader read ahead, by HF name (a GGUF file's)."""
     name = model_config.quantization or checkpoint_method(model_config.hf_config)
     if name is None:
         return None

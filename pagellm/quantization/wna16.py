@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace  # of a TensorSlice (pagellm/layers/weights.py, a floor above)
 
 import torch
 from torch import nn
@@ -99,21 +100,19 @@ class WNA16LinearMethod(LinearMethod):
     def tensor_slice(self, layer, param_name: str, part):
         """This rank's part of a canonical tensor, from the `TensorSlice` of the float weight
         (rows: the same rows; columns: their bytes, groups or g_idx entries)."""
-        from pagellm.layers.weights import TensorSlice
-
         if part.dim == 0:
             return None if param_name == self.scheme.names.get("g_idx") else part
         role = {v: k for k, v in self.scheme.names.items()}.get(param_name)
         if role == "qweight":
             per = 8 // self.scheme.bits
-            return TensorSlice(1, part.start // per, part.size // per)
+            return replace(part, start=part.start // per, size=part.size // per)
         if role == "g_idx":
             return part
         scales = getattr(layer, self.scheme.names["scales"])
         if scales.shape[1] == self.scheme.groups(layer.full_in_features):
             return None  # every group (act-order, one group)
         size = self.scheme.group_size
-        return TensorSlice(1, part.start // size, part.size // size)
+        return replace(part, start=part.start // size, size=part.size // size)
 
     def process_weights_after_loading(self, layer) -> None:
         s = self.scheme
