@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "structured_outputs_config":
             _add_structured_outputs_flags(group)
             continue
+        if f.name == "speculative_config":  # vLLM's: a JSON object
+            group.add_argument(
+                "--speculative-config", default=None, metavar="JSON",
+                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+            )  # fmt: skip
+            continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)

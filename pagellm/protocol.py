@@ -48,6 +48,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprob_ids: list[list[int]] | None = None
     prompt_logprob_ranks: list[int] | None = None
     error: str | None = None  # the request failed (finish_reason ABORT): why, for the caller
+    # speculative decoding: drafts verified for this request this step, and those accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -63,6 +66,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found, since start
     num_prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits not), since start
     num_generation_tokens: int = 0  # tokens sampled, since start
+    # speculative decoding, since start: verify steps of a request with drafts, drafts
+    # verified, drafts accepted, and accepted at each draft position (first draft first)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

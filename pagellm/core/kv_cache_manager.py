@@ -187,7 +187,11 @@ class KVCacheManager:
         blocks = req_blocks.blocks
         num_needed = cdiv(num_total, self.block_size) - len(blocks)
         new_block_ids = []
-        if num_needed > 0:
+        if num_needed < 0:  # held for drafts the last step rejected: never cached, unneeded
+            surplus = blocks[num_needed:]
+            del blocks[num_needed:]
+            self.block_pool.free_blocks(reversed(surplus))
+        elif num_needed > 0:
             if num_needed > self.block_pool.num_free_blocks:
                 return None
             new_blocks = self.block_pool.get_new_blocks(num_needed)
@@ -256,6 +260,11 @@ class KVCacheManager:
         req_blocks = self._reqs.pop(request.request_id, None)
         if req_blocks is not None:
             self.block_pool.free_blocks(reversed(req_blocks.blocks))
+
+    def num_blocks(self, request_id: str) -> int:
+        """Blocks in the request's table (the null block counted)."""
+        req_blocks = self._reqs.get(request_id)
+        return len(req_blocks.blocks) if req_blocks else 0
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A fresh list of the request's block ids, in order."""

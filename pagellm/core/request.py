@@ -67,6 +67,9 @@ class Request:
         "structured_output",
         "error",
         "long_rope",
+        "spec_token_ids",
+        "num_draft_tokens",
+        "num_accepted_tokens",
     )
 
     def __init__(
@@ -104,6 +107,11 @@ class Request:
         self.error: str | None = None  # why it failed before running (a grammar's compile)
         # a longrope model's long factors rotate all its tokens (pagellm/layers/rope.py)
         self.long_rope = False
+        # speculative decoding: drafts proposed for its next step; since arrival, drafts
+        # verified and accepted
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -76,10 +76,12 @@ def sampled_output(
         ) = request.prompt_logprobs
     num_logprobs = request.sampling_params.logprobs
     if num_logprobs is not None and mro.logprobs is not None and mro.logprobs[i]:
-        # the step computed the largest k any request asked for: keep this one's 1 + k
-        output.new_logprobs = [mro.logprobs[i][: 1 + num_logprobs]]
-        output.new_top_logprob_ids = [mro.logprob_token_ids[i][: 1 + num_logprobs]]
-        output.new_logprob_ranks = [mro.logprob_ranks[i]]
+        # the step computed the largest k any request asked for: keep this one's 1 + k, for
+        # the tokens appended (a stop among accepted drafts drops those after it)
+        n, k = len(new_token_ids), 1 + num_logprobs
+        output.new_logprobs = [row[:k] for row in mro.logprobs[i][:n]]
+        output.new_top_logprob_ids = [row[:k] for row in mro.logprob_token_ids[i][:n]]
+        output.new_logprob_ranks = mro.logprob_ranks[i][:n]
     return output
 
 

@@ -3,7 +3,8 @@
 Plain dataclasses: both sides live in the EngineCore process. New requests come in full,
 requests the runner already holds as diffs (new blocks, computed-token count). The runner
 keeps each request's token list itself and appends what it samples; it samples for a
-request iff `num_computed_tokens + num_scheduled_tokens == len(prompt) + len(outputs)`.
+request iff `num_computed_tokens + num_scheduled_tokens == len(prompt) + len(outputs)` (plus
+its drafts: a request verifying k drafts samples 1 to k + 1 tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended this step (often [])
+    # its blocks after this step's allocation (fewer than before when blocks held for rejected
+    # drafts went back to the pool: the runner's row drops its last ones)
+    num_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
 
 
@@ -45,6 +49,9 @@ class SchedulerOutput:
     # finished, aborted or preempted since the last step: the runner drops them first,
     # then adds scheduled_new_reqs (a preempted request may come back under the same id)
     finished_req_ids: set[str]
+    # speculative decoding: req_id -> the draft ids this step verifies after the request's
+    # last token (they are among its num_scheduled_tokens)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,12 +59,15 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # per req_ids entry; [] when the step did not reach the end of its tokens (partial prefill)
     sampled_token_ids: list[list[int]]
-    # per request: [sampled token logprob, then top-k logprobs] when requested, else []
-    logprobs: list[list[float]] | None = None
-    logprob_token_ids: list[list[int]] | None = None  # per request: [sampled id, then top-k ids]
-    logprob_ranks: list[int] | None = None  # per request: the sampled token's vocab rank
+    # per request, per sampled token (several with speculative decoding): [its logprob, then
+    # the top-k logprobs] when requested, else []
+    logprobs: list[list[list[float]]] | None = None
+    logprob_token_ids: list[list[list[int]]] | None = None  # [sampled id, then top-k ids]
+    logprob_ranks: list[list[int]] | None = None  # per sampled token: its vocab rank
     # req_id -> (first prompt position of the chunk, then per position as in logprobs,
     # logprob_token_ids and logprob_ranks)
     prompt_logprobs: dict[str, tuple[int, list[list[float]], list[list[int]], list[int]]] | None = (
         None
     )
+    # speculative decoding: req_id -> drafts proposed for its next step (after these tokens)
+    spec_token_ids: dict[str, list[int]] | None = None

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagellm.config import CacheConfig, SchedulerConfig
+from pagellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampled import (
@@ -45,6 +45,7 @@ from pagellm.core.sampled import (
     gather_prompt_logprobs,
     sampled_output,
 )
+from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step
 from pagellm.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -64,6 +65,7 @@ class _Step:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     preempted: bool = False
 
 
@@ -80,6 +82,7 @@ class Scheduler:
         sliding_window: int | None = None,  # every layer's window is at most this (None: no)
         policy: str = "fcfs",
         long_rope_switch: int | None = None,  # longrope: past this many tokens, long factors
+        speculative: SpeculativeConfig | None = None,  # drafts come with the runner's outputs
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -106,6 +109,11 @@ class Scheduler:
         self.long_rope_switch = long_rope_switch
         self.num_prompt_tokens = 0  # computed, since start (stats)
         self.num_generation_tokens = 0  # sampled, since start (stats)
+        self.spec_stats = (
+            None if speculative is None else SpecDecodeStats(speculative.num_speculative_tokens)
+        )
+        # no drafts verified while more requests than this run (vLLM's disable_by_batch_size)
+        self.spec_max_batch = None if speculative is None else speculative.disable_by_batch_size
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -205,14 +213,18 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - step.token_budget,
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self.finished_req_ids = set()
         return output
 
     def _schedule_running(self, step: _Step) -> None:
         i = 0  # requests after i are younger: preemption victims come from there
+        drafts_on = self.spec_max_batch is None or len(self.running) <= self.spec_max_batch
         while i < len(self.running) and step.token_budget > 0:
             request = self.running[i]
+            if not drafts_on:
+                request.spec_token_ids = []
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step)
             if num_new == 0:  # async: its last useful token is already in flight
                 i += 1
@@ -220,15 +232,36 @@ class Scheduler:
             if self._needs_long_rope(request, request.num_computed_tokens + num_new):
                 self._switch_to_long_rope(self.running.pop(i), step)
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            new_block_ids, num_new = self._allocate(request, num_new, step)
             if new_block_ids is None:
                 return  # it preempted itself, the last running request
             cached = step.cached_reqs
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
+            cached.num_blocks.append(self.kv_cache_manager.num_blocks(request.request_id))
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            drafts = drafts_in_step(request, num_new)
+            if drafts:
+                step.spec_tokens[request.request_id] = drafts
             self._advance(request, num_new, step)
             i += 1
+
+    def _allocate(
+        self, request: Request, num_new: int, step: _Step
+    ) -> tuple[list[int] | None, int]:
+        """Blocks for the request's `num_new` next tokens, and for its drafts after them
+        where free blocks allow without preempting anyone: (new block ids, tokens)."""
+        if request.spec_token_ids:
+            num_drafts = len(request.spec_token_ids)
+            num_all = self._num_new_tokens(request, request.num_computed_tokens, step, num_drafts)
+            if self.long_rope_switch is not None and not request.long_rope:
+                # drafts past the switch would be verified with the short factors
+                num_all = min(num_all, self.long_rope_switch - request.num_computed_tokens)
+            if num_all > num_new:
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_all)
+                if new_block_ids is not None:
+                    return new_block_ids, num_all
+        return self._allocate_or_preempt(request, num_new, step), num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
         """Blocks for `num_new` more tokens, preempting the youngest running requests until
@@ -268,6 +301,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         self._enqueue(request, front=True)
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
 
@@ -303,9 +337,12 @@ class Scheduler:
         self._advance(request, num_new, step)
         return True
 
-    def _num_new_tokens(self, request: Request, num_computed: int, step: _Step) -> int:
-        """Tokens still to compute, capped by the budget and by the request's length limit."""
-        num_tokens = request.num_tokens + request.num_output_placeholders
+    def _num_new_tokens(
+        self, request: Request, num_computed: int, step: _Step, num_drafts: int = 0
+    ) -> int:
+        """Tokens still to compute (its drafts after them), capped by the budget and by the
+        request's length limit."""
+        num_tokens = request.num_tokens + request.num_output_placeholders + num_drafts
         num_left = min(num_tokens, self._max_computed_tokens(request)) - num_computed
         return min(num_left, step.token_budget)
 
@@ -346,8 +383,19 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             self.num_generation_tokens += len(token_ids)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
             try:
-                outputs.append(self._process_sampled(request, token_ids, mro, i))
+                output = self._process_sampled(request, token_ids, mro, i)
+                if drafts:
+                    output.num_draft_tokens = len(drafts)
+                    output.num_accepted_tokens = self.spec_stats.verified(
+                        request, len(drafts), len(token_ids)
+                    )
+                if mro.spec_token_ids is not None and not request.is_finished:
+                    # a grammar's matcher follows accepted tokens only: no drafts for it
+                    if request.structured_output is None:
+                        request.spec_token_ids = mro.spec_token_ids.get(req_id, [])
+                outputs.append(output)
             except Exception as e:  # this request's own fault: it alone fails
                 outputs.append(self.fail_request(request, e))
         if any(output.finished for output in outputs):
@@ -395,4 +443,5 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            **(self.spec_stats.fields() if self.spec_stats is not None else {}),
         )

@@ -27,6 +27,7 @@ from pagellm.config import (
     ModelSource,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     architecture_of,
 )
@@ -87,6 +88,9 @@ class EngineArgs:
     quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
     # vLLM's name: the limits on output constraints, StructuredOutputsConfig's fields by name
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
+    # vLLM's keys (method, num_speculative_tokens, prompt_lookup_min/max, model, ...), as a
+    # dict or its JSON text; None: no speculative decoding (pagellm/spec_decode/)
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -122,6 +126,7 @@ class EngineArgs:
             calculate_kv_scales=self.calculate_kv_scales,
         )
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
+        speculative_config = SpeculativeConfig.of(self.speculative_config)
         model_config = self.create_model_config(device)
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
@@ -148,6 +153,7 @@ class EngineArgs:
             trace_kv=self.trace_kv,
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
+            speculative_config=speculative_config,
         )
 
     def token_budget(self, device: torch.device) -> int:

@@ -16,6 +16,11 @@ each step fills the bitmask rows of the constrained requests that sample, from t
 which must first have seen the previous step's tokens. So under async scheduling a step with
 such rows queues its forward, then waits for the step before it and reports it, then fills
 the masks and queues its sampling: it keeps the forward's overlap, and loses the rest.
+
+Speculative decoding (`pagellm/spec_decode/`): a step's drafts are proposed once its tokens
+are back, and the next step verifies them; so under async scheduling each step first reports
+the one in flight, then schedules and queues the next, which runs on the device while the
+outputs go to the caller.
 """
 
 from __future__ import annotations
@@ -67,8 +72,11 @@ class EngineCore:
             policy=config.scheduler_config.policy,
             sliding_window=window,
             long_rope_switch=config.model_config.long_rope_switch,
+            speculative=config.speculative_config,
         )
         self.async_scheduling = config.async_scheduling
+        # the drafts of a step come with its tokens: the next step is scheduled after them
+        self.drafts_first = config.speculative_config is not None
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
@@ -133,6 +141,8 @@ class EngineCore:
         """Queue the next step, then report the one before it (empty on the first call)."""
         previous, self._in_flight = self._in_flight, None
         outputs = None
+        if previous is not None and self.drafts_first:  # its drafts are the next step's
+            outputs, previous = self._report(previous), None
         if self.scheduler.has_unfinished_requests():
             # an empty step in flight is no work to report: idle, wait for compiles (a busy
             # loop of empty steps starved the compile threads of the interpreter lock)

@@ -255,6 +255,9 @@ class OutputProcessor:
                 known = parent.num_cached_tokens
                 parent.num_cached_tokens = cached if known is None else min(known, cached)
         state.metrics.last_token_time = now
+        if out.num_draft_tokens:
+            state.metrics.num_draft_tokens += out.num_draft_tokens
+            state.metrics.num_accepted_tokens += out.num_accepted_tokens
         if out.new_logprobs is not None and state.logprobs is not None:
             self._update_logprobs(state, out)
         if out.prompt_logprobs is not None:

@@ -28,6 +28,9 @@ class StatLogger:
         now = time.monotonic() if now is None else now
         if now - self.last_time >= self.interval_s:
             logger.info(self.line(stats, now - self.last_time))
+            spec = self.spec_line(stats)
+            if spec:
+                logger.info(spec)
             self.last_time, self.last = now, stats
 
     def line(self, stats: SchedulerStats, elapsed_s: float) -> str:
@@ -42,4 +45,24 @@ class StatLogger:
             f"{self.device} KV cache usage: {100 * stats.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {100 * hit_rate:.1f}%, "
             f"Preemptions: {stats.num_preemptions - last.num_preemptions}"
+        )
+
+    def spec_line(self, stats: SchedulerStats) -> str | None:
+        """vLLM's speculative-decoding line over the interval; None without drafts in it."""
+        last = self.last
+        drafts = stats.spec_decode_num_drafts - last.spec_decode_num_drafts
+        if drafts <= 0:
+            return None
+        drafted = stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens
+        accepted = stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens
+        before = last.spec_decode_num_accepted_tokens_per_pos
+        per_pos = [
+            (n - (before[i] if i < len(before) else 0)) / drafts
+            for i, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)
+        ]
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Per-position acceptance rate: {', '.join(f'{r:.3f}' for r in per_pos)}, "
+            f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%"
         )

@@ -108,6 +108,11 @@ class InputBatch:
             proc.remove_request(row)
         self._free_rows.append(row)
 
+    def allows_drafts(self, row: int) -> bool:
+        """Whether the request in `row` may verify drafts: none of its logits processors
+        depends on the tokens before a position (penalties, bad words, min_tokens, ...)."""
+        return all(proc.allows_drafts(row) for proc in self.processors)
+
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids

@@ -52,16 +52,22 @@ def prompt_logprobs(
 
 
 def attach_logprobs(
-    output: ModelRunnerOutput, sample_idx: np.ndarray, result: SamplerOutput
+    output: ModelRunnerOutput,
+    sample_idx: np.ndarray,
+    result: SamplerOutput,
+    groups: list[tuple[int, int]] | None = None,
 ) -> None:
-    """The sampled tokens' logprobs (read back now) into `output`, by request index."""
+    """The sampled tokens' logprobs (read back now) into `output`, by request index: row j of
+    `result` is sampling request j's token, or (speculative decoding) `groups[j]` = (first
+    row, tokens) of its accepted tokens."""
     values = result.logprobs.cpu().tolist()
     ids = result.logprob_ids.cpu().tolist()
     ranks = result.logprob_ranks.cpu().tolist()
     output.logprobs = [[] for _ in output.req_ids]
     output.logprob_token_ids = [[] for _ in output.req_ids]
-    output.logprob_ranks = [0 for _ in output.req_ids]
+    output.logprob_ranks = [[] for _ in output.req_ids]
     for j, i in enumerate(sample_idx.tolist()):
-        output.logprobs[i] = values[j]
-        output.logprob_token_ids[i] = ids[j]
-        output.logprob_ranks[i] = ranks[j]
+        start, n = groups[j] if groups is not None else (j, 1)
+        output.logprobs[i] = values[start : start + n]
+        output.logprob_token_ids[i] = ids[start : start + n]
+        output.logprob_ranks[i] = ranks[start : start + n]

@@ -51,6 +51,7 @@ from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import ProfiledMemory, profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.spec_decode import SpecDecoder
 from pagellm.worker.step_batch import (
     StepBatch,
     block_table_rows,
@@ -114,6 +115,9 @@ class ModelRunner:
         # a longrope model's long-factor rows follow this many short ones in its rotary table
         rope = long_rope(self.model_config.hf_config)
         self.long_rope_rows = 0 if rope is None else rope[1]
+        # speculative decoding: drafts verified in the step's forward, proposed after it
+        spec = config.speculative_config
+        self.spec = None if spec is None else SpecDecoder(spec, self)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -278,16 +282,21 @@ class ModelRunner:
             if row is not None:
                 self.pending.drop_row(row)
             ib.remove_request(req_id)
+            if self.spec is not None:
+                self.spec.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new, self.long_rope_rows if new.long_rope else 0)
         cached = sched.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        for req_id, block_ids, num_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_blocks, cached.num_computed_tokens
         ):
             row = ib.req_id_to_row[req_id]
             ib.num_computed_tokens[row] = num_computed
+            ib.num_blocks[row] = num_blocks - len(block_ids)  # fewer: drafts' blocks freed
             if block_ids:
                 ib.append_block_ids(row, block_ids)
+        if self.spec is not None:
+            self.spec.add_drafts(ib, sched)
 
     def _stage(self, arrays: dict[str, np.ndarray], block_rows: np.ndarray) -> dict:
         self.inputs.begin()
@@ -321,6 +330,8 @@ class ModelRunner:
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
+        if self.spec is not None and self.spec.drafted_rows:
+            return self.spec.sample(batch, hidden, grammar)
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool
@@ -361,6 +372,11 @@ class ModelRunner:
         ib.token_ids[sampled.rows[held], sampled.positions[held]] = tokens[held]
         if sampled.result.logprobs is not None:
             attach_logprobs(output, sampled.sample_idx, sampled.result)
+        if self.spec is not None:
+            rows = sampled.rows[held].tolist()
+            output.spec_token_ids = self.spec.propose(
+                list(zip([r for r, h in zip(sampled.req_ids, held) if h], rows))
+            )
 
     def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
         """Rows of `hidden` to take logits from: each sampling request's last token."""

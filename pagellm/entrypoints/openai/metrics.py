@@ -39,7 +39,23 @@ class ServerMetrics:
                 "prefix_cache_hits", "Prompt tokens found in the prefix cache."
             ),
             "num_preemptions": self._counter("num_preemptions", "Requests preempted."),
+            "spec_decode_num_drafts": self._counter(
+                "spec_decode_num_drafts", "Verify steps of a request with draft tokens."
+            ),
+            "spec_decode_num_draft_tokens": self._counter(
+                "spec_decode_num_draft_tokens", "Draft tokens verified."
+            ),
+            "spec_decode_num_accepted_tokens": self._counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+            ),
         }
+        self.accepted_per_pos = Counter(
+            "pagellm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0: the first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self.accepted_per_pos_seen: list[int] = []
         self.core_seen: dict[str, float] = {}
         self.requests = Counter(
             "pagellm:request_success",
@@ -83,12 +99,20 @@ class ServerMetrics:
             if value > self.core_seen.get(field, 0):  # a Counter only goes up by increments
                 counter.inc(value - self.core_seen.get(field, 0))
                 self.core_seen[field] = value
+        seen = self.accepted_per_pos_seen
+        for pos, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+            if pos >= len(seen):
+                seen.append(0)
+            if value > seen[pos]:
+                self.accepted_per_pos.labels(self.model_name, str(pos)).inc(value - seen[pos])
+                seen[pos] = value
 
     def on_engine_restart(self) -> None:
         """A new core holds nothing yet: the gauges start from zero; the counters go on, and
         the new core's own counters (from zero) add to them."""
         self.engine_restarts.inc()
         self.core_seen.clear()
+        self.accepted_per_pos_seen.clear()
         self.set_scheduler_stats({})
 
     def render(self) -> bytes:

@@ -58,6 +58,10 @@ class LogitsProcessor:
     override `add_request` / `remove_request`) and implement `prepare` and `apply`."""
 
     masks = False  # True: sets logits to -inf in place; the logprobs see it
+    # True: what it does to a row does not depend on the tokens before it, so the rows that
+    # verify drafts (speculative decoding) get it as they are; otherwise its requests get
+    # no drafts
+    position_independent = False
 
     def __init__(self, max_num_reqs: int, vocab_size: int | None, device: torch.device) -> None:
         self.device = device
@@ -76,6 +80,10 @@ class LogitsProcessor:
 
     def remove_request(self, row: int) -> None:
         self.rows.pop(row, None)
+
+    def allows_drafts(self, row: int) -> bool:
+        """Whether the request in `row` may verify drafts with this processor on."""
+        return self.position_independent or row not in self.rows
 
     def prepare(self, step: SamplingStep) -> Any | None:
         """This step's arguments for `apply`, or None: nothing to do this step."""

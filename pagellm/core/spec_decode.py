@@ -1,0 +1,58 @@
+"""The scheduler's side of speculative decoding: which drafts a step verifies, the rollback
+of the rejected ones, and the counters of `/metrics` and the stats line.
+
+A request with k drafts is scheduled for its next token and the k drafts after it (1 + k
+tokens of the budget and KV slots; fewer drafts where the budget, max_tokens or the model's
+length cut them). The runner returns the accepted drafts and one token more; the slots of
+the rejected drafts are computed again: `num_computed_tokens` steps back over them, the next
+step writes its tokens there, and blocks held only for them go back to the pool when the
+request is scheduled next (`KVCacheManager.allocate_slots`). Drafts never enter the prefix
+cache: a block is cached only once its tokens are known (accepted).
+"""
+
+from __future__ import annotations
+
+from pagellm.core.request import Request, RequestStatus
+
+
+def drafts_in_step(request: Request, num_new: int) -> list[int]:
+    """The drafts among the `num_new` tokens just scheduled for `request` (those after its
+    known tokens); its proposal is used up either way."""
+    drafts, request.spec_token_ids = request.spec_token_ids, []
+    num_known = request.num_tokens + request.num_output_placeholders
+    return drafts[: max(0, request.num_computed_tokens + num_new - num_known)]
+
+
+class SpecDecodeStats:
+    """Since start: verify steps of a request with drafts, drafts, accepted drafts, and the
+    accepted ones by position (vLLM's `spec_decode_*` counters)."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_speculative_tokens
+
+    def verified(self, request: Request, num_drafts: int, num_sampled: int) -> int:
+        """A step verified `num_drafts` drafts of `request` and sampled `num_sampled` tokens:
+        count them, and step its computed tokens back over the rejected ones. Returns the
+        number accepted."""
+        num_accepted = num_sampled - 1
+        if request.status == RequestStatus.RUNNING:  # not preempted since
+            request.num_computed_tokens -= num_drafts - num_accepted
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+        return num_accepted
+
+    def fields(self) -> dict:
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+        }

@@ -1,0 +1,58 @@
+"""How many drafts a request gets: as many as pay for themselves at its measured acceptance.
+
+Verifying k drafts makes a step cost about 1 + c k times a plain one (c: the marginal cost
+of one more query token a request, small where decode reads weights from memory) and yields
+1 + a + a^2 + ... + a^k tokens on average when each draft is accepted with probability a
+(the request's running acceptance, an exponential average over its verified drafts). The
+request gets the k in 0..num_speculative_tokens with the most tokens per unit of cost: no
+drafts once they keep failing, so speculation never costs more than it saves. A request held
+at 0 is given one draft every `PROBE_EVERY` steps, to notice when its text turns repetitive.
+"""
+
+from __future__ import annotations
+
+PROBE_EVERY = 8  # steps without drafts between two one-draft probes
+_WEIGHT = 0.2  # of the newest verified draft in the running acceptance
+_START = 0.6  # a new request's acceptance: optimistic, drafts from its first step
+
+
+class AdaptiveDrafts:
+    def __init__(self, max_drafts: int, draft_cost: float = 0.1, enabled: bool = True) -> None:
+        self.max_drafts = max_drafts
+        self.draft_cost = draft_cost
+        self.enabled = enabled
+        self.acceptance: dict[str, float] = {}
+        self.idle_steps: dict[str, int] = {}  # steps a request has gone without drafts
+
+    def num_drafts(self, req_id: str) -> int:
+        """Drafts to propose for the request's next step."""
+        if not self.enabled:
+            return self.max_drafts
+        best = self._best_k(self.acceptance.get(req_id, _START))
+        if best > 0:
+            self.idle_steps[req_id] = 0
+            return best
+        idle = self.idle_steps.get(req_id, 0) + 1
+        self.idle_steps[req_id] = idle
+        return 1 if idle % PROBE_EVERY == 0 else 0
+
+    def _best_k(self, a: float) -> int:
+        best_k, best, expected, power = 0, 1.0, 1.0, 1.0
+        for k in range(1, self.max_drafts + 1):
+            power *= a
+            expected += power
+            rate = expected / (1 + self.draft_cost * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts of the request and accepted `num_accepted`."""
+        a = self.acceptance.get(req_id, _START)
+        for hit in [1.0] * num_accepted + [0.0] * (num_accepted < num_drafts):
+            a += _WEIGHT * (hit - a)
+        self.acceptance[req_id] = a
+
+    def remove(self, req_id: str) -> None:
+        self.acceptance.pop(req_id, None)
+        self.idle_steps.pop(req_id, None)

@@ -1,0 +1,154 @@
+"""The model runner's side of speculative decoding: drafts into the step's rows, their
+verification after the forward, and the next drafts once the tokens are back.
+
+The scheduler sends each drafted request's drafts with the step (`scheduled_spec_decode_tokens`)
+and schedules 1 + k tokens for it: its last token and the k drafts, written into its row
+after its tokens (not counted in them). The forward computes all of them as it computes a
+prefill chunk; the logits of the last 1 + k positions go to the rejection sampler
+(`pagellm/sample/rejection_sampler.py`), which returns the accepted drafts and one token
+more. Once those are on the host the proposer drafts again for every request that sampled,
+as many drafts as `AdaptiveDrafts` gives it (none for a request whose logits processors
+depend on the tokens before a position: penalties, bad words, min_tokens, a thinking budget).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pagellm.config import SpeculativeConfig
+from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed.parallel_state import broadcast_from_rank0, get_tp_group
+from pagellm.sample.rejection_sampler import VerifyLayout, verify
+from pagellm.spec_decode.adaptive import AdaptiveDrafts
+from pagellm.spec_decode.proposer import Drafting, NgramProposer, Proposer, SuffixTreeProposer
+from pagellm.structured_output.bitmask import GrammarBitmask
+from pagellm.utils import to_device
+from pagellm.worker.async_output import AsyncModelRunnerOutput, SampledTokens
+from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+
+if TYPE_CHECKING:
+    from pagellm.worker.input_batch import InputBatch
+    from pagellm.worker.step_batch import StepBatch
+
+
+def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixTreeProposer(config)
+    raise ValueError(f"speculative method {config.method!r} is not served yet")
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, runner: Any) -> None:
+        self.config = config
+        self.runner = runner
+        self.proposer = make_proposer(config, runner)
+        self.adaptive = AdaptiveDrafts(config.num_speculative_tokens, enabled=config.adaptive)
+        max_reqs = runner.input_batch.num_tokens.shape[0]
+        self.num_drafts = np.zeros(max_reqs, np.int64)  # drafts in each row this step
+        self.drafted_rows: list[int] = []
+        self.is_rank0 = get_tp_group().rank == 0
+
+    def remove_request(self, req_id: str) -> None:
+        self.adaptive.remove(req_id)
+        self.proposer.remove_request(req_id)
+
+    def add_drafts(self, ib: InputBatch, sched: SchedulerOutput) -> None:
+        """Write the step's drafts after their requests' tokens (not counted in them)."""
+        self.num_drafts[self.drafted_rows] = 0
+        self.drafted_rows = []
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            row = ib.req_id_to_row[req_id]
+            n = int(ib.num_tokens[row])
+            ib.token_ids[row, n : n + len(drafts)] = drafts
+            self.num_drafts[row] = len(drafts)
+            self.drafted_rows.append(row)
+
+    # ---- verification --------------------------------------------------------------------
+
+    def sample(
+        self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None
+    ) -> AsyncModelRunnerOutput:
+        """The step's sampling when some request verifies drafts: every sampling request's
+        last 1 + k rows through the rejection sampler."""
+        runner, ib = self.runner, self.runner.input_batch
+        device = runner.device
+        k = self.num_drafts[batch.rows]
+        sample_idx = np.flatnonzero(batch.seq_lens == ib.num_tokens[batch.rows] + k)
+        output = ModelRunnerOutput(batch.req_ids, [[] for _ in batch.req_ids])
+        if ib.prompt_logprob_rows:
+            output.prompt_logprobs = prompt_logprobs(runner.model, ib, batch, hidden, device)
+        if len(sample_idx) == 0:
+            return AsyncModelRunnerOutput(output)
+        ks, rows = k[sample_idx], batch.rows[sample_idx]
+        layout = VerifyLayout(ks)
+        within = np.arange(layout.num_rows) - np.repeat(layout.starts, ks + 1)  # j per row
+        ends = batch.query_start_loc[1:][sample_idx].astype(np.int64)
+        index = np.repeat(ends - ks - 1, ks + 1) + within  # hidden rows of the last 1 + k
+        logits = runner.model.compute_logits(hidden[to_device(index, device)])
+        flat_rows = np.repeat(rows, ks + 1)
+        req_ids = [batch.req_ids[i] for i in np.repeat(sample_idx, ks + 1).tolist()]
+        meta = ib.sampling_metadata(flat_rows, device, req_ids, grammar)
+        draft_ids = ib.token_ids[flat_rows, ib.num_tokens[flat_rows] + within]
+        draft_ids[within == np.repeat(ks, ks + 1)] = -1  # a request's last row: no draft
+        tokens, result = verify(logits, meta, to_device(draft_ids, device), layout)
+        if meta.processors:
+            meta.record(result.sampled)
+        if get_tp_group().size > 1:
+            broadcast_from_rank0(tokens)  # every rank appends the same tokens
+        result.sampled = tokens  # [S, K + 1]: what the host reads back; logprobs per row
+        req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
+        positions = ib.num_tokens[rows]
+        sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, device)
+        ib.num_tokens[rows] += 1  # the rest once the tokens are back
+        return AsyncModelRunnerOutput(output, sampled, self._read_back(layout, ks))
+
+    def _read_back(self, layout: VerifyLayout, ks: np.ndarray):
+        def read_back(output: ModelRunnerOutput, sampled: SampledTokens) -> None:
+            tokens = sampled.wait()  # [S, K + 1], -1 beyond each request's tokens
+            counts = (tokens >= 0).sum(axis=1)
+            ib = self.runner.input_batch
+            held = []
+            for j, i in enumerate(sampled.sample_idx.tolist()):
+                new = tokens[j, : counts[j]]
+                output.sampled_token_ids[i] = new.tolist()
+                row, req_id = int(sampled.rows[j]), sampled.req_ids[j]
+                if ks[j]:
+                    self.adaptive.observe(req_id, int(ks[j]), int(counts[j]) - 1)
+                if ib.req_id_to_row.get(req_id) == row:
+                    pos = int(sampled.positions[j])
+                    ib.token_ids[row, pos : pos + len(new)] = new
+                    ib.num_tokens[row] += len(new) - 1
+                    held.append((req_id, row))
+            if sampled.result.logprobs is not None:
+                groups = list(zip(layout.starts.tolist(), counts.tolist()))
+                attach_logprobs(output, sampled.sample_idx, sampled.result, groups)
+            output.spec_token_ids = self.propose(held)
+
+        return read_back
+
+    # ---- proposals -----------------------------------------------------------------------
+
+    def propose(self, held: list[tuple[str, int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of each (request, row) that just sampled (rank 0's are
+        the ones the scheduler uses)."""
+        if not self.is_rank0:
+            return {}
+        ib = self.runner.input_batch
+        wanted = []
+        for req_id, row in held:
+            if not ib.allows_drafts(row):
+                continue
+            k = self.adaptive.num_drafts(req_id)
+            if k > 0:
+                n = int(ib.num_tokens[row])
+                tokens = ib.token_ids[row, :n]
+                wanted.append(Drafting(req_id, row, tokens, int(ib.num_prompt_tokens[row]), k))
+        if not wanted:
+            return {}
+        drafts = self.proposer.propose(wanted)
+        return {r.req_id: d for r, d in zip(wanted, drafts) if d}
