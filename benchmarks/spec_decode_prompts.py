@@ -1,11 +1,16 @@
-"""The prompt sets of `spec_decode.py` (issue 39): chat conversations, one user turn each.
+"""The prompt sets of `spec_decode.py` (issue 39): chat conversations of one user turn each.
 
 GROUNDED: the source text is in the prompt and the answer copies much of it (rewrite, rename,
 quote, re-format, convert, annotate, continue, translate, fix): where prompt-lookup drafts are
 accepted. CHAT: open questions with no source text, where they mostly are not. Each entry is
-(name, user message). SmolLM2-135M is small: every grounded task here was kept because its
-greedy answer really reproduces long runs of its source (`spec_decode.py --show` prints the
-answers and the share of output tokens an n-gram lookup would have predicted).
+(name, user message).
+
+SmolLM2-135M is small: it often echoes its source with a few changes rather than doing the
+task well (the YAML comes back as JSON, the renamed variable keeps its name), but its greedy
+answers to every grounded prompt here do copy long runs of their source: `spec_decode.py
+--show` prints each answer and `lookup_tokens_per_step`, the tokens a verify step would keep
+with drafts from an n-gram lookup (float32, k = 5, n = 2..5, 2026-12-06: grounded 1.9 to 4.9
+per prompt, csv_to_json 2.6; chat 1.1 to 1.8).
 """
 
 from __future__ import annotations
@@ -174,8 +179,9 @@ GROUNDED: list[tuple[str, str]] = [
     ),
     (
         "csv_to_json",
-        "Convert this CSV to a JSON array of objects, one object per row, with the column "
-        f"names as keys.\n\n```csv\n{_CSV}\n```",
+        "Convert this CSV to JSON: a list with one object per row and the column names as "
+        'keys. The first row becomes {"id": 101, "product": "Desk Lamp", "category": '
+        f'"lighting", "price": 24.99, "stock": 120}}.\n\n```csv\n{_CSV}\n```',
     ),
     (
         "add_docstrings",
@@ -237,7 +243,7 @@ def show(args, prompts: dict[str, list[list[int]]]) -> None:
     """Each answer (speculation off), its length and its n-gram lookup tokens per step."""
     from pagellm import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(dtype=args.dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for name, ids_list in prompts.items():
         for (title, _), ids in zip(SETS[name], ids_list):
