@@ -361,8 +361,8 @@ def test_fp8_checkpoint_refuses_other_methods(tmp_path):
     with pytest.raises(ValueError, match="does not match the checkpoint's quant_method 'fp8'"):
         EngineArgs(model=folder, quantization="int4", device="cpu").create_engine_config()
     config = json.load(open(os.path.join(folder, "config.json")))
-    config["quantization_config"] = {"quant_method": "awq"}
-    with pytest.raises(ValueError, match="quant_method='awq' are not supported"):
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ValueError, match="quant_method='bitsandbytes' are not supported"):
         resolve_quantization(None, type("C", (), config)(), "hf", torch.device("cpu"))
 
 

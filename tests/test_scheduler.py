@@ -583,13 +583,14 @@ def test_logprobs_are_passed_through():
     scheduler.add_request(make_request("a", [1, 2, 3], logprobs=1))
     scheduler.add_request(make_request("b", [4, 5, 6]))  # no logprobs asked
     so = scheduler.schedule()
-    # the runner computed the step's largest k (2) for every sampling row
+    # the runner computed the step's largest k (2) for every sampling row (one row per
+    # sampled token)
     mro = ModelRunnerOutput(
         ["a", "b"],
         [[10], [11]],
-        logprobs=[[-0.5, -0.5, -1.5], [-0.1, -0.1, -2.5]],
-        logprob_token_ids=[[10, 10, 3], [11, 11, 7]],
-        logprob_ranks=[1, 1],
+        logprobs=[[[-0.5, -0.5, -1.5]], [[-0.1, -0.1, -2.5]]],
+        logprob_token_ids=[[[10, 10, 3]], [[11, 11, 7]]],
+        logprob_ranks=[[1], [1]],
     )
     out_a, out_b = scheduler.update_from_output(so, mro).outputs
     assert out_a.new_logprobs == [[-0.5, -0.5]] and out_a.new_top_logprob_ids == [[10, 10]]

@@ -1,8 +1,8 @@
-"""The paged attention and fp8 GEMM / GEMV kernels compiled for Hopper (sm_90) on this CPU-only
-machine: Triton's front end, its GPU passes and ptxas, without a device. The interpreter runs
-the kernels' semantics in CI, but accepts Python the compiler refuses (an `if` on a float
-constexpr once broke every GPU run); this catches that class of error before device time is
-spent. Each test compiles in a fresh process: with TRITON_INTERPRET=1 set (other test
+"""The paged attention, fp8 and int4 / int8 GEMM / GEMV kernels compiled for Hopper (sm_90)
+on this CPU-only machine: Triton's front end, its GPU passes and ptxas, without a device. The
+interpreter runs the kernels' semantics in CI, but accepts Python the compiler refuses (an
+`if` on a float constexpr once broke every GPU run); this catches that class of error before
+device time is spent. Each test compiles in a fresh process: with TRITON_INTERPRET=1 set (other test
 modules set it) `@triton.jit` makes interpreter functions, which cannot be compiled."""
 
 from __future__ import annotations
@@ -133,6 +133,24 @@ def compile_fused_fp8_outputs() -> None:
         _compile(_silu_and_mul_fp8_kernel, types, constexprs, ("n", "stride_xt", "stride_st"))
 
 
+def compile_wna16_gemm() -> None:
+    """The int4 / int8 weight-only GEMV and tensor-core GEMM, as `wna16_gemm` launches them."""
+    from pagellm.kernels.wna16_gemm import _wna16_gemm_kernel, _wna16_gemv_kernel
+
+    types = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8",
+             "bias_ptr": "*bf16", "y_ptr": "*bf16"}  # fmt: skip
+    for bits, group in ((4, 128), (8, 128), (4, 32)):
+        block = 256 if bits == 4 else 128
+        constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16,
+                          BLOCK_K=min(block, group))  # fmt: skip
+        _compile(_wna16_gemv_kernel, types, constexprs, ("N", "K", "stride_qn"))
+        for block_m in (16, 64):
+            constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=False, BLOCK_M=block_m,
+                              BLOCK_N=64, BLOCK_K=min(64, group))  # fmt: skip
+            _compile(_wna16_gemm_kernel, types, constexprs, ("N", "K", "stride_qn"),
+                     num_warps=4, num_stages=3)  # fmt: skip
+
+
 def _in_fresh_process(function: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
@@ -151,3 +169,7 @@ def test_fp8_gemm_compiles_for_hopper():
 
 def test_fused_fp8_outputs_compile_for_hopper():
     _in_fresh_process("compile_fused_fp8_outputs")
+
+
+def test_wna16_gemm_compiles_for_hopper():
+    _in_fresh_process("compile_wna16_gemm")

@@ -6,6 +6,8 @@
 //   kind Q4:  qs [N, K / 2] uint8   block b of row n is bytes 16 b .. 16 b + 15; byte i holds
 //                                   weight i (low nibble) and weight i + 16 (high nibble)
 //             d, m [N, K / 32] fp16  w = d * q + m  (Q4_1 as stored; Q4_0: m = -8 d, exact)
+//   kind Q4F: Q4 with m [N, K / 32] float32 (GPTQ / AWQ groups: m = -zero * scale, which
+//             fp16 would round; pagellm/quantization/wna16_cpu.py)
 //   kind Q8:  qs [N, K] int8, d [N, K / 32] fp16   w = d * q  (Q8_0)
 //   x [M, K] float32 or bfloat16 (row-major), 1 <= M <= 8; y [M, N] in x's dtype;
 //   bias [N] float32 or null
@@ -86,6 +88,7 @@ struct Weights {
   const uint16_t* d;
   const uint16_t* m;  // Q4 only
   int64_t N, K;
+  const float* mf;  // Q4F: m in float32 (then m is null)
 };
 
 #if defined(__AVX512F__)
@@ -144,6 +147,26 @@ inline float reduce_add8(__m256 v) {
 // sum over blocks of m[b] * xsum[b] (the offsets' share of one output), a vector of blocks at
 // a time (partial sums, then theirs): the serial sum's chain of dependent adds cost more
 // than the block loop itself at K = 576
+inline float offset_dot_f32(const float* m, const float* xsum, int64_t blocks) {
+  float s = 0.0f;
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; b + 16 <= blocks; b += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xsum + b), acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#elif defined(PAGELLM_AVX2_BLOCKS)
+  __m256 acc = _mm256_setzero_ps();
+  for (; b + 8 <= blocks; b += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xsum + b), acc);
+  }
+  s = reduce_add8(acc);
+#endif
+  for (; b < blocks; ++b) s = std::fma(m[b], xsum[b], s);
+  return s;
+}
+
 inline float offset_dot(const uint16_t* m, const float* xsum, int64_t blocks) {
   float s = 0.0f;
   int64_t b = 0;
@@ -201,7 +224,11 @@ inline void blocks_in_pairs(int64_t blocks, Vec* even, Vec* odd, Block&& block) 
 inline void store_output(float dots, const Weights& w, const float* xsum, int r, int64_t n,
                          bool offsets, float* y, const float* bias) {
   const int64_t blocks = w.K / kBlock;
-  if (offsets) dots += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+  if (offsets && w.mf) {
+    dots += offset_dot_f32(w.mf + n * blocks, xsum + r * blocks, blocks);
+  } else if (offsets) {
+    dots += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+  }
   y[r * w.N + n] = dots + (bias ? bias[n] : 0.0f);
 }
 
@@ -359,13 +386,18 @@ void dispatch_rows(int64_t M, const Weights& w, const Activations& a, float* y,
 
 }  // namespace
 
-// kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null). x_bf16: x and y are bfloat16, else float32.
+// kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null), 2 Q4F (qs, d, m as float32). x_bf16: x and
+// y are bfloat16, else float32.
 // Returns 0, or -1 for arguments the kernel does not take.
 extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16, int kind,
-                                 const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, const uint16_t* d, const void* m,
                                  int64_t N, void* y, const float* bias) {
-  if (M < 1 || M > kMaxRows || K % kBlock || (kind != Q4 && kind != Q8)) return -1;
-  if (kind == Q4 && m == nullptr) return -1;
+  constexpr int kQ4F = 2;
+  if (M < 1 || M > kMaxRows || K % kBlock || kind < Q4 || kind > kQ4F) return -1;
+  if (kind != Q8 && m == nullptr) return -1;
+  const float* mf = kind == kQ4F ? static_cast<const float*>(m) : nullptr;
+  const uint16_t* m16 = kind == Q4 ? static_cast<const uint16_t*>(m) : nullptr;
+  if (kind == kQ4F) kind = Q4;
   const int64_t blocks = K / kBlock;
   std::vector<float> xf(M * K), xsum(M * blocks), yf;
   for (int64_t i = 0; i < M * K; ++i) {
@@ -382,7 +414,7 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
     yf.resize(M * N);
     yout = yf.data();
   }
-  const Weights w{qs, d, m, N, K};
+  const Weights w{qs, d, m16, N, K, mf};
   const Activations a{xf.data(), xsum.data(), x_bf16 ? static_cast<const uint16_t*>(x) : nullptr};
   if (kind == Q4) {
     dispatch_rows<Q4>(M, w, a, yout, bias);

@@ -85,7 +85,9 @@ class EngineArgs:
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: </think> ends the thinking
-    quantization: str | None = None  # fp8 | gguf | int4 | int8 | none (pagellm.quantization)
+    quantization: str | None = (
+        None  # fp8 | gguf | int4 | int8 | awq | gptq | compressed-tensors | none
+    )
     # vLLM's name: the limits on output constraints, StructuredOutputsConfig's fields by name
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
     # vLLM's keys (method, num_speculative_tokens, prompt_lookup_min/max, model, ...), as a

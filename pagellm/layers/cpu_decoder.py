@@ -301,8 +301,11 @@ def _panels(linear, dtype: torch.dtype) -> panel_gemm.Panels | None:
 
 
 def _blocks(linear, dtype: torch.dtype) -> tuple[BlockPlanes | None, int]:
-    """A GGUF layer's block planes and the most rows it reads them for with activations of
-    `dtype`; (None, 0) for other layers, or where it never does."""
+    """A GGUF layer's block planes (or an int4 checkpoint's, `wna16_cpu.py`) and the most rows
+    it reads them for with activations of `dtype`; (None, 0) for other layers, or where it
+    never does."""
     packed = linear.packed_weight
     rows = packed.max_rows.get(dtype, 0) if isinstance(packed, GGUFBlockWeight) else 0
+    if getattr(packed, "perm", None) is not None:  # act-order blocks read x gathered: not here
+        rows = 0
     return (packed.planes, rows) if rows > 0 else (None, 0)

@@ -14,6 +14,10 @@ rank every class is a plain `Linear`.
 On x86 CPUs the model runner pre-packs every `Linear` weight once (`Linear.prepack`) for the
 GEMM library that is fastest on this machine (`pagellm/kernels/cpu_gemm.py`: MKL or oneDNN,
 bf16 or float32 arithmetic, timed at start-up); the plain weight is then freed.
+
+A quantized layer's tensors have their method's shapes; its method says which part of each
+a rank reads (`LinearMethod.tensor_slice`: whole for fp8 and GGUF, which run on one rank;
+rows or whole groups of columns for int4 / int8 checkpoints).
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from pagellm.quantization.base import LinearMethod, QuantizedWeight
 class Linear(nn.Linear):
     """nn.Linear that can run from a pre-packed CPU weight (see `prepack`) or a quantized one
     (`quant_method`, `pagellm/quantization/base.py`): either is `packed_weight(x, bias)`.
-    A quantized layer runs on one rank and is loaded from whole checkpoint tensors."""
+    A quantized layer reads the part of each checkpoint tensor its method says
+    (`quantized_slice`)."""
 
     packed_weight: PackedWeight | QuantizedWeight | None = None
     quant_method: LinearMethod | None = None  # set before loading; builds packed_weight after
     quantizable = True  # False: no quantization method is attached (MoE routers, as vLLM's)
+    per_part_params: tuple[str, ...] = ()  # a quantized fused layer's: one row a part
 
     def reset_parameters(self) -> None:
         """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
@@ -55,6 +61,14 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def quantized_slice(layer: Linear, param_name: str, part: TensorSlice) -> TensorSlice | None:
+    """The part of checkpoint tensor `param_name` this rank reads: `part` (the float weight's
+    rows or columns), or what the layer's quantization method makes of it (None: whole)."""
+    if layer.quant_method is None:
+        return part
+    return layer.quant_method.tensor_slice(layer, param_name, part)
+
+
 class ColumnParallelLinear(Linear):
     """Output features split over the ranks: rank r holds rows [r * n, (r + 1) * n) of the
     checkpoint's weight and bias (n = out_features / tp; or the rows `part` names) and
@@ -71,7 +85,7 @@ class ColumnParallelLinear(Linear):
         self.full_out_features = out_features
 
     def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
-        return None if self.quant_method else self.part
+        return quantized_slice(self, param_name, self.part)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         return (self.full_out_features, self.in_features)[: getattr(self, param_name).dim()]
@@ -112,7 +126,12 @@ class FusedLinear(Linear):
         return (rows, self.in_features)[: getattr(self, param_name).dim()]
 
     def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
-        """Load from a tensor of `full_shape` (random weights): each projection's part."""
+        """Load from a tensor of `full_shape` (random weights, a fused checkpoint tensor):
+        each projection's part (a per-part parameter's one row: each part's own)."""
+        if param_name in self.per_part_params:
+            for shard in self.full_rows:
+                self.load_shard(param_name, shard, tensor)
+            return
         for shard, rows in zip(self.full_rows, tensor.split(list(self.full_rows.values()))):
             self.load_shard(param_name, shard, rows)
 
@@ -125,10 +144,13 @@ class FusedLinear(Linear):
             full = (self.full_rows[shard], self.in_features)[: getattr(self, param_name).dim()]
             if tensor.shape != full:  # checked whole: a rank's slice of a wrong shape may fit
                 raise ValueError(f"{shard}.{param_name}: expected {full}, got {tensor.shape}")
-        rows = tensor.read(None if self.quant_method else self.parts[shard])
+        rows = tensor.read(quantized_slice(self, param_name, self.parts[shard]))
         param = materialize(self, param_name, rows.device)
         start, end = self.shard_rows[shard]
-        if param.dim() and param.shape[0] != self.out_features:  # block scales: rows per block
+        if param_name in self.per_part_params:  # a row a part (act-order g_idx)
+            start = list(self.shard_rows).index(shard)
+            end = start + 1
+        elif param.dim() and param.shape[0] != self.out_features:  # block scales: rows per block
             block = -(-self.out_features // param.shape[0])
             start, end = start // block, -(-end // block)
         if rows.dim() == 0 and param.dim():  # a per-tensor scale fills its shard's rows
@@ -191,7 +213,7 @@ class RowParallelLinear(Linear):
         self.adds_bias = tp.rank == 0
 
     def checkpoint_slice(self, param_name: str) -> TensorSlice | None:
-        return None if param_name == "bias" or self.quant_method else self.part
+        return None if param_name == "bias" else quantized_slice(self, param_name, self.part)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         if param_name == "bias":

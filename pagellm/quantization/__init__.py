@@ -2,13 +2,14 @@
 (caller side, `resolve_quantization`), and built into a `QuantizationConfig` for the loader
 (EngineCore side, `get_quant_config`). Method modules are imported lazily.
 
-    None (default)   a checkpoint's own method ("fp8" / "compressed-tensors" from its
-                     `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
+    None (default)   a checkpoint's own method ("fp8", "compressed-tensors", "awq", "gptq"
+                     from its `quantization_config`); "gguf" for a GGUF file on an x86 CPU with
                      AVX-512 or AVX2 where the block kernel builds, on one rank (its float32
                      results are the dequantized path's: 64 of 64 identical 32-token greedy
                      continuations of the embedded model, docs/benchmarks.md); otherwise
                      unquantized
-    "none"           no quantized kernels: GGUF and fp8 checkpoints are dequantized at load
+    "none"           no quantized kernels: GGUF, fp8 and int4 / int8 checkpoints are
+                     dequantized at load
     "gguf"           GGUF tensors kept quantized on the CPU (gguf_cpu.py): Q4_0 / Q4_1 /
                      Q8_0 blocks read as they are (the block kernel, AVX-512 or AVX2), or
                      without it torch's int4 / int8 kernels (AVX512-BF16)
@@ -18,7 +19,11 @@
     "fp8"            float8 e4m3 weights on CUDA: a bf16 checkpoint quantized at load, or an
                      fp8 checkpoint as stored (fp8.py); fp8 checkpoints on the CPU are
                      dequantized at load
-    "compressed-tensors"  an fp8 `float-quantized` compressed-tensors checkpoint (fp8.py)
+    "compressed-tensors"  a compressed-tensors checkpoint: fp8 `float-quantized` (fp8.py) or
+                     int4 / int8 `pack-quantized` (W4A16 / W8A16, wna16.py)
+    "awq", "gptq"    AWQ (GEMM) and GPTQ (4 / 8-bit, act-order, v1 / v2 zeros) checkpoints
+                     (wna16.py; vLLM's "awq_marlin" / "gptq_marlin" are the same names here);
+                     these and pack-quantized checkpoints split over tensor-parallel ranks
 """
 
 from __future__ import annotations
@@ -39,10 +44,14 @@ QUANTIZATION_METHODS = {
     "gguf": "pagellm.quantization.gguf_cpu:GGUFConfig",
     "int4": "pagellm.quantization.cpu_int:CpuIntConfig",
     "int8": "pagellm.quantization.cpu_int:CpuIntConfig",
+    "awq": "pagellm.quantization.wna16:WNA16Config",
+    "gptq": "pagellm.quantization.wna16:WNA16Config",
 }
+INT_WEIGHTS = "pagellm.quantization.wna16:WNA16Config"  # also compressed-tensors pack-quantized
+ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel names, same checkpoints
 NONE = "none"
 CPU_ONLY = ("gguf", "int4", "int8")
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quant_method values we load
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quant_method values we load
 
 
 def resolve_quantization(
@@ -54,11 +63,13 @@ def resolve_quantization(
 ) -> str | None:
     """The method to use (a `QUANTIZATION_METHODS` key), or None; ValueError naming
     `quantization` for a bad or impossible choice."""
+    name = ALIASES.get(name, name)
     if name is not None and name != NONE and name not in QUANTIZATION_METHODS:
         choices = ", ".join([NONE, *QUANTIZATION_METHODS])
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
-    if tensor_parallel_size > 1 and (stored is not None or name not in (None, NONE)):
+    splits = stored is not None and int_weights(hf_config)  # shards split on group boundaries
+    if tensor_parallel_size > 1 and not splits and (stored or name not in (None, NONE)):
         raise ValueError(  # quantized layers load whole tensors (pagellm/layers/linear.py)
             f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
             f"{tensor_parallel_size} needs an unquantized checkpoint and quantization=None"
@@ -75,6 +86,11 @@ def resolve_quantization(
         raise ValueError(
             "quantization='gguf' needs a GGUF file; to quantize this checkpoint on the CPU "
             "use 'int4' or 'int8'"
+        )
+    if name in ("awq", "gptq"):
+        raise ValueError(
+            f"quantization={name!r} needs a {name.upper()} checkpoint (config.json's "
+            f"quantization_config.quant_method {name!r}); this model has no quantization_config"
         )
     if name in ("fp8", "compressed-tensors"):
         return _fp8_at_load(name, device)
@@ -95,11 +111,23 @@ def checkpoint_method(hf_config: Any) -> str | None:
     return method
 
 
+def int_weights(hf_config: Any) -> bool:
+    """Whether the checkpoint holds int4 / int8 weights (AWQ, GPTQ, compressed-tensors
+    pack-quantized), served by wna16.py."""
+    cfg = quant_config_dict(hf_config) or {}
+    method = cfg.get("quant_method")
+    if method != "compressed-tensors":
+        return method in ("awq", "gptq")
+    groups = (cfg.get("config_groups") or {}).values()
+    formats = {g.get("format") or cfg.get("format") for g in groups} or {cfg.get("format")}
+    return "pack-quantized" in formats
+
+
 def _with_checkpoint(name: str | None, stored: str) -> str | None:
-    if name in (None, stored, "fp8"):
+    if name in (None, stored) or (name == "fp8" and stored in ("fp8", "compressed-tensors")):
         return stored
     if name == NONE:
-        return None  # the loader still reads the fp8 tensors, and dequantizes them
+        return None  # the loader still reads the quantized tensors, and dequantizes them
     raise ValueError(
         f"quantization={name!r} does not match the checkpoint's quant_method {stored!r}"
     )
@@ -137,15 +165,16 @@ def _check_cpu_int(name: str, device: torch.device) -> None:
 def get_quant_config(
     model_config: Any, device: torch.device, checkpoint: dict[str, Any] | None = None
 ) -> QuantizationConfig | None:
-    """The loader's `QuantizationConfig` for a resolved `model_config.quantization` (an fp8
-    checkpoint gets one even with None: its tensors are dequantized at load); `checkpoint`:
-    the tensors the loader read ahead, by HF name (a GGUF file's)."""
-    name = model_config.quantization
-    if name is None and checkpoint_method(model_config.hf_config) is not None:
-        name = "fp8"
+    """The loader's `QuantizationConfig` for a resolved `model_config.quantization` (a
+    quantized checkpoint gets one even with None: its tensors are dequantized at load);
+    `checkpoint`: the tensors the loader read ahead, by HF name (a GGUF file's)."""
+    name = model_config.quantization or checkpoint_method(model_config.hf_config)
     if name is None:
         return None
-    module, _, cls = QUANTIZATION_METHODS[name].partition(":")
+    target = QUANTIZATION_METHODS[name]
+    if name == "compressed-tensors" and int_weights(model_config.hf_config):
+        target = INT_WEIGHTS
+    module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls).from_model(
         model_config, device, checkpoint
     )

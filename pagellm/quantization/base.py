@@ -101,6 +101,12 @@ class LinearMethod(ABC):
         """Build the layer's `QuantizedWeight` as `layer.packed_weight` from its loaded
         parameters, and drop the parameters it no longer needs."""
 
+    def tensor_slice(self, layer: Linear, param_name: str, part: Any) -> Any:
+        """The `TensorSlice` of checkpoint tensor `param_name` this rank reads, given `part`,
+        the slice of the float weight it would read; None reads it whole (the default:
+        methods that run on one rank)."""
+        return None
+
     def weight_bytes(self, layer: Linear) -> int:
         """Bytes the layer holds once loaded and processed, counted on the `meta` layer
         `create_weights` left (`pagellm plan`); default: its parameters as they are."""

@@ -36,7 +36,7 @@ class BlockPlanes:
 
     qs: torch.Tensor  # Q4: [N, K / 2] uint8 nibbles; Q8: [N, K] int8
     d: torch.Tensor  # [N, K / 32] float16
-    m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d); Q8: None
+    m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d) or float32; Q8: None
 
     def __post_init__(self) -> None:
         n, blocks = self.d.shape
@@ -48,8 +48,10 @@ class BlockPlanes:
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in planes):
             raise ValueError("BlockPlanes: the planes must be contiguous CPU tensors")
         self.shape = (n, k)
-        # the kernel's arguments after x: kind, qs, d, m, N (read on every call)
-        self._args = (int(not q4), self.qs.data_ptr(), self.d.data_ptr(),
+        # the kernel's arguments after x: kind, qs, d, m, N (read on every call); kind 2: Q4
+        # with float32 offsets (GPTQ / AWQ groups, whose -zero * scale fp16 would round)
+        kind = (2 if self.m.dtype == torch.float32 else 0) if q4 else 1
+        self._args = (kind, self.qs.data_ptr(), self.d.data_ptr(),
                       self.m.data_ptr() if q4 else None, n)  # fmt: skip
 
     @classmethod

@@ -10,13 +10,17 @@ top-p, min-p: the target distribution p_j). Then, left to right:
   token what decoding without drafts gives.
 - random rows (Leviathan et al., "Fast Inference from Transformers via Speculative
   Decoding") accept draft d_j with probability min(1, p_j(d_j) / q_j(d_j)), q_j the
-  proposer's distribution (one-hot for ngram and suffix drafts: accepted with probability
-  p_j(d_j)); the first rejected row draws from the residual max(p_j - q_j, 0), renormalized,
-  and row k (all accepted) draws from p_k. Every token then follows the target's
-  distribution exactly, whatever the drafts.
+  proposer's distribution; the first rejected row draws from the residual
+  max(p_j - q_j, 0), renormalized, and row k (all accepted) draws from p_k. Every token then
+  follows the target's distribution exactly, whatever the drafts.
+- Our proposers draft deterministically (q_j one-hot at d_j): then each row draws its own
+  token t_j from p_j by the exponential race and accepts d_j iff t_j == d_j. That is the
+  rule above (t_j = d_j with probability p_j(d_j); otherwise t_j follows p_j without d_j,
+  the residual), and each token is the row's own draw whether or not it had a draft.
 
-Draws use the per-request generator where the request has a seed (uniforms, then the
-exponential race), so seeded requests are reproducible.
+A seeded request draws each token from a generator seeded by its seed and the token's
+position (`position_generators`): with one-hot drafts, how many drafts a step had (which
+depends on the batch: the token budget cuts drafts) and preemptions do not change its output.
 """
 
 from __future__ import annotations
@@ -34,6 +38,18 @@ from pagellm.sample.sampler import (
     gather_logprobs,
 )
 from pagellm.utils import to_device
+
+
+def position_generators(
+    seeds: dict[int, int], positions: np.ndarray, device: torch.device
+) -> dict[int, torch.Generator]:
+    """{flat row: a generator for the token at positions[row] of a request seeded `seed`}."""
+    return {
+        row: torch.Generator(device).manual_seed(
+            (seed * 0x9E3779B97F4A7C15 + int(positions[row])) % (1 << 63)
+        )
+        for row, seed in seeds.items()
+    }
 
 
 class VerifyLayout:
@@ -99,17 +115,15 @@ def _accept_random(
     """([N] bool: the row's draft is accepted, [N] the row's own draw: from the residual
     where it verifies a draft, from p where it is a request's last row)."""
     has_draft = draft_ids >= 0
+    if draft_probs is None:  # q = one-hot(d): the row's draw decides
+        choice = _exponential_race(probs, generators)
+        return has_draft & (choice == draft_ids), choice
     d = draft_ids.clamp(min=0).unsqueeze(1)
-    p_d = probs.gather(1, d).squeeze(1)
+    p_d, q_d = probs.gather(1, d).squeeze(1), draft_probs.gather(1, d).squeeze(1)
     uniform = torch.rand(probs.shape[0], device=probs.device)
     for row, gen in generators.items():
         uniform[row] = torch.rand(1, generator=gen, device=probs.device)[0]
-    if draft_probs is None:  # q = one-hot(d): accept with probability p(d)
-        accept = has_draft & (uniform < p_d)
-        residual = probs.scatter(1, d, torch.zeros_like(p_d).unsqueeze(1))
-    else:
-        q_d = draft_probs.gather(1, d).squeeze(1)
-        accept = has_draft & (uniform * q_d < p_d)
-        residual = (probs - draft_probs).clamp_(min=0)
+    accept = has_draft & (uniform * q_d < p_d)
+    residual = (probs - draft_probs).clamp_(min=0)
     residual = torch.where(has_draft.unsqueeze(1), residual, probs)
     return accept, _exponential_race(residual, generators)

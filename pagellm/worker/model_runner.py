@@ -330,7 +330,7 @@ class ModelRunner:
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
-        if self.spec is not None and self.spec.drafted_rows:
+        if self.spec is not None:
             return self.spec.sample(batch, hidden, grammar)
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
@@ -372,11 +372,6 @@ class ModelRunner:
         ib.token_ids[sampled.rows[held], sampled.positions[held]] = tokens[held]
         if sampled.result.logprobs is not None:
             attach_logprobs(output, sampled.sample_idx, sampled.result)
-        if self.spec is not None:
-            rows = sampled.rows[held].tolist()
-            output.spec_token_ids = self.spec.propose(
-                list(zip([r for r, h in zip(sampled.req_ids, held) if h], rows))
-            )
 
     def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
         """Rows of `hidden` to take logits from: each sampling request's last token."""

@@ -21,7 +21,7 @@ import torch
 from pagellm.config import SpeculativeConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import broadcast_from_rank0, get_tp_group
-from pagellm.sample.rejection_sampler import VerifyLayout, verify
+from pagellm.sample.rejection_sampler import VerifyLayout, position_generators, verify
 from pagellm.spec_decode.adaptive import AdaptiveDrafts
 from pagellm.spec_decode.proposer import Drafting, NgramProposer, Proposer, SuffixTreeProposer
 from pagellm.structured_output.bitmask import GrammarBitmask
@@ -73,8 +73,8 @@ class SpecDecoder:
     def sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None
     ) -> AsyncModelRunnerOutput:
-        """The step's sampling when some request verifies drafts: every sampling request's
-        last 1 + k rows through the rejection sampler."""
+        """Every step's sampling with speculative decoding on: each sampling request's last
+        1 + k rows (k drafts, maybe none) through the rejection sampler."""
         runner, ib = self.runner, self.runner.input_batch
         device = runner.device
         k = self.num_drafts[batch.rows]
@@ -93,6 +93,9 @@ class SpecDecoder:
         flat_rows = np.repeat(rows, ks + 1)
         req_ids = [batch.req_ids[i] for i in np.repeat(sample_idx, ks + 1).tolist()]
         meta = ib.sampling_metadata(flat_rows, device, req_ids, grammar)
+        if meta.generators:  # seeded: each token drawn by its position's generator
+            seeds = {i: ib.params[flat_rows[i]].seed for i in meta.generators}
+            meta.generators = position_generators(seeds, ib.num_tokens[flat_rows] + within, device)
         draft_ids = ib.token_ids[flat_rows, ib.num_tokens[flat_rows] + within]
         draft_ids[within == np.repeat(ks, ks + 1)] = -1  # a request's last row: no draft
         tokens, result = verify(logits, meta, to_device(draft_ids, device), layout)

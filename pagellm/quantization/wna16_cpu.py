@@ -1,0 +1,86 @@
+"""int4 / int8 checkpoint weights on the CPU, read by the GGUF block kernel
+(`gguf_kernel.py`, `pagellm/csrc/gguf_gemm.cpp`) at decode sizes.
+
+A group of g inputs (g a multiple of 32) is g / 32 of the kernel's blocks, each with the
+group's scale and offset, re-laid once at load, exactly (no value changes):
+
+    4-bit   w = (q - zero) * scale = d * q + m,  d = scale (fp16), m = -zero * scale (float32:
+            fp16 would round it), q 0..15 in the blocks' nibble order (byte i of a block:
+            weights i and i + 16)
+    8-bit   symmetric only: w = d * (q - 128), q - 128 as int8 (Q8_0's layout)
+
+That holds where the scales are fp16 values (GPTQ's and AWQ's are; a bf16 scale is too unless
+it is outside fp16's range). Larger batches (prefill chunks) multiply the dequantized copy,
+packed like an unquantized layer's (`dense_weight`); a layer the blocks cannot hold (groups
+not a multiple of 32, asymmetric 8-bit, scales fp16 cannot hold, no block kernel here) is
+dequantized at load (None from `cpu_weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.quantization import gguf_kernel
+from pagellm.quantization.base import QuantizedWeight
+from pagellm.quantization.cpu_int import dense_weight
+from pagellm.quantization.gguf_cpu import GGUFBlockWeight
+from pagellm.quantization.gguf_kernel import BLOCK, BlockPlanes
+from pagellm.quantization.wna16_formats import dequantize, unpack_canonical, unpermuted
+
+
+class WNA16BlockWeight(GGUFBlockWeight):
+    """`GGUFBlockWeight` (blocks for a few rows of x, the dequantized copy for more), an
+    act-order layer's x gathered by `perm` for the blocks (their columns sorted by group)."""
+
+    def __init__(self, planes: BlockPlanes, dense, perm: torch.Tensor | None) -> None:
+        super().__init__(planes, dense)  # dense: x in the checkpoint's column order
+        self.perm = perm  # [K] int64: block column j is checkpoint column perm[j]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        if self.perm is not None and x.shape[0] <= self.max_rows.get(x.dtype, 0):
+            x = x.index_select(1, self.perm)
+        return super().__call__(x, bias)
+
+
+def block_planes(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int
+) -> BlockPlanes | None:
+    """The canonical tensors (groups of `group` inputs, contiguous) as the block kernel's
+    planes, or None where they do not fit it exactly."""
+    q = unpack_canonical(qweight, bits)  # [N, K] uint8
+    n, k = q.shape
+    if k % BLOCK or group % BLOCK:
+        return None
+    per_block = torch.arange(k // BLOCK) * BLOCK // group  # the group of each block
+    scale = scales[:, per_block].float()  # [N, K / 32]
+    zero = zeros[:, per_block].float()
+    d = scale.to(torch.float16)
+    if not torch.equal(d.float(), scale):
+        return None
+    if bits == 8:
+        if not bool((zero == 128).all()):
+            return None
+        return BlockPlanes((q.to(torch.int16) - 128).to(torch.int8).contiguous(), d, None)
+    blocks = q.view(n, k // BLOCK, 2, BLOCK // 2)  # weights i and i + 16 share byte i
+    qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return BlockPlanes(qs, d.contiguous(), (-zero * scale).contiguous())
+
+
+def cpu_weight(
+    qweight: torch.Tensor,  # [N, K * bits / 8] canonical, groups contiguous
+    scales: torch.Tensor,  # [N, G] float32
+    zeros: torch.Tensor,  # [N, G] uint8
+    bits: int,
+    group: int,  # inputs a group
+    perm: torch.Tensor | None,  # act-order: the checkpoint column of each kernel column
+    dtype: torch.dtype,
+) -> QuantizedWeight | None:
+    """The block kernel's weight with its dense copy, or None (dequantize the layer)."""
+    if not gguf_kernel.supported():
+        return None
+    planes = block_planes(qweight, scales, zeros, bits, group)
+    if planes is None:
+        return None
+    dense = unpermuted(dequantize(qweight, scales, zeros, bits, group), perm)
+    return WNA16BlockWeight(planes, dense_weight(dense.to(dtype)), perm)

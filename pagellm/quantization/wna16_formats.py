@@ -1,0 +1,300 @@
+"""The int4 / int8 weight-only checkpoint formats (AWQ, GPTQ, compressed-tensors
+`pack-quantized`): what their `quantization_config` says (`WNA16Scheme`) and each stored
+tensor turned into one layout (`to_canonical`), the one the rest of `wna16*.py` reads.
+
+Every format stores w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = g_idx[k] (act-order)
+or k // group_size; they differ in where the integers sit:
+
+    AWQ (GEMM)     qweight int32 [K, N / 8]   8 columns an int32 in the order 0 2 4 6 1 3 5 7
+                   qzeros  int32 [G, N / 8]   the same order; zero as stored
+                   scales  fp16  [G, N]
+    GPTQ           qweight int32 [K / p, N]   p = 32 / bits rows an int32, lowest bits first
+                   qzeros  int32 [G, N / p]   columns packed the same way; v1 ("gptq") stores
+                                              zero - 1, v2 ("gptq_v2") the zero itself
+                   scales  fp16  [G, N];  g_idx int32 [K] (act-order when not k // group)
+    compressed-    weight_packed     int32 [N, K / p]  lowest bits first, q + 2^(bits-1)
+    tensors        weight_scale      [N, G] (channel strategy: [N, 1])
+                   weight_zero_point int32 [ceil(N / p), G] packed along N (asymmetric
+                                     only; signed, + 2^(bits-1) like q); weight_g_idx [K]
+                   weight_shape      [2] = (N, K), checked and dropped
+
+The canonical layout, one tensor a role, output rows first (so fused projections stack by
+rows and tensor-parallel ranks cut rows or groups of columns like any weight):
+
+    qweight  uint8 [N, K * bits / 8]   4-bit: byte j holds k = 2j (low nibble), 2j + 1
+    scales   float32 [N, G]            G = ceil(K / group_size) (1 for group_size -1)
+    zeros    uint8 [N, G]              unsigned, 0 .. 2^bits - 1 (symmetric: 2^(bits-1))
+    g_idx    int32 [1, K]              act-order only
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FORMATS = ("awq", "gptq", "compressed-tensors")
+AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of an AWQ int32 is its nibble AWQ_ORDER[j]
+ROLES = ("qweight", "scales", "zeros", "g_idx")
+CHECKPOINT_NAMES = {  # role -> the checkpoint's parameter name, by format
+    "awq": {"qweight": "qweight", "scales": "scales", "zeros": "qzeros"},
+    "gptq": {"qweight": "qweight", "scales": "scales", "zeros": "qzeros", "g_idx": "g_idx"},
+    "compressed-tensors": {"qweight": "weight_packed", "scales": "weight_scale",
+                           "zeros": "weight_zero_point", "g_idx": "weight_g_idx"},
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WNA16Scheme:
+    """One checkpoint's weight quantization, as its `quantization_config` states it."""
+
+    method: str  # "awq" | "gptq" | "compressed-tensors"
+    bits: int  # 4 | 8
+    group_size: int  # -1: one group over the whole input
+    sym: bool  # zero points 2^(bits-1) (compressed-tensors stores none then)
+    zero_minus_one: bool = False  # GPTQ v1: qzeros hold zero - 1
+    ignore: tuple[str, ...] = ()  # module names or "re:" patterns left unquantized
+    lm_head: bool = False  # the LM head is quantized too
+    act_order: bool = False  # the checkpoint stores each input's group (g_idx)
+    names: dict[str, str] = field(default_factory=dict)  # role -> checkpoint name
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.method}: {self.bits}-bit weights are not supported (4 or 8)")
+        if self.group_size != -1 and (self.group_size < 1 or self.group_size % 8):
+            raise ValueError(f"{self.method}: group_size {self.group_size} is not supported")
+
+    @property
+    def has_zeros(self) -> bool:
+        """Whether the checkpoint stores zero points (compressed-tensors: asymmetric only)."""
+        return self.method != "compressed-tensors" or not self.sym
+
+    @property
+    def offset(self) -> int:
+        return 1 << (self.bits - 1)
+
+    def groups(self, k: int) -> int:
+        return 1 if self.group_size == -1 else -(-k // self.group_size)
+
+    def group(self, k: int) -> int:
+        return k if self.group_size == -1 else self.group_size
+
+
+def parse_scheme(cfg: dict) -> WNA16Scheme:
+    """The scheme of an AWQ, GPTQ or compressed-tensors pack-quantized `quantization_config`
+    (ValueError naming what cannot be served)."""
+    method = cfg.get("quant_method")
+    if method == "awq":
+        return _awq(cfg)
+    if method == "gptq":
+        return _gptq(cfg)
+    if method == "compressed-tensors":
+        return _compressed_tensors(cfg)
+    raise ValueError(f"quant_method {method!r} is not an int4 / int8 weight-only format")
+
+
+def _awq(cfg: dict) -> WNA16Scheme:
+    version = str(cfg.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r} is not supported (only the GEMM layout)")
+    if not cfg.get("zero_point", True):
+        raise ValueError("AWQ without zero points (zero_point: false) is not supported")
+    bits = int(cfg.get("w_bit", cfg.get("bits", 4)))
+    if bits != 4:
+        raise ValueError(f"AWQ {bits}-bit weights are not supported (4-bit only)")
+    group = int(cfg.get("q_group_size", cfg.get("group_size", 128)))
+    ignore = tuple(cfg.get("modules_to_not_convert") or ())
+    return WNA16Scheme("awq", 4, group, False, ignore=ignore, names=CHECKPOINT_NAMES["awq"])
+
+
+def _gptq(cfg: dict) -> WNA16Scheme:
+    fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    if cfg.get("dynamic"):
+        raise ValueError("GPTQ `dynamic` per-module settings are not supported")
+    return WNA16Scheme(
+        "gptq", int(cfg.get("bits", 4)), int(cfg.get("group_size", 128)),
+        bool(cfg.get("sym", True)), zero_minus_one=fmt == "gptq",
+        act_order=bool(cfg.get("desc_act", False)),
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+        lm_head=bool(cfg.get("lm_head", False)), names=CHECKPOINT_NAMES["gptq"],
+    )  # fmt: skip
+
+
+def _compressed_tensors(cfg: dict) -> WNA16Scheme:
+    groups = list((cfg.get("config_groups") or {}).values())
+    formats = {g.get("format") or cfg.get("format") for g in groups} or {cfg.get("format")}
+    if len(groups) != 1 or formats != {"pack-quantized"}:
+        raise ValueError(
+            f"compressed-tensors: one config group in format pack-quantized is supported, "
+            f"got {len(groups)} group(s) in {sorted(map(str, formats))}"
+        )
+    group = groups[0]
+    w = group.get("weights") or {}
+    if group.get("input_activations") or w.get("type", "int") != "int":
+        raise ValueError("compressed-tensors pack-quantized: only int weights with float "
+                         "activations (W4A16 / W8A16) are supported")  # fmt: skip
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported "
+                         "(group, channel)")  # fmt: skip
+    size = int(w.get("group_size") or 0) if strategy == "group" else -1
+    if strategy == "group" and size <= 0:
+        raise ValueError("compressed-tensors group strategy without a group_size")
+    ignore = tuple(cfg.get("ignore") or ())
+    return WNA16Scheme(
+        "compressed-tensors", int(w.get("num_bits", 4)), size, bool(w.get("symmetric", True)),
+        ignore=ignore, lm_head=_targets_lm_head(group, ignore),
+        act_order=w.get("actorder") == "group",
+        names=CHECKPOINT_NAMES["compressed-tensors"],
+    )  # fmt: skip
+
+
+def _targets_lm_head(group: dict, ignore: tuple[str, ...]) -> bool:
+    return "lm_head" in (group.get("targets") or ()) and "lm_head" not in ignore
+
+
+def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] with 32 / bits values an int32, lowest bits first -> uint8 [R, C * 32 /
+    bits] (little-endian bytes: for 4 and 8 bits this is a view and a split)."""
+    raw = packed.contiguous().view(torch.uint8).reshape(packed.shape[0], -1)
+    if bits == 8:
+        return raw
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(raw.shape[0], -1)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [R, K] (K even) -> the canonical [R, K / 2]: low nibble first."""
+    v = values.to(torch.uint8).reshape(values.shape[0], -1, 2)
+    return v[..., 0] | (v[..., 1] << 4)
+
+
+def unpack_canonical(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The canonical qweight [N, K * bits / 8] -> uint8 values [N, K]."""
+    if bits == 8:
+        return qweight
+    return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 [R, C] -> uint8 [R, 8 C] in column order."""
+    nibbles = unpack_int32(packed, 4).reshape(packed.shape[0], -1, 8)
+    return nibbles[..., list(AWQ_ORDER)].reshape(packed.shape[0], -1)
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"{name}: expected {what} of shape {list(shape)}, got {list(tensor.shape)} "
+            f"{str(tensor.dtype).removeprefix('torch.')}"
+        )
+
+
+def _expect_int32(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype != torch.int32:
+        raise ValueError(f"{name}: expected packed int32, got {tensor.dtype}")
+
+
+def to_canonical(
+    scheme: WNA16Scheme, role: str, name: str, tensor: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    """A checkpoint tensor of one role for a projection of n outputs and k inputs (the
+    checkpoint's full shape), in the canonical layout; ValueError naming the tensor and what
+    was expected."""
+    g = scheme.groups(k)
+    if role == "g_idx":
+        _expect(name, tensor, (k,), "int32 g_idx [K]")
+        idx = tensor.to(torch.int32)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= g):
+            raise ValueError(f"{name}: group indices outside 0..{g - 1}")
+        return idx.reshape(1, k)
+    if role == "scales":
+        return _scales(scheme, name, tensor, n, g)
+    if role == "qweight" or tensor.dtype != torch.int8:  # int8: unpacked zero points
+        _expect_int32(name, tensor)
+    if role == "qweight":
+        return _qweight(scheme, name, tensor, n, k)
+    return _zeros(scheme, name, tensor, n, g)
+
+
+def _scales(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, g: int):
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name}: expected float scales, got {tensor.dtype}")
+    if scheme.method == "compressed-tensors":
+        _expect(name, tensor, (n, g), "scales [N, G]")
+        return tensor.float().contiguous()
+    _expect(name, tensor, (g, n), "scales [G, N]")
+    return tensor.float().t().contiguous()
+
+
+def _qweight(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, k: int):
+    per = 32 // scheme.bits
+    if scheme.method == "awq":
+        _expect(name, tensor, (k, n // 8), "AWQ int32 qweight [K, N / 8]")
+        values = _awq_unpack(tensor).t()
+    elif scheme.method == "gptq":
+        if k % per:
+            raise ValueError(f"{name}: in_features {k} is not a multiple of {per}")
+        _expect(name, tensor, (k // per, n), f"GPTQ int32 qweight [K / {per}, N]")
+        return unpack_int32(tensor.t(), 8).contiguous()  # bytes along K: already canonical
+    else:
+        _expect(name, tensor, (n, -(-k // per)), f"int32 weight_packed [N, K / {per}]")
+        values = unpack_int32(tensor, scheme.bits)[:, :k]
+    return values.contiguous() if scheme.bits == 8 else pack_nibbles(values).contiguous()
+
+
+def _zeros(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, g: int):
+    per, mask = 32 // scheme.bits, (1 << scheme.bits) - 1
+    if scheme.method == "awq":
+        _expect(name, tensor, (g, n // 8), "AWQ int32 qzeros [G, N / 8]")
+        return _awq_unpack(tensor).t().contiguous()
+    if scheme.method == "gptq":
+        _expect(name, tensor, (g, -(-n // per)), f"GPTQ int32 qzeros [G, N / {per}]")
+        zeros = unpack_int32(tensor, scheme.bits)[:, :n].to(torch.int32)
+        zeros = (zeros + 1) & mask if scheme.zero_minus_one else zeros
+        return zeros.to(torch.uint8).t().contiguous()
+    if tensor.dtype == torch.int8:  # unpacked signed zero points (older compressed-tensors)
+        _expect(name, tensor, (n, g), "int8 weight_zero_point [N, G]")
+        return (tensor.to(torch.int32) + scheme.offset).to(torch.uint8)
+    _expect(name, tensor, (-(-n // per), g), f"int32 weight_zero_point [N / {per}, G]")
+    return unpack_int32(tensor.t(), scheme.bits)[:, :n].t().contiguous()
+
+
+def dequantize(
+    qweight: torch.Tensor,  # [N, K * bits / 8] uint8, canonical
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G] uint8
+    bits: int,
+    group: int,  # inputs a group (the last may be short)
+    g_idx: torch.Tensor | None = None,  # [K] group of each input column (act-order)
+) -> torch.Tensor:
+    """float32 [N, K]: w = (q - zero) * scale, each column's group from `g_idx` or, without
+    it, k // group (the reference every kernel is tested against)."""
+    q = unpack_canonical(qweight, bits)
+    if g_idx is None:
+        g_idx = torch.arange(q.shape[1], device=q.device) // group
+    g_idx = g_idx.long()
+    return (q.float() - zeros[:, g_idx].float()) * scales[:, g_idx].float()
+
+
+def sort_groups(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The permutation of the input columns that makes act-order groups contiguous and whole
+    (group j at columns j * group ..), or None where sorting cannot (a rank holding parts of
+    groups)."""
+    perm = torch.argsort(g_idx.long(), stable=True)
+    expected = torch.arange(g_idx.numel(), device=g_idx.device) // group
+    return perm if torch.equal(g_idx.long()[perm], expected) else None
+
+
+def permute_columns(qweight: torch.Tensor, bits: int, perm: torch.Tensor) -> torch.Tensor:
+    """The canonical qweight with its input columns taken in `perm` order."""
+    values = unpack_canonical(qweight, bits)[:, perm]
+    return values.contiguous() if bits == 8 else pack_nibbles(values).contiguous()
+
+
+def unpermuted(dense: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """A weight [N, K] whose column j is checkpoint column perm[j], back in checkpoint order."""
+    if perm is None:
+        return dense
+    return torch.empty_like(dense).index_copy_(1, perm, dense)

@@ -1,0 +1,248 @@
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints (W4A16 / W8A16) on the CPU.
+
+Tiny random models of several families are packed into each format by `wna16_pack.py`
+(from each format's spec; compressed-tensors by its own packer) beside a float checkpoint of
+the same weights dequantized. Our model on the packed folder, with its int weights kept (the
+block kernel) or dequantized at load (quantization="none"), gives the logits HF gives on the
+float folder (float32: within 1e-4; the block kernel's products are exact, only their order
+of summation differs); an engine on it gives the float folder's greedy ids. Layouts the
+kernel cannot take (act-order parts that disagree, asymmetric 8-bit) are dequantized; bad
+tensors, configs and tensor-parallel splits are clear errors. Triton kernels: see
+test_wna16_gemm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from model_utils import hf_logits, load_our_model, make_tiny_hf_model, run_paged
+from safetensors.torch import load_file, save_file
+from wna16_pack import Packing, format_tensors, quantization_config, quantize, quantize_folder
+
+from pagellm import LLM, EngineArgs, SamplingParams
+from pagellm.distributed.parallel_state import building_rank
+from pagellm.quantization import gguf_kernel
+from pagellm.quantization.wna16_cpu import block_planes
+from pagellm.quantization.wna16_formats import dequantize, parse_scheme, to_canonical
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+BLOCKS = gguf_kernel.supported()
+CASES = {  # (family, packing): int weights kept where the block kernel runs (4-bit; 8-bit sym)
+    "llama-gptq-sym-g32": ("llama", Packing("gptq", 4, 32), True),
+    "qwen2-gptq-asym-g64-actorder": ("qwen2", Packing("gptq", 4, 64, False, True), True),
+    "mistral-gptq-actorder-parts-differ": (
+        "mistral", Packing("gptq", 4, 32, True, True, shared_order=False), False),
+    "qwen3-gptq_v2-8bit-channel": ("qwen3", Packing("gptq_v2", 8, -1), True),
+    "llama-gptq-8bit-asym-g128": ("llama", Packing("gptq", 8, 128, False), False),
+    "phi3-awq-g32": ("phi3", Packing("awq", 4, 32, False), True),
+    "gemma2-awq-g128": ("gemma2", Packing("awq", 4, 128, False), True),
+    "qwen2-ct-w4a16-asym-g32-actorder": (
+        "qwen2", Packing("compressed-tensors", 4, 32, False, True), True),
+    "llama-ct-w4a16-sym-channel": ("llama", Packing("compressed-tensors", 4, -1), True),
+    "qwen3-ct-w8a16-sym-g64": ("qwen3", Packing("compressed-tensors", 8, 64), True),
+}  # fmt: skip
+
+
+def _packed(tmp_path, arch: str, packing: Packing, **overrides) -> tuple[str, str]:
+    """(packed folder, float reference folder)."""
+    folder = make_tiny_hf_model(arch, tmp_path, std=0.1, **{**TINY, **overrides})
+    reference = str(tmp_path / "reference")
+    quantize_folder(folder, reference, packing)
+    return folder, reference
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_the_dequantized_models(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    arch, packing, kept = CASES[case]
+    folder, reference = _packed(tmp_path, arch, packing)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    for quantization in (None, "none"):
+        model = load_our_model(folder, quantization=quantization)
+        qkv = model.model.layers[0].self_attn.qkv_proj
+        on_blocks = quantization is None and kept and BLOCKS
+        assert (type(qkv.packed_weight).__name__ == "WNA16BlockWeight") == on_blocks
+        assert on_blocks or qkv.weight.dtype == torch.float32  # dequantized at load
+        fed, got = run_paged(model, [[3, 17, 99, 250, 7]], num_decode_steps=3)[0]
+        torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["qwen2-gptq-asym-g64-actorder", "phi3-awq-g32"])
+def test_engine_greedy_ids_equal_the_dequantized_models(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    arch, packing, _ = CASES[case]
+    folder, reference = _packed(tmp_path, arch, packing)
+    prompts = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = {}
+    for path in (folder, reference):
+        with LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
+            ids[path] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert ids[folder] == ids[reference]
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize(
+    "packing",
+    [Packing("awq", 4, 32, False), Packing("gptq", 4, 32, False), Packing("gptq", 8, 64),
+     Packing("gptq_v2", 4, -1, False), Packing("compressed-tensors", 4, 32, False),
+     Packing("compressed-tensors", 8, -1, False)],
+    ids=lambda p: f"{p.method}-{p.bits}bit-g{p.group}-{'sym' if p.sym else 'asym'}",
+)  # fmt: skip
+def test_each_format_reads_back_its_integers(packing):
+    """Every stored integer and scale lands where the canonical layout says (N = 40: the
+    compressed-tensors zero points' last int32 holds 5 rows, not 8)."""
+    w = torch.randn(40, 128)
+    q, scale, zero, _ = quantize(w, packing)
+    tensors, _ = format_tensors("m", w, packing)
+    scheme = parse_scheme(quantization_config(packing))
+    canon = {}
+    for name, tensor in tensors.items():
+        role = {v: k for k, v in scheme.names.items()}.get(name[2:])
+        if role:
+            canon[role] = to_canonical(scheme, role, name, tensor, 40, 128)
+    zeros = canon.get("zeros", torch.full_like(zero, scheme.offset)).long()
+    assert torch.equal(zeros, zero) and torch.equal(canon["scales"], scale)
+    group = torch.arange(128) // scheme.group(128)
+    deq = dequantize(canon["qweight"], canon["scales"], zeros.to(torch.uint8), packing.bits,
+                     scheme.group(128))  # fmt: skip
+    assert torch.equal(deq, (q - zero[:, group]).float() * scale[:, group])
+
+
+@pytest.mark.skipif(not BLOCKS, reason="the block kernel does not run here")
+@pytest.mark.parametrize("group", [32, 128])
+def test_block_kernel_on_groups_with_float32_offsets(group):
+    """Asymmetric groups as blocks: w = d q + m with m = -zero * scale kept in float32 (in
+    fp16 it would round); x @ w^T equals the dequantized product up to summation order."""
+    p = Packing("gptq", 4, group, False)
+    w = torch.randn(48, 256)
+    q, scale, zero, _ = quantize(w, p)
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # canonical nibbles
+    planes = block_planes(qweight, scale, zero.to(torch.uint8), 4, group)
+    assert planes is not None and planes.m.dtype == torch.float32
+    x = torch.randn(3, 256)
+    want = x @ dequantize(qweight, scale, zero.to(torch.uint8), 4, group).t()
+    torch.testing.assert_close(gguf_kernel.block_gemm(x, planes), want, rtol=1e-5, atol=5e-5)
+    assert block_planes(qweight[:, :40], scale[:, :1], zero[:, :1].to(torch.uint8), 4, 80) is None
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _write(folder: str, edit) -> None:
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+
+
+def test_corrupt_tensor_is_a_clear_error(tmp_path):
+    folder, _ = _packed(tmp_path, "llama", Packing("gptq", 4, 32))
+    name = "model.layers.1.mlp.down_proj.qweight"
+    _write(folder, lambda s: s.__setitem__(name, s[name][:-1].contiguous()))
+    with pytest.raises(ValueError, match=rf"{name}: expected GPTQ int32 qweight \[K / 8, N\] "
+                       r"of shape \[32, 128\], got \[31, 128\]"):  # fmt: skip
+        load_our_model(folder)
+
+
+def test_wrong_scales_and_float_weights_are_clear_errors(tmp_path):
+    folder, _ = _packed(tmp_path, "llama", Packing("awq", 4, 32, False))
+    name = "model.layers.0.self_attn.k_proj.scales"
+    _write(folder, lambda s: s.__setitem__(name, s[name][:, :-8].contiguous()))
+    with pytest.raises(ValueError, match=rf"{name}: expected scales \[G, N\] of shape \[4, 64\]"):
+        load_our_model(folder)
+    folder, _ = _packed(tmp_path / "b", "llama", Packing("compressed-tensors", 4, 32))
+    stem = "model.layers.0.mlp.up_proj"
+
+    def to_float(state):
+        del state[f"{stem}.weight_packed"]
+        state[f"{stem}.weight"] = torch.zeros(256, 128)
+
+    _write(folder, to_float)
+    with pytest.raises(
+        ValueError, match=rf"{stem}.weight: a float weight where .* 'weight_packed'"
+    ):
+        load_our_model(folder)
+
+
+def _set_config(folder: str, **changes) -> None:
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"].update(changes)
+    json.dump(config, open(path, "w"))
+
+
+def test_names_and_unsupported_configs(tmp_path):
+    folder, reference = _packed(tmp_path, "llama", Packing("gptq", 4, 32))
+
+    def resolve(path, name):
+        return EngineArgs(model=path, quantization=name, device="cpu").create_engine_config()
+
+    assert resolve(folder, "gptq_marlin").model_config.quantization == "gptq"
+    assert resolve(folder, "none").model_config.quantization is None
+    with pytest.raises(ValueError, match="quantization='awq' does not match .* 'gptq'"):
+        resolve(folder, "awq")
+    with pytest.raises(ValueError, match="quantization='gptq' needs a GPTQ checkpoint"):
+        resolve(reference, "gptq")
+    _set_config(folder, bits=3)
+    with pytest.raises(ValueError, match="gptq: 3-bit weights are not supported"):
+        load_our_model(folder)
+    folder, _ = _packed(tmp_path / "awq", "llama", Packing("awq", 4, 32, False))
+    _set_config(folder, version="gemv")
+    with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
+        load_our_model(folder)
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+@pytest.mark.parametrize("packing", [Packing("gptq", 4, 32, False), Packing("awq", 4, 32, False),
+                                     Packing("compressed-tensors", 4, 32, False, True),
+                                     Packing("gptq", 8, -1)])  # fmt: skip
+def test_each_rank_holds_its_rows_and_groups(packing, tmp_path):
+    """Two ranks: column-parallel layers take their rows, row-parallel ones whole groups of
+    columns (act-order: all the scales and their columns' g_idx); dequantized, each rank's
+    weights are its slice of the one-rank model's."""
+    folder, _ = _packed(tmp_path, "qwen2", packing)
+    full = dict(load_our_model(folder, quantization="none").named_parameters())
+    for rank in range(2):
+        with building_rank(rank, 2):
+            shard = load_our_model(folder, quantization="none")
+        for name, param in shard.named_parameters():
+            want = full[name]
+            fused = {"qkv_proj": [128, 64, 64], "gate_up_proj": [256, 256]}
+            parts = [v for k, v in fused.items() if f".{k}." in name]
+            if parts:
+                want = torch.cat([t.chunk(2)[rank] for t in want.split(parts[0])])
+            elif param.shape != want.shape:
+                dim = 0 if param.shape[-1] == want.shape[-1] else 1
+                want = want.chunk(2, dim)[rank]
+            assert torch.equal(param, want), f"rank {rank}: {name}"
+
+
+def test_row_split_inside_a_group_is_a_clear_error(tmp_path):
+    folder, _ = _packed(tmp_path, "llama", Packing("gptq", 4, 128))
+    with building_rank(0, 2), pytest.raises(ValueError, match=(
+        r"tensor parallel: 128 input columns split into 64 per rank, not a multiple of the "
+        r"checkpoint's group_size 128")):  # fmt: skip
+        load_our_model(folder)
+
+
+def test_two_ranks_same_greedy_ids_as_one(tmp_path, monkeypatch):
+    folder, _ = _packed(tmp_path, "llama", Packing("gptq", 4, 32, False))
+    prompts = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = []
+    for tp in (2, 1):
+        if tp == 1:
+            monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+        with LLM(model=folder, dtype="float32", max_model_len=128, tensor_parallel_size=tp,
+                 kv_cache_memory_bytes=1 << 22) as llm:  # fmt: skip
+            ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert ids[0] == ids[1]

@@ -1,0 +1,133 @@
+"""The Triton W4A16 / W8A16 kernels (`pagellm/kernels/wna16_gemm.py`) against x @ w^T with
+the weight dequantized in torch: under Triton's interpreter on the CPU at small shapes (the
+GEMV's rows, the GEMM's tiles, groups of 32 / 64 / one over K, a short last group, bias);
+`gpu` tests at Llama-3.1-8B shapes and an engine on a packed tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from wna16_pack import Packing, quantize
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if HAS_TRITON and DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+    from test_kernels import _patch_interpreter_for_numpy_2_4
+
+    _patch_interpreter_for_numpy_2_4()  # the K loops have runtime bounds
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+X_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def _weight(n: int, k: int, bits: int, group: int, sym: bool):
+    """(canonical qweight, scales, zeros, dequantized float32 [N, K]) on DEVICE."""
+    from pagellm.quantization.wna16_formats import dequantize
+
+    q, scale, zero, _ = quantize(torch.randn(n, k), Packing("gptq", bits, group, sym))
+    qweight = q.to(torch.uint8) if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+    size = k if group == -1 else group
+    zeros = zero.to(torch.uint8)
+    deq = dequantize(qweight, scale, zeros, bits, size)
+    return [t.to(DEVICE) for t in (qweight, scale, zeros, deq)] + [size]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])  # GEMV, GEMV, GEMM
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, False), (4, -1, True), (8, 64, True),
+                                            (4, 64, False)])  # fmt: skip
+def test_wna16_gemm_matches_dequantized(rows, bits, group, sym):
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    torch.manual_seed(rows + bits)
+    n, k = 48, 160 if group == 32 else 128  # 160: a short last group of 32 (5 groups)
+    if group == 64:
+        k = 160  # groups of 64: 64, 64, 32
+    qweight, scales, zeros, deq, size = _weight(n, k, bits, group, sym)
+    x = torch.randn(rows, k, device=DEVICE).to(X_DTYPE)
+    bias = torch.randn(n, device=DEVICE).to(X_DTYPE)
+    got = wna16_gemm(x, qweight, scales, zeros, bits, size, bias).float()
+    want = F.linear(x.float(), deq, bias.float())
+    tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
+
+
+def test_wna16_gemm_checks_its_inputs():
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    qweight, scales, zeros, _, size = _weight(32, 64, 4, 32, True)
+    x = torch.randn(2, 64, device=DEVICE).to(X_DTYPE)
+    with pytest.raises(ValueError, match=r"wna16_gemm: x \(2, 64\), qweight \(32, 16\)"):
+        wna16_gemm(x, qweight[:, :16], scales, zeros, 4, size)
+    with pytest.raises(ValueError, match="4-bit groups of 64"):  # 2 scales a row: groups of 32
+        wna16_gemm(x, qweight, scales, zeros, 4, 64)
+    from pagellm.kernels.wna16_gemm import block_k
+
+    with pytest.raises(ValueError, match="group size 24 is not a multiple of 16"):
+        block_k(24, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 64, 512])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336)])
+def test_wna16_gemm_at_llama_shapes(rows, shape):
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    n, k = shape
+    qweight, scales, zeros, deq, size = _weight(n, k, 4, 128, True)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), deq)
+    got = wna16_gemm(x, qweight, scales, zeros, 4, size).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
+@pytest.mark.gpu
+def test_gptq_engine_on_cuda_agrees_with_dequantized(tmp_path):
+    """A packed tiny model on CUDA (Triton int4 kernels) against quantization='none' (its
+    weights dequantized to bf16 at load): greedy continuations mostly agree (bf16)."""
+    from model_utils import make_tiny_hf_model
+    from wna16_pack import quantize_folder
+
+    from pagellm import LLM, SamplingParams
+
+    folder = make_tiny_hf_model("llama", tmp_path, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    quantize_folder(folder, str(tmp_path / "reference"), Packing("gptq", 4, 64, False, True))
+    prompts = [{"prompt_token_ids": [3, 17, 99, 250 + i]} for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for quantization in (None, "none"):
+        with LLM(model=folder, quantization=quantization, max_model_len=256) as llm:
+            runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    same = sum(a[:4] == b[:4] for a, b in zip(runs[None], runs["none"]))
+    assert same >= 12, same
+
+
+def test_act_order_weight_gathers_x_by_its_permutation():
+    """`WNA16GpuWeight` of an act-order layer, its columns sorted by group at load (as
+    `WNA16LinearMethod` does): x is taken in the same order, so the product is the
+    checkpoint's weight's."""
+    from pagellm.quantization.wna16_formats import (
+        dequantize,
+        pack_nibbles,
+        permute_columns,
+        sort_groups,
+    )
+    from pagellm.quantization.wna16_gpu import gpu_weight
+
+    q, scale, zero, g_idx = quantize(torch.randn(32, 128), Packing("gptq", 4, 32, False, True))
+    qweight, zeros = pack_nibbles(q), zero.to(torch.uint8)
+    deq = dequantize(qweight, scale, zeros, 4, 32, g_idx)
+    perm = sort_groups(g_idx, 32)
+    assert perm is not None and not torch.equal(perm, torch.arange(128))
+    on = [t.to(DEVICE) for t in (permute_columns(qweight, 4, perm), scale, zeros, perm)]
+    weight = gpu_weight(*on[:3], 4, 32, on[3])
+    x = torch.randn(2, 128).to(DEVICE, X_DTYPE)
+    want = F.linear(x.float(), deq.to(DEVICE))
+    tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
+    torch.testing.assert_close(weight(x).float(), want, rtol=1e-2, atol=tol)
+    assert gpu_weight(qweight, scale, zeros, 4, 24, None) is None  # groups the kernels refuse
