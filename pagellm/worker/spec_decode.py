@@ -28,10 +28,10 @@ from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.utils import to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, SampledTokens
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from pagellm.worker.input_batch import InputBatch
-    from pagellm.worker.step_batch import StepBatch
 
 
 def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
@@ -67,6 +67,20 @@ class SpecDecoder:
             ib.token_ids[row, n : n + len(drafts)] = drafts
             self.num_drafts[row] = len(drafts)
             self.drafted_rows.append(row)
+
+    def as_decode_rows(self, batch: StepBatch) -> StepBatch:
+        """The step's forward batch: with drafts and no row longer than 1 + k, each token a
+        row of its own (its request's block table, the keys up to it), so a verify step is a
+        decode-only step (CUDA graphs, the decode kernels: each position rounded as
+        decoding it alone would). Its tokens, hence the hidden states, keep their order."""
+        max_rows = self.config.num_speculative_tokens + 1
+        if not self.drafted_rows or int(batch.num_scheduled.max()) > max_rows:
+            return batch
+        rows = np.repeat(batch.rows, batch.num_scheduled)
+        forward = StepBatch(batch.req_ids, rows, np.ones(len(rows), np.int64))
+        forward.positions = batch.positions
+        forward.seq_lens = (batch.positions + 1).astype(np.int32)
+        return forward
 
     # ---- verification --------------------------------------------------------------------
 
