@@ -172,3 +172,34 @@ def test_seeded_rows_draw_the_same_tokens_again():
     runs = [draw(s) for s in (5, 5, 6, 7, 8)]
     assert runs[0] == runs[1]
     assert any(r != runs[0] for r in runs[2:])
+
+
+# ---- counters: the stats line and /metrics -----------------------------------------------
+
+
+def test_stats_line_and_metrics_carry_the_spec_counters():
+    pytest.importorskip("prometheus_client")
+    from pagellm.engine.stat_logger import StatLogger
+    from pagellm.entrypoints.openai.metrics import ServerMetrics
+    from pagellm.protocol import SchedulerStats
+
+    logger = StatLogger(10.0)
+    assert logger.spec_line(SchedulerStats()) is None  # no drafts: no line
+    stats = SchedulerStats(
+        spec_decode_num_drafts=10,
+        spec_decode_num_draft_tokens=40,
+        spec_decode_num_accepted_tokens=30,
+        spec_decode_num_accepted_tokens_per_pos=[10, 9, 7, 4],
+    )
+    line = logger.spec_line(stats)
+    assert "Mean acceptance length: 4.00" in line and "Drafted: 40 tokens" in line
+    assert "Per-position acceptance rate: 1.000, 0.900, 0.700, 0.400" in line
+    assert "Avg Draft acceptance rate: 75.0%" in line
+    metrics = ServerMetrics("m")
+    metrics.set_scheduler_stats({f: getattr(stats, f) for f in stats.__struct_fields__})
+    text = metrics.render().decode()
+    assert 'pagellm:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0' in text
+    assert (
+        'pagellm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 7.0'
+        in text
+    )
