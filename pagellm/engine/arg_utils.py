@@ -130,6 +130,9 @@ class EngineArgs:
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         speculative_config = SpeculativeConfig.of(self.speculative_config)
         model_config = self.create_model_config(device)
+        draft_model_config = self.create_draft_model_config(
+            speculative_config, model_config, device
+        )
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -156,6 +159,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
+            draft_model_config=draft_model_config,
         )
 
     def token_budget(self, device: torch.device) -> int:
@@ -205,6 +209,29 @@ class EngineArgs:
             quantization=quantization,
             long_rope_switch=None if rope is None else rope[0],
         )
+
+    def create_draft_model_config(
+        self, spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device
+    ) -> ModelConfig | None:
+        """speculative_config method draft_model: the draft's config, resolved as the
+        target's is (its own folder, tokenizer and quantization; the target's dtype, device and
+        seed), checked against the target (`check_draft_model`); None for other methods."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config method 'draft_model' is served with tensor_parallel_size=1 "
+                f"only, got {self.tensor_parallel_size}"
+            )
+        args = dataclasses.replace(
+            self, model=spec.model, tokenizer=None, revision=None, tokenizer_revision=None,
+            generation_config="vllm", max_model_len=None, quantization=None,
+            served_model_name=None, dtype=str(target.dtype).removeprefix("torch."),
+            load_format="dummy" if self.load_format == "dummy" else "auto",
+        )  # fmt: skip
+        draft = args.create_model_config(device)
+        check_draft_model(target, draft)
+        return dataclasses.replace(draft, max_model_len=target.max_model_len)
 
     def _parallel_config(self, model_config: ModelConfig, device: torch.device) -> ParallelConfig:
         """None picks "uni" for one rank, else "ray" when the caller is connected to a Ray
@@ -289,4 +316,37 @@ def check_heads(hf_config: Any, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
             "divide one another (KV heads are split, or replicated when fewer than ranks)"
+        )
+
+
+def check_draft_model(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft the target cannot verify is a start-up error: another vocabulary (the
+    tokenizers' token -> id maps where both have one, else the configs' vocabulary sizes:
+    equal tokenizers may pad their embeddings apart, drafts then stay in the shared ids), or
+    fewer positions than max_model_len (lower max_model_len to use it)."""
+    from pagellm import loader
+
+    name, draft_name = repr(target.model), repr(draft.model)
+    if draft.max_model_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_name} holds {draft.max_model_len} "
+            f"positions, fewer than max_model_len={target.max_model_len} of {name}; pass "
+            f"max_model_len={draft.max_model_len} (or less) to use it"
+        )
+    ours, theirs = loader.load_tokenizer(target.source), loader.load_tokenizer(draft.source)
+    if ours is not None and theirs is not None:
+        mine, its = ours.get_vocab(), theirs.get_vocab()
+        if mine != its:
+            token = min(t for t in mine.keys() | its.keys() if mine.get(t) != its.get(t))
+            raise ValueError(
+                f"speculative_config: the draft model {draft_name}'s tokenizer differs from "
+                f"{name}'s ({len(its)} vs {len(mine)} tokens; {token!r} is id "
+                f"{its.get(token)} vs {mine.get(token)}): a draft must share the target's "
+                "tokenizer"
+            )
+    elif draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_name} has a vocabulary of "
+            f"{draft.vocab_size} tokens, {name} of {target.vocab_size}: a draft must share "
+            "the target's tokenizer"
         )

@@ -33,6 +33,14 @@ class Proposer:
     def remove_request(self, req_id: str) -> None:
         """The request left the runner (finished or preempted)."""
 
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of the proposer's own KV cache (a draft model's): the runner's
+        KV budget buys blocks of the target's and of this together."""
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate that cache: `num_blocks` blocks, at the target's block ids."""
+
 
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:

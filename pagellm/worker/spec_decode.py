@@ -39,6 +39,11 @@ def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixTreeProposer(config)
+    if config.method == "draft_model":
+        from pagellm.spec_decode.draft_model import DraftModelProposer
+        from pagellm.worker.draft_host import DraftHost
+
+        return DraftModelProposer(config, runner.config.draft_model_config, DraftHost(runner))
     raise ValueError(f"speculative method {config.method!r} is not served yet")
 
 
