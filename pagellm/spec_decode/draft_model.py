@@ -110,18 +110,9 @@ class DraftModelProposer(Proposer):
         return max(k, 0)
 
     def _first_uncached(self, r: Drafting) -> int:
-        """The first of r's tokens the draft's cache lacks: P, past the drafts of its last
-        proposal that turned out right (their K/V were written then), before its last token."""
-        start = self.num_cached.get(r.req_id, 0)
-        length = len(r.tokens)
-        last = self.last.get(r.req_id)
-        if last is not None and last[0] == start:
-            drafts = last[1][:-1]  # the last draft was never fed
-            n = 0
-            while n < len(drafts) and start + n < length - 1 and r.tokens[start + n] == drafts[n]:
-                n += 1
-            start += n
-        return min(start, length - 1)
+        """The first of r's tokens the draft's cache lacks."""
+        num_cached = self.num_cached.get(r.req_id, 0)
+        return first_uncached(r.tokens, num_cached, self.last.get(r.req_id, (num_cached, [])))
 
     def _draft(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, ks: np.ndarray
@@ -163,3 +154,19 @@ class DraftModelProposer(Proposer):
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N] the draft's most likely next tokens."""
         return self.model.compute_logits(hidden)[:, : self.vocab_size].argmax(dim=-1)
+
+
+def first_uncached(tokens: np.ndarray, num_cached: int, last: tuple[int, list[int]]) -> int:
+    """The first of `tokens` [L] whose K/V the draft's cache lacks: `num_cached`, past the
+    drafts of the last proposal (`last`: (its L, its drafts), whose K/V it wrote then but for
+    the last draft's) that the tokens turned out to repeat; at most L - 1 (the next draft
+    comes from the last token's forward)."""
+    start, (proposed_at, drafts) = num_cached, last
+    if proposed_at == start:
+        n = 0
+        while (
+            n < len(drafts) - 1 and start + n < len(tokens) - 1 and tokens[start + n] == drafts[n]
+        ):
+            n += 1
+        start += n
+    return min(start, len(tokens) - 1)
