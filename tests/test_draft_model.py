@@ -189,6 +189,23 @@ def test_the_last_proposals_drafts_are_kept_only_where_the_tokens_repeat_them():
     assert first_uncached(tokens, 4, (2, [9, 10])) == 4  # an older proposal: not these
 
 
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma3", "starcoder2"])
+def test_families_drafting_for_themselves_equal_hf(arch, tmp_path):
+    """A family's draft K/V as its target's: every layer windowed (Mistral, Phi-3, StarCoder2:
+    the blocks before the window freed), longrope crossing its switch (Phi-3: the request
+    recomputed with the long factors, the draft too), a rotary table per layer type (Gemma 3).
+    Enough blocks not to preempt: a windowed request readmitted on a prefix hit lacks the keys
+    before its window, which the draft's catch-up would read (drafts, not outputs, suffer)."""
+    from model_utils import hf_generate_greedy, hf_model
+    from test_spec_decode_families import ARCHS, _prompts, _run
+
+    folder = make_tiny_hf_model(arch, tmp_path, **ARCHS[arch])
+    want = hf_generate_greedy(hf_model(folder), _prompts(), 40)
+    got, drafted, accepted = _run(folder, _spec(folder), 64)
+    assert got == want
+    assert drafted > 100 and accepted == drafted
+
+
 # ---- start-up errors ---------------------------------------------------------------------
 
 

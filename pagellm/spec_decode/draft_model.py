@@ -32,6 +32,7 @@ import torch
 from pagellm.config import ModelConfig, SpeculativeConfig
 from pagellm.kernels.cpu_gemm import cpu_prepack_supported
 from pagellm.kv_cache_size import kv_block_bytes
+from pagellm.layers.rope import long_rope
 from pagellm.spec_decode.proposer import Drafting, Proposer
 from pagellm.utils import to_device
 
@@ -59,6 +60,8 @@ class DraftModelProposer(Proposer):
         self.dtype = model_config.dtype  # its cache's too
         # drafts stay in the ids both models have (equal tokenizers may pad apart)
         self.vocab_size = min(model_config.vocab_size, host.vocab_size)
+        rope = long_rope(model_config.hf_config)
+        self.long_rope_rows = 0 if rope is None else rope[1]
         self.kv_caches: list[torch.Tensor] = []
         self.num_cached: dict[str, int] = {}  # P: the request's leading tokens in the cache
         self.last: dict[str, tuple[int, list[int]]] = {}  # its last proposal: (L, drafts)
@@ -124,9 +127,9 @@ class DraftModelProposer(Proposer):
         for j in range(1, drafts.shape[1]):
             active = np.flatnonzero(ks > j)
             index = slice(None) if len(active) == len(rows) else to_device(active, device)
-            hidden = self.host.forward(
-                self.model, self.kv_caches, rows[active], ends[active] + j - 1,
-                np.ones(len(active), np.int64), drafts[index, j - 1],
+            hidden = self._forward(
+                rows[active], ends[active] + j - 1, np.ones(len(active), np.int64),
+                drafts[index, j - 1],
             )  # fmt: skip
             drafts[index, j] = self._argmax(hidden)
         return drafts.cpu().numpy()
@@ -141,7 +144,7 @@ class DraftModelProposer(Proposer):
             room = self.host.max_num_tokens - (np.cumsum(counts) - counts)
             counts = np.minimum(counts, np.maximum(room, 0))
             sel, counts = sel[counts > 0], counts[counts > 0]
-            hidden = self.host.forward(self.model, self.kv_caches, rows[sel], pos[sel], counts)
+            hidden = self._forward(rows[sel], pos[sel], counts)
             pos[sel] += counts
             done = pos[sel] == ends[sel]
             if out is None:
@@ -150,6 +153,14 @@ class DraftModelProposer(Proposer):
             last = (np.cumsum(counts) - 1)[done]
             out[to_device(sel[done], device)] = hidden[to_device(last, device)]
         return out
+
+    def _forward(
+        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, input_ids=None
+    ) -> torch.Tensor:
+        host = self.host
+        return host.forward(
+            self.model, self.kv_caches, rows, starts, counts, input_ids, self.long_rope_rows
+        )
 
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N] the draft's most likely next tokens."""

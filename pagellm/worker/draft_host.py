@@ -47,13 +47,16 @@ class DraftHost:
         starts: np.ndarray,  # [R] the first position computed (those before: in the cache)
         counts: np.ndarray,  # [R] tokens from there
         input_ids: torch.Tensor | None = None,  # [T] on the device; None: the rows' tokens
+        long_rope_rows: int = 0,  # a longrope draft's short rows (its long ones follow)
     ) -> torch.Tensor:
         """`model` over positions starts[i] .. starts[i] + counts[i] - 1 of each row, its K/V
-        written into `kv_caches` at the rows' slots: hidden states [T, hidden]."""
+        written into `kv_caches` at the rows' slots: hidden states [T, hidden]. A request the
+        target rotates with longrope's long factors is rotated with the draft's (if any)."""
         ib, bs = self.input_batch, self.block_size
         batch = span_batch([], rows, starts, counts)
         arrays = host_arrays(ib, batch, bs)
-        arrays["positions"] = batch.positions  # the draft's own rotary rows (no longrope offset)
+        long = ib.rope_offset[np.repeat(rows, counts)] > 0
+        arrays["positions"] = batch.positions + long * long_rope_rows  # the draft's table rows
         dev = self._runner._stage(arrays, block_table_rows(ib, batch, bs))
         if input_ids is not None:
             dev["input_ids"] = input_ids
