@@ -10,6 +10,7 @@ engine core.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -148,7 +149,9 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            enforce_eager=self.enforce_eager,
+            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep
+            enforce_eager=self.enforce_eager
+            or (speculative_config is not None and speculative_config.method == "eagle3"),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
@@ -213,15 +216,16 @@ class EngineArgs:
     def create_draft_model_config(
         self, spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device
     ) -> ModelConfig | None:
-        """speculative_config method draft_model: the draft's config, resolved as the
-        target's is (its own folder, tokenizer and quantization; the target's dtype, device and
-        seed), checked against the target (`check_draft_model`); None for other methods."""
-        if spec is None or spec.method != "draft_model":
+        """speculative_config method draft_model (eagle3): the draft's (head's) config,
+        resolved as the target's is (its own folder, tokenizer and quantization; the target's
+        dtype, device and seed), checked against the target (`check_draft_model`,
+        `eagle3_head_config`); None for other methods."""
+        if spec is None or spec.method not in ("draft_model", "eagle3"):
             return None
         if self.tensor_parallel_size > 1:
             raise ValueError(
-                "speculative_config method 'draft_model' is served with tensor_parallel_size=1 "
-                f"only, got {self.tensor_parallel_size}"
+                f"speculative_config method {spec.method!r} is served with "
+                f"tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
             )
         args = dataclasses.replace(
             self, model=spec.model, tokenizer=None, revision=None, tokenizer_revision=None,
@@ -230,6 +234,8 @@ class EngineArgs:
             load_format="dummy" if self.load_format == "dummy" else "auto",
         )  # fmt: skip
         draft = args.create_model_config(device)
+        if spec.method == "eagle3":
+            draft = eagle3_head_config(target, draft)
         check_draft_model(target, draft)
         return dataclasses.replace(draft, max_model_len=target.max_model_len)
 
@@ -317,6 +323,26 @@ def check_heads(hf_config: Any, tp: int) -> None:
             f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
             "divide one another (KV heads are split, or replicated when fewer than ranks)"
         )
+
+
+def eagle3_head_config(target: ModelConfig, head: ModelConfig) -> ModelConfig:
+    """An EAGLE-3 head's config for `target`: its architecture and the target's hidden size
+    checked; its rotary table stretched to the target's max_model_len (heads are trained on
+    short sequences; their config's length caps nothing)."""
+    if head.architecture != "LlamaForCausalLMEagle3":
+        raise ValueError(
+            f"speculative_config method 'eagle3' needs an EAGLE-3 head (architecture "
+            f"LlamaForCausalLMEagle3); {head.model!r} is {head.architecture}"
+        )
+    hidden = getattr(head.hf_config, "target_hidden_size", None) or head.hf_config.hidden_size
+    if hidden != target.hf_config.hidden_size:
+        raise ValueError(
+            f"speculative_config: the EAGLE-3 head {head.model!r} reads hidden states of size "
+            f"{hidden}, {target.model!r} has {target.hf_config.hidden_size}"
+        )
+    hf_config = copy.copy(head.hf_config)
+    hf_config.max_position_embeddings = max(head.max_model_len, target.max_model_len)
+    return dataclasses.replace(head, hf_config=hf_config, max_model_len=target.max_model_len)
 
 
 def check_draft_model(target: ModelConfig, draft: ModelConfig) -> None:

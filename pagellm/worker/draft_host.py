@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 class DraftHost:
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
+        self.target_model = runner.model  # an EAGLE-3 head reads its hidden states
         self.device: torch.device = runner.device
         self.attn_backend_cls = runner.attn_backend_cls
         self.input_batch: InputBatch = runner.input_batch

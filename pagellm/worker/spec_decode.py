@@ -39,11 +39,13 @@ def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixTreeProposer(config)
-    if config.method == "draft_model":
+    if config.method in ("draft_model", "eagle3"):
         from pagellm.spec_decode.draft_model import DraftModelProposer
+        from pagellm.spec_decode.eagle3 import Eagle3Proposer
         from pagellm.worker.draft_host import DraftHost
 
-        return DraftModelProposer(config, runner.config.draft_model_config, DraftHost(runner))
+        cls = DraftModelProposer if config.method == "draft_model" else Eagle3Proposer
+        return cls(config, runner.config.draft_model_config, DraftHost(runner))
     raise ValueError(f"speculative method {config.method!r} is not served yet")
 
 
@@ -82,6 +84,7 @@ class SpecDecoder:
         1 + k rows (k drafts, maybe none) through the rejection sampler."""
         runner, ib = self.runner, self.runner.input_batch
         device = runner.device
+        self.proposer.after_forward(batch)
         k = self.num_drafts[batch.rows]
         sample_idx = np.flatnonzero(batch.seq_lens == ib.num_tokens[batch.rows] + k)
         output = ModelRunnerOutput(batch.req_ids, [[] for _ in batch.req_ids])
@@ -156,7 +159,5 @@ class SpecDecoder:
                 n = int(ib.num_tokens[row])
                 tokens = ib.token_ids[row, :n]
                 wanted.append(Drafting(req_id, row, tokens, int(ib.num_prompt_tokens[row]), k))
-        if not wanted:
-            return {}
-        drafts = self.proposer.propose(wanted)
+        drafts = self.proposer.propose(wanted)  # called without any: a head still catches up
         return {r.req_id: d for r, d in zip(wanted, drafts) if d}
