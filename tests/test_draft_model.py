@@ -12,6 +12,9 @@ held past the scheduled tokens and never cached.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -154,25 +157,38 @@ def test_every_proposal_is_the_drafts_own_greedy_continuation(target, layer0_dra
     from conftest import hf_greedy
     from transformers import AutoModelForCausalLM
 
-    from pagellm.engine.core import EngineCore
-    from pagellm.protocol import EngineCoreRequest
-
     hf_draft = AutoModelForCausalLM.from_pretrained(layer0_draft, dtype=torch.float32).eval()
     spec = {**_spec(layer0_draft), "adaptive": True}
     args = EngineArgs(model=target, speculative_config=spec, **SMALL)
+    checked, preemptions = check_every_proposal(
+        args, prompts, functools.partial(hf_greedy, hf_draft)
+    )
+    assert checked > 100 and preemptions > 0
+
+
+def check_every_proposal(
+    args: EngineArgs, prompts: list[list[int]], expected: Callable[[list[int], int], list[int]]
+) -> tuple[int, int]:
+    """`prompts` (greedy) through an EngineCore in this process; after every step each
+    request's drafts equal `expected(its tokens, how many)`: (proposals checked, preemptions)."""
+    from pagellm.engine.core import EngineCore
+    from pagellm.protocol import EngineCoreRequest
+
     core = EngineCore(args.create_engine_config())
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(str(i), prompt, GREEDY, [], 0.0))
     checked = 0
-    while core.has_unfinished_requests():
-        core.step()
-        for request in core.scheduler.requests.values():
-            drafts = request.spec_token_ids
-            if drafts:
-                assert drafts == hf_greedy(hf_draft, request.all_token_ids, len(drafts))
-                checked += 1
-    assert checked > 100 and core.scheduler.num_preemptions > 0
-    core.shutdown()
+    try:
+        while core.has_unfinished_requests():
+            core.step()
+            for request in core.scheduler.requests.values():
+                drafts = request.spec_token_ids
+                if drafts:
+                    assert drafts == expected(request.all_token_ids, len(drafts))
+                    checked += 1
+        return checked, core.scheduler.num_preemptions
+    finally:
+        core.shutdown()
 
 
 def test_the_last_proposals_drafts_are_kept_only_where_the_tokens_repeat_them():

@@ -26,7 +26,7 @@ from pagellm.models.eagle3 import aux_hidden_layers
 K = 3
 LAYERS = 8  # EAGLE-3 reads layers (2, n // 2, n - 3): 2, 4, 5
 AUX = (2, 4, 5)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SMALL = dict(
     dtype="float32", block_size=4, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=4,
     num_gpu_blocks_override=50,
@@ -112,27 +112,14 @@ def test_greedy_outputs_equal_speculation_off(target, head, prompts):
 def test_every_proposal_is_the_heads_own(target, head, prompts):
     """In the EngineCore (in this process), after every step: each request's drafts are what
     a dense EAGLE-3 head over HF's hidden states of the target proposes after its tokens."""
+    from test_draft_model import check_every_proposal
     from transformers import AutoModelForCausalLM
-
-    from pagellm.engine.core import EngineCore
-    from pagellm.protocol import EngineCoreRequest
 
     hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     reference = DenseEagle3(head, hf_target)
     args = EngineArgs(model=target, speculative_config=_spec(head), **SMALL)
-    core = EngineCore(args.create_engine_config())
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(str(i), prompt, GREEDY, [], 0.0))
-    checked = 0
-    while core.has_unfinished_requests():
-        core.step()
-        for request in core.scheduler.requests.values():
-            drafts = request.spec_token_ids
-            if drafts:
-                assert drafts == reference.drafts(request.all_token_ids, len(drafts))
-                checked += 1
-    assert checked > 40 and core.scheduler.num_preemptions > 0
-    core.shutdown()
+    checked, preemptions = check_every_proposal(args, prompts, reference.drafts)
+    assert checked > 40 and preemptions > 0
 
 
 def test_a_head_that_does_not_fit_is_a_start_up_error(target, head, tmp_path):
