@@ -168,6 +168,10 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--peer-requests", type=int, default=32, help="HF peer on GPU: how many")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
+    ap.add_argument(
+        "--speculative-config", default=None, metavar="JSON", help="GPU workloads: the engine's"
+    )
+    ap.add_argument("--concurrency", type=int, default=1, help="batch1 workload: requests")
     ap.add_argument("--trace", default=None, help="record a journey trace there (its overhead)")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--distributed-executor-backend", default=None, help="mp | ray (None: mp)")
@@ -263,9 +267,10 @@ def standard_requests(fixed_max_tokens: int | None) -> tuple[list[list[int]], li
 
 
 def main_gpu(args: argparse.Namespace) -> None:
-    if args.workload == "batch1":
+    if args.workload == "batch1":  # --concurrency N: N such requests at once
         rng = random.Random(0)
-        prompts, max_tokens = [[rng.randint(0, 10000) for _ in range(128)]], [512]
+        prompts = [[rng.randint(0, 10000) for _ in range(128)] for _ in range(args.concurrency)]
+        max_tokens = [512] * args.concurrency
     else:
         prompts, max_tokens = standard_requests(512 if args.workload == "fixed512" else None)
     start = time.perf_counter()
@@ -283,6 +288,7 @@ def main_gpu(args: argparse.Namespace) -> None:
         trace=args.trace,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        speculative_config=args.speculative_config,
     )
     ready = time.perf_counter()
     warm = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
@@ -297,6 +303,8 @@ def main_gpu(args: argparse.Namespace) -> None:
         assert [len(o.outputs[0].token_ids) for o in outs] == max_tokens
         print(f"round {r}: pagellm {sum(max_tokens) / times[-1]:9.1f} output tok/s "
               f"({times[-1]:.2f} s)", flush=True)  # fmt: skip
+    stats = llm.llm_engine.engine_core.call_utility("get_stats")
+    spec = {k: v for k, v in stats.items() if k.startswith("spec_decode")}
     llm.shutdown()
     median = sum(max_tokens) / statistics.median(times)
     result = {
@@ -310,6 +318,9 @@ def main_gpu(args: argparse.Namespace) -> None:
         "runs_s": {"pagellm": [round(x, 2) for x in times]},
         "startup_s": {"import": round(imported - start, 2), "LLM()": round(ready - imported, 2)},
     }
+    if args.speculative_config:
+        result["speculative_config"] = args.speculative_config
+        result["spec_decode"] = spec
     if args.workload == "standard" and "0.6b" in args.model.lower():
         result["fraction_of_physical_bound"] = round(median / PHYSICAL_BOUND_TOK_S, 3)
         share = median / PHYSICAL_BOUND_TOK_S

@@ -169,24 +169,32 @@ def test_every_proposal_is_the_drafts_own_greedy_continuation(target, layer0_dra
 def check_every_proposal(
     args: EngineArgs, prompts: list[list[int]], expected: Callable[[list[int], int], list[int]]
 ) -> tuple[int, int]:
-    """`prompts` (greedy) through an EngineCore in this process; after every step each
-    request's drafts equal `expected(its tokens, how many)`: (proposals checked, preemptions)."""
+    """`prompts` (greedy) through an EngineCore in this process; as each step's outputs are
+    taken in (async scheduling: before the next step is scheduled), each request's drafts
+    equal `expected(its tokens, how many)`: (proposals checked, preemptions)."""
     from pagellm.engine.core import EngineCore
     from pagellm.protocol import EngineCoreRequest
 
     core = EngineCore(args.create_engine_config())
+    scheduler, checked = core.scheduler, [0]
+    update = scheduler.update_from_output
+
+    def update_and_check(*args):
+        outputs = update(*args)
+        for request in scheduler.requests.values():
+            drafts = request.spec_token_ids
+            if drafts:
+                assert drafts == expected(request.all_token_ids, len(drafts))
+                checked[0] += 1
+        return outputs
+
+    scheduler.update_from_output = update_and_check
     for i, prompt in enumerate(prompts):
         core.add_request(EngineCoreRequest(str(i), prompt, GREEDY, [], 0.0))
-    checked = 0
     try:
         while core.has_unfinished_requests():
             core.step()
-            for request in core.scheduler.requests.values():
-                drafts = request.spec_token_ids
-                if drafts:
-                    assert drafts == expected(request.all_token_ids, len(drafts))
-                    checked += 1
-        return checked, core.scheduler.num_preemptions
+        return checked[0], scheduler.num_preemptions
     finally:
         core.shutdown()
 

@@ -97,15 +97,27 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (5, 17, 33, 70, 40)]
 
 
-def test_greedy_outputs_equal_speculation_off(target, head, prompts):
+@pytest.fixture(scope="module")
+def reference_ids(target, prompts) -> list[list[int]]:
     reqs = [{"prompt_token_ids": p} for p in prompts]
     with LLM(model=target, dtype="float32", block_size=4, max_model_len=256) as llm:
-        want = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY, use_tqdm=False)]
-    with LLM(model=target, speculative_config=_spec(head), **SMALL) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-adaptive"])
+def test_greedy_outputs_equal_speculation_off(
+    target, head, prompts, reference_ids, async_scheduling
+):
+    """Async with adaptive drafts: a random head's drafts fail, most steps go without and
+    overlap (the next step queued before the last one's tokens are back)."""
+    spec = {**_spec(head), "adaptive": async_scheduling}
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    args = dict(speculative_config=spec, async_scheduling=async_scheduling, **SMALL)
+    with LLM(model=target, **args) as llm:
         outs = llm.generate(reqs, GREEDY, use_tqdm=False)
         stats = llm.llm_engine.engine_core.call_utility("get_stats")
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert sum(o.metrics.num_draft_tokens for o in outs) > 100
+    assert [o.outputs[0].token_ids for o in outs] == reference_ids
+    assert sum(o.metrics.num_draft_tokens for o in outs) > (20 if async_scheduling else 100)
     assert stats["num_preemptions"] > 0
 
 
@@ -117,9 +129,11 @@ def test_every_proposal_is_the_heads_own(target, head, prompts):
 
     hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     reference = DenseEagle3(head, hf_target)
-    args = EngineArgs(model=target, speculative_config=_spec(head), **SMALL)
-    checked, preemptions = check_every_proposal(args, prompts, reference.drafts)
-    assert checked > 40 and preemptions > 0
+    for adaptive in (False, True):  # adaptive, async: steps without drafts overlap
+        spec = {**_spec(head), "adaptive": adaptive}
+        args = EngineArgs(model=target, speculative_config=spec, async_scheduling=adaptive, **SMALL)
+        checked, preemptions = check_every_proposal(args, prompts, reference.drafts)
+        assert checked > (10 if adaptive else 40) and preemptions > 0
 
 
 def test_a_head_that_does_not_fit_is_a_start_up_error(target, head, tmp_path):

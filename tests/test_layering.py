@@ -7,7 +7,7 @@ below it, never above, at the top of the file or inside a function. From the bot
                   sandbox and sandbox_worker; the data that crosses boundaries: outputs,
                   sampling_params, structured_output/params, protocol (caller <-> core)
                   and core/sched_output (scheduler -> runner)
-    config        config.py: plain dataclasses (EngineConfig and its parts, HFConfigView)
+    config        config/: plain dataclasses (EngineConfig and its parts, HFConfigView)
     kernels       kernels/: Triton and C++ kernels with their Python wrappers, CPU GEMMs
     backends      attention/, distributed/, quantization/ (finds `Linear`s through a slot)
     layers        layers/: linear, norms, rotary, embeddings, the attention layer, MoE

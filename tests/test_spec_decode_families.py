@@ -35,7 +35,9 @@ def _prompts() -> list[list[int]]:
     return [*rand, phrase * 3, phrase[:4] * 3 + phrase]
 
 
-def _run(folder: str, spec: dict, num_blocks: int) -> tuple[list[list[int]], int, int]:
+def _run(
+    folder: str, spec: dict, num_blocks: int, **engine_args
+) -> tuple[list[list[int]], int, int]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
         llm = LLM(
@@ -45,6 +47,7 @@ def _run(folder: str, spec: dict, num_blocks: int) -> tuple[list[list[int]], int
             num_gpu_blocks_override=num_blocks,
             max_num_batched_tokens=32,
             speculative_config=spec,
+            **engine_args,
         )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -74,3 +77,15 @@ def test_suffix_greedy_equals_hf(arch, tmp_path):
     got, drafted, accepted = _run(folder, SUFFIX, 30)
     assert got == want
     assert drafted > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_async_scheduling_greedy_equals_hf(arch, tmp_path):
+    """Async scheduling: steps overlap while no drafts come, and a step with drafts waits for
+    the one before it (the adaptive count starts drafting, stops and probes again)."""
+    folder = make_tiny_hf_model(arch, tmp_path, **ARCHS[arch])
+    want = hf_generate_greedy(hf_model(folder), _prompts(), NEW_TOKENS)
+    spec = {**NGRAM, "adaptive": True}
+    got, drafted, _ = _run(folder, spec, NUM_BLOCKS.get(arch, 30), async_scheduling=True)
+    assert got == want
+    assert drafted > 0

@@ -51,7 +51,7 @@ from pagellm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step
+from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step, take_proposal
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -408,14 +408,8 @@ class Scheduler:
             try:
                 output = self._process_sampled(request, token_ids, mro, i)
                 if drafts:
-                    output.num_draft_tokens = len(drafts)
-                    output.num_accepted_tokens = self.spec_stats.verified(
-                        request, len(drafts), len(token_ids)
-                    )
-                if mro.spec_token_ids is not None and not request.is_finished:
-                    # a grammar's matcher follows accepted tokens only: no drafts for it
-                    if request.structured_output is None:
-                        request.spec_token_ids = mro.spec_token_ids.get(req_id, [])
+                    self.spec_stats.verified(request, output, len(drafts), len(token_ids))
+                take_proposal(request, mro.spec_token_ids)
                 outputs.append(output)
             except Exception as e:  # this request's own fault: it alone fails
                 outputs.append(self.fail_request(request, e))

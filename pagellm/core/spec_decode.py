@@ -13,6 +13,7 @@ cache: a block is cached only once its tokens are known (accepted).
 from __future__ import annotations
 
 from pagellm.core.request import Request, RequestStatus
+from pagellm.protocol import EngineCoreOutput
 
 
 def drafts_in_step(request: Request, num_new: int) -> list[int]:
@@ -21,6 +22,16 @@ def drafts_in_step(request: Request, num_new: int) -> list[int]:
     drafts, request.spec_token_ids = request.spec_token_ids, []
     num_known = request.num_tokens + request.num_output_placeholders
     return drafts[: max(0, request.num_computed_tokens + num_new - num_known)]
+
+
+def take_proposal(request: Request, proposals: dict[str, list[int]] | None) -> None:
+    """The runner's drafts for the request's next step, where they can be used: not for a
+    grammar (its matcher follows accepted tokens only), nor for a request with a step in
+    flight (async scheduling: they follow a token now behind it)."""
+    if not proposals or request.is_finished or request.num_output_placeholders:
+        return
+    if request.structured_output is None:
+        request.spec_token_ids = proposals.get(request.request_id, [])
 
 
 class SpecDecodeStats:
@@ -33,11 +44,14 @@ class SpecDecodeStats:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * num_speculative_tokens
 
-    def verified(self, request: Request, num_drafts: int, num_sampled: int) -> int:
+    def verified(
+        self, request: Request, output: EngineCoreOutput, num_drafts: int, num_sampled: int
+    ) -> None:
         """A step verified `num_drafts` drafts of `request` and sampled `num_sampled` tokens:
-        count them, and step its computed tokens back over the rejected ones. Returns the
-        number accepted."""
+        count them (in its `output` too), and step its computed tokens back over the
+        rejected ones."""
         num_accepted = num_sampled - 1
+        output.num_draft_tokens, output.num_accepted_tokens = num_drafts, num_accepted
         if request.status == RequestStatus.RUNNING:  # not preempted since
             request.num_computed_tokens -= num_drafts - num_accepted
         request.num_draft_tokens += num_drafts
@@ -47,7 +61,6 @@ class SpecDecodeStats:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.accepted_per_pos[pos] += 1
-        return num_accepted
 
     def fields(self) -> dict:
         return {

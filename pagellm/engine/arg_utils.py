@@ -1,5 +1,5 @@
 """Engine arguments: `EngineArgs` (what a user passes, by vLLM's names) and the resolution
-of them into an `EngineConfig` (`pagellm/config.py`'s plain dataclasses), as vLLM's
+of them into an `EngineConfig` (`pagellm/config/`'s plain dataclasses), as vLLM's
 `vllm/engine/arg_utils.py`.
 
 `LLM(**kwargs)` and the CLI both build an `EngineArgs`; `create_engine_config()` resolves the

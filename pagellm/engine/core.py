@@ -18,9 +18,11 @@ such rows queues its forward, then waits for the step before it and reports it, 
 the masks and queues its sampling: it keeps the forward's overlap, and loses the rest.
 
 Speculative decoding (`pagellm/spec_decode/`): a step's drafts are proposed once its tokens
-are back, and the next step verifies them; so under async scheduling each step first reports
-the one in flight, then schedules and queues the next, which runs on the device while the
-outputs go to the caller.
+are back, and the next step verifies them. So under async scheduling, while drafts flow, each
+step first reports the one in flight, then schedules and queues the next (which runs on the
+device while the outputs go to the caller); while no request gets drafts (none found, or
+the adaptive count at 0) steps overlap as without speculation, and drafts proposed for a
+request whose next step is already queued are dropped (they follow a token now behind it).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ class EngineCore:
             speculative=config.speculative_config,
         )
         self.async_scheduling = config.async_scheduling
-        # the drafts of a step come with its tokens: the next step is scheduled after them
-        self.drafts_first = config.speculative_config is not None
+        # speculative decoding: whether the last step reported came with drafts; while they
+        # flow, each step is reported before the next is scheduled (they are its drafts)
+        self.drafting = False
         # async scheduling: the step queued on the device whose outputs are not yet reported
         self._in_flight: tuple[SchedulerOutput, Any] | None = None  # (step, its future)
         self.failed: list[EngineCoreOutput] = []  # requests that could not be added, reported next
@@ -141,7 +144,7 @@ class EngineCore:
         """Queue the next step, then report the one before it (empty on the first call)."""
         previous, self._in_flight = self._in_flight, None
         outputs = None
-        if previous is not None and self.drafts_first:  # its drafts are the next step's
+        if previous is not None and self.drafting:  # its drafts are the next step's
             outputs, previous = self._report(previous), None
         if self.scheduler.has_unfinished_requests():
             # an empty step in flight is no work to report: idle, wait for compiles (a busy
@@ -182,6 +185,7 @@ class EngineCore:
     ) -> EngineCoreOutputs:
         start = now_us() if self.tracer is not None else 0.0
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.drafting = bool(runner_output.spec_token_ids)
         if self.tracer is not None:
             self.tracer.update_from_output(start, outputs)
         return outputs

@@ -21,6 +21,7 @@ argmax over the head's vocabulary, mapped to the target's (`d2t`).
 from __future__ import annotations
 
 import functools
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -46,31 +47,36 @@ class Eagle3Proposer(DraftModelProposer):
         self.model.use_target_embedding(target.embed_tokens)
         target.aux_hidden_layers = aux_hidden_layers(model_config.hf_config, len(target.layers))
         self.target = target
-        # the last forward: its batch, features [T, 3 H] and each row's positions fed so far
-        self.step: tuple[Any, torch.Tensor, np.ndarray] | None = None
+        # forwards whose sampled tokens are not back yet, oldest first (async scheduling: two):
+        # each one's batch, features [T, 3 H] and its rows' positions fed so far
+        self.steps: deque[tuple[Any, torch.Tensor, np.ndarray]] = deque()
 
     def after_forward(self, batch: Any) -> None:
-        """Feed the positions whose next token is known (prompt chunks); keep the rest's
-        features until the step's tokens are back."""
+        """Feed the positions whose next token is known (prompt chunks); keep the features of
+        the rest (the rows that sample) until the step's tokens are back."""
         features = self.target.aux_hidden_states  # [T, 3 H]
         first = (batch.seq_lens - batch.num_scheduled).astype(np.int64)  # [R]
         known = self.host.input_batch.num_tokens[batch.rows] - 1  # positions with a next token
         ends = np.minimum(batch.seq_lens, known)
         self._feed(batch, features, first, ends, np.arange(len(batch.rows)))
-        self.step = (batch, features, np.maximum(first, ends))
+        fed = np.maximum(first, ends)
+        if (fed < batch.seq_lens).any():  # rows that sample: the step's read-back proposes
+            self.steps.append((batch, features, fed))
 
     @torch.inference_mode()
     def propose(self, requests: list[Drafting]) -> list[list[int]]:
+        """After the oldest step in flight: feed its rows up to their new tokens, draft."""
         out: list[list[int]] = [[] for _ in requests]
-        if self.step is None:
+        if not self.steps:
             return out
-        (batch, features, fed), self.step = self.step, None
+        batch, features, fed = self.steps.popleft()
         ib = self.host.input_batch
         held = np.fromiter(
             (ib.req_id_to_row.get(r) == row for r, row in zip(batch.req_ids, batch.rows.tolist())),
             bool, len(batch.rows),
         )  # fmt: skip
         sel = np.flatnonzero(held)
+        # up to the step's new tokens (a step queued after it: its positions are not this one's)
         ends = np.minimum(batch.seq_lens[sel], ib.num_tokens[batch.rows[sel]] - 1)
         hidden = self._feed(batch, features, fed[sel], ends, sel)
         if hidden is None:

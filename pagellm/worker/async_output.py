@@ -22,7 +22,9 @@ from pagellm.utils import to_device
 class SampledTokens:
     """What one step sampled, on the device and (once copied back) on the host."""
 
-    __slots__ = ("sample_idx", "rows", "req_ids", "positions", "result", "host", "copied")
+    __slots__ = (
+        "sample_idx", "rows", "req_ids", "positions", "result", "host", "copied", "next_ids"
+    )  # fmt: skip
 
     def __init__(self, sample_idx, rows, req_ids, positions, result, device: torch.device):
         self.sample_idx = sample_idx  # [S] indices into the step's requests
@@ -30,6 +32,11 @@ class SampledTokens:
         self.req_ids = req_ids  # [S] who held each row when it sampled
         self.positions = positions  # [S] where each token goes in its row
         self.result = result  # SamplerOutput: .sampled [S] int64 on the device, logprobs
+        # (a verify step's .sampled is [S, K + 1]: accepted drafts and the token after them;
+        # a request without drafts, the one that may run on before the read-back, has its
+        # token in column 0)
+        sampled = result.sampled
+        self.next_ids = sampled if sampled.dim() == 1 else sampled[:, 0]
         on_cuda = device.type == "cuda"
         self.host = result.sampled.to("cpu", non_blocking=on_cuda)
         self.copied = torch.cuda.Event() if on_cuda else None
@@ -78,7 +85,7 @@ class PendingTokens:
             return
         dst = to_device(ends[pending].astype(np.int64), input_ids.device)
         idx = to_device(src[pending], input_ids.device)
-        input_ids.index_copy_(0, dst, self.last.result.sampled.index_select(0, idx))
+        input_ids.index_copy_(0, dst, self.last.next_ids.index_select(0, idx))
 
 
 class AsyncModelRunnerOutput:

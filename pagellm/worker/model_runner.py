@@ -340,7 +340,9 @@ class ModelRunner:
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
         if self.spec is not None:
-            return self.spec.sample(batch, hidden, grammar)
+            self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
+            if self.spec.verifies(batch):
+                return self.spec.sample(batch, hidden, grammar)
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool
@@ -381,6 +383,10 @@ class ModelRunner:
         ib.token_ids[sampled.rows[held], sampled.positions[held]] = tokens[held]
         if sampled.result.logprobs is not None:
             attach_logprobs(output, sampled.sample_idx, sampled.result)
+        if self.spec is not None:
+            ends = (sampled.positions + 1).tolist()
+            rows = zip(sampled.req_ids, sampled.rows.tolist(), ends, held.tolist())
+            output.spec_token_ids = self.spec.propose([(r, w, e) for r, w, e, h in rows if h])
 
     def _logits_index(self, batch: StepBatch, sample_idx: np.ndarray) -> torch.Tensor | slice:
         """Rows of `hidden` to take logits from: each sampling request's last token."""

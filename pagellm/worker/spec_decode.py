@@ -77,14 +77,19 @@ class SpecDecoder:
 
     # ---- verification --------------------------------------------------------------------
 
+    def verifies(self, batch: StepBatch) -> bool:
+        """Whether the step samples through the verifier: it has drafts, or a seeded request
+        (whose every token is drawn by its position: the same output, drafts or not)."""
+        ib = self.runner.input_batch
+        return bool(self.drafted_rows) or any(r in ib.generators for r in batch.rows.tolist())
+
     def sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None
     ) -> AsyncModelRunnerOutput:
-        """Every step's sampling with speculative decoding on: each sampling request's last
-        1 + k rows (k drafts, maybe none) through the rejection sampler."""
+        """The step's sampling through the rejection sampler: each sampling request's last
+        1 + k rows (k drafts, maybe none)."""
         runner, ib = self.runner, self.runner.input_batch
         device = runner.device
-        self.proposer.after_forward(batch)
         k = self.num_drafts[batch.rows]
         sample_idx = np.flatnonzero(batch.seq_lens == ib.num_tokens[batch.rows] + k)
         output = ModelRunnerOutput(batch.req_ids, [[] for _ in batch.req_ids])
@@ -116,6 +121,7 @@ class SpecDecoder:
         positions = ib.num_tokens[rows]
         sampled = SampledTokens(sample_idx, rows, req_ids, positions, result, device)
         ib.num_tokens[rows] += 1  # the rest once the tokens are back
+        runner.pending.record(sampled)  # a request without drafts may run on before that
         return AsyncModelRunnerOutput(output, sampled, self._read_back(layout, ks))
 
     def _read_back(self, layout: VerifyLayout, ks: np.ndarray):
@@ -134,29 +140,31 @@ class SpecDecoder:
                     pos = int(sampled.positions[j])
                     ib.token_ids[row, pos : pos + len(new)] = new
                     ib.num_tokens[row] += len(new) - 1
-                    held.append((req_id, row))
+                    held.append((req_id, row, pos + len(new)))
             if sampled.result.logprobs is not None:
                 groups = list(zip(layout.starts.tolist(), counts.tolist()))
                 attach_logprobs(output, sampled.sample_idx, sampled.result, groups)
+            self.runner.pending.read_back(sampled)
             output.spec_token_ids = self.propose(held)
 
         return read_back
 
     # ---- proposals -----------------------------------------------------------------------
 
-    def propose(self, held: list[tuple[str, int]]) -> dict[str, list[int]]:
-        """Drafts for the next step of each (request, row) that just sampled (rank 0's are
-        the ones the scheduler uses)."""
+    def propose(self, held: list[tuple[str, int, int]]) -> dict[str, list[int]]:
+        """Drafts after the known tokens of each (request, row, tokens known) that just
+        sampled (rank 0's are the ones the scheduler uses). Under async scheduling a row's
+        next token may already be in flight: the scheduler drops those drafts, and their
+        coming tells the EngineCore to wait for each step before scheduling the next."""
         if not self.is_rank0:
             return {}
         ib = self.runner.input_batch
         wanted = []
-        for req_id, row in held:
+        for req_id, row, n in held:
             if not ib.allows_drafts(row):
                 continue
             k = self.adaptive.num_drafts(req_id)
             if k > 0:
-                n = int(ib.num_tokens[row])
                 tokens = ib.token_ids[row, :n]
                 wanted.append(Drafting(req_id, row, tokens, int(ib.num_prompt_tokens[row]), k))
         drafts = self.proposer.propose(wanted)  # called without any: a head still catches up
