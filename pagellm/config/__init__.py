@@ -251,6 +251,7 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    draft_model_config: ModelConfig | None = None  # speculative method draft_model: the draft
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """This config with a settled max_model_len (what max_model_len="auto" became)."""
@@ -264,17 +265,12 @@ class EngineConfig:
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """Plain data for the EngineCore process (msgpack): the HF config as its dict."""
-        mc = self.model_config
-        model = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
-        model.update(
-            source=dataclasses.asdict(mc.source),
-            hf_config=json.loads(mc.hf_config.to_json_string(use_diff=False)),
-            dtype=str(mc.dtype).removeprefix("torch."),
-        )
+        """Plain data for the EngineCore process (msgpack): the HF configs as their dicts."""
+        draft = self.draft_model_config
         wire = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         wire.update(
-            model_config=model,
+            model_config=_model_to_wire(self.model_config),
+            draft_model_config=None if draft is None else _model_to_wire(draft),
             cache_config=dataclasses.asdict(self.cache_config),
             scheduler_config=dataclasses.asdict(self.scheduler_config),
             parallel_config=dataclasses.asdict(self.parallel_config),
@@ -289,16 +285,12 @@ class EngineConfig:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> EngineConfig:
-        model = dict(wire["model_config"])
-        model.update(
-            source=ModelSource(**model["source"]),
-            hf_config=HFConfigView(**model["hf_config"]),
-            dtype=getattr(torch, model["dtype"]),
-        )
+        draft = wire.get("draft_model_config")
         return cls(
             **{
                 **wire,
-                "model_config": ModelConfig(**model),
+                "model_config": _model_from_wire(wire["model_config"]),
+                "draft_model_config": None if draft is None else _model_from_wire(draft),
                 "cache_config": CacheConfig(**wire["cache_config"]),
                 "scheduler_config": SchedulerConfig(**wire["scheduler_config"]),
                 "parallel_config": ParallelConfig(**wire["parallel_config"]),
@@ -308,3 +300,23 @@ class EngineConfig:
                 "speculative_config": SpeculativeConfig.of(wire.get("speculative_config")),
             }
         )
+
+
+def _model_to_wire(mc: ModelConfig) -> dict[str, Any]:
+    model = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
+    model.update(
+        source=dataclasses.asdict(mc.source),
+        hf_config=json.loads(mc.hf_config.to_json_string(use_diff=False)),
+        dtype=str(mc.dtype).removeprefix("torch."),
+    )
+    return model
+
+
+def _model_from_wire(wire: dict[str, Any]) -> ModelConfig:
+    model = dict(wire)
+    model.update(
+        source=ModelSource(**model["source"]),
+        hf_config=HFConfigView(**model["hf_config"]),
+        dtype=getattr(torch, model["dtype"]),
+    )
+    return ModelConfig(**model)

@@ -68,6 +68,12 @@ class SpeculativeConfig:
         if self.method not in _SPEC_NEEDS_MODEL and self.model is not None:
             raise ValueError(f"speculative_config method {self.method!r} takes no 'model'")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a running request holds past its scheduled tokens: a draft model writes
+        its drafts' K/V there (the first k - 1 of them; one more: slack for a full accept)."""
+        return self.num_speculative_tokens if self.method in _SPEC_NEEDS_MODEL else 0
+
     @classmethod
     def of(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """From EngineArgs.speculative_config: a dict of vLLM's keys, its JSON text, or the

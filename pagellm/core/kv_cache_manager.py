@@ -150,8 +150,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones.
+        """Make room for `num_new_tokens` more tokens after the computed ones, and for
+        `num_lookahead_tokens` slots after those (a draft model writes its drafts' K/V there).
 
         `new_computed_blocks` (first allocation only) are prefix-cache hits from
         `get_computed_blocks`; they come before the new tokens. Returns the ids of the blocks
@@ -160,34 +162,43 @@ class KVCacheManager:
         """
         req_blocks = self._reqs.get(request.request_id)
         if req_blocks is None:
-            return self._allocate_first(request, num_new_tokens, new_computed_blocks)
+            return self._allocate_first(
+                request, num_new_tokens, new_computed_blocks, num_lookahead_tokens
+            )
         if new_computed_blocks:
             raise ValueError("prefix-cache hits are only taken on a request's first allocation")
         self._free_outside_window(req_blocks, request.num_computed_tokens)
-        return self._grow(request, req_blocks, request.num_computed_tokens + num_new_tokens)
+        num_total = request.num_computed_tokens + num_new_tokens
+        return self._grow(request, req_blocks, num_total, num_lookahead_tokens)
 
     def _allocate_first(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVCacheBlock]
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock],
+        num_lookahead: int,
     ) -> list[int] | None:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_needed = cdiv(num_total, self.block_size) - len(computed_blocks)
+        num_needed = cdiv(num_total + num_lookahead, self.block_size) - len(computed_blocks)
         # hits before the window are not taken (the null block stands in for them)
         skip = min(self._first_kept_block(num_computed), len(computed_blocks))
         # hits on free cached blocks take them out of the free queue too
         num_revived = sum(1 for block in computed_blocks[skip:] if block.ref_cnt == 0)
         if num_needed + num_revived > self.block_pool.num_free_blocks:
             return None
-        return self._grow(request, self._admit(request, computed_blocks, skip), num_total)
+        req_blocks = self._admit(request, computed_blocks, skip)
+        return self._grow(request, req_blocks, num_total, num_lookahead)
 
     def _grow(
-        self, request: Request, req_blocks: _RequestBlocks, num_total: int
+        self, request: Request, req_blocks: _RequestBlocks, num_total: int, num_lookahead: int = 0
     ) -> list[int] | None:
-        """Extend the request's table to hold `num_total` tokens; cache the blocks they fill."""
+        """Extend the request's table to hold `num_total` tokens and `num_lookahead` slots
+        after them; cache the blocks its known tokens fill (never a lookahead slot's)."""
         blocks = req_blocks.blocks
-        num_needed = cdiv(num_total, self.block_size) - len(blocks)
+        num_needed = cdiv(num_total + num_lookahead, self.block_size) - len(blocks)
         new_block_ids = []
-        if num_needed < 0:  # held for drafts the last step rejected: never cached, unneeded
+        if num_needed < 0:  # held for rejected drafts or a longer lookahead: never cached
             surplus = blocks[num_needed:]
             del blocks[num_needed:]
             self.block_pool.free_blocks(reversed(surplus))

@@ -114,6 +114,9 @@ class Scheduler:
         )
         # no drafts verified while more requests than this run (vLLM's disable_by_batch_size)
         self.spec_max_batch = None if speculative is None else speculative.disable_by_batch_size
+        # slots a running request holds past its scheduled tokens: a draft model writes the
+        # K/V of its drafts there after the step (`num_lookahead_slots`)
+        self.num_lookahead_tokens = 0 if speculative is None else speculative.num_lookahead_tokens
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -258,16 +261,33 @@ class Scheduler:
                 # drafts past the switch would be verified with the short factors
                 num_all = min(num_all, self.long_rope_switch - request.num_computed_tokens)
             if num_all > num_new:
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_all)
+                lookahead = self._num_lookahead_slots(
+                    request, request.num_computed_tokens + num_all
+                )
+                new_block_ids = self.kv_cache_manager.allocate_slots(
+                    request, num_all, num_lookahead_tokens=lookahead
+                )
                 if new_block_ids is not None:
                     return new_block_ids, num_all
         return self._allocate_or_preempt(request, num_new, step), num_new
 
+    def _num_lookahead_slots(self, request: Request, num_total: int) -> int:
+        """Slots past the request's first `num_total` tokens that a draft model may write:
+        `num_lookahead_tokens`, none at or past the last worth computing (so a request alone
+        always fits the cache)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        last = self._max_computed_tokens(request)
+        return max(0, min(num_total + self.num_lookahead_tokens, last) - num_total)
+
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
-        """Blocks for `num_new` more tokens, preempting the youngest running requests until
-        they fit. None if `request` itself had to go."""
+        """Blocks for `num_new` more tokens (and the lookahead slots after them), preempting
+        the youngest running requests until they fit. None if `request` itself had to go."""
+        lookahead = self._num_lookahead_slots(request, request.num_computed_tokens + num_new)
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=lookahead
+            )
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
@@ -317,7 +337,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         computed_blocks, num_computed = kv.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_computed, step)
-        if kv.allocate_slots(request, num_new, computed_blocks) is None:
+        lookahead = self._num_lookahead_slots(request, num_computed + num_new)
+        if kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
             return False
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed

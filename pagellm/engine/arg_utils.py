@@ -10,6 +10,7 @@ engine core.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -130,6 +131,9 @@ class EngineArgs:
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         speculative_config = SpeculativeConfig.of(self.speculative_config)
         model_config = self.create_model_config(device)
+        draft_model_config = self.create_draft_model_config(
+            speculative_config, model_config, device
+        )
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -145,7 +149,9 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            enforce_eager=self.enforce_eager,
+            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep
+            enforce_eager=self.enforce_eager
+            or (speculative_config is not None and speculative_config.method == "eagle3"),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
@@ -156,6 +162,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
+            draft_model_config=draft_model_config,
         )
 
     def token_budget(self, device: torch.device) -> int:
@@ -205,6 +212,32 @@ class EngineArgs:
             quantization=quantization,
             long_rope_switch=None if rope is None else rope[0],
         )
+
+    def create_draft_model_config(
+        self, spec: SpeculativeConfig | None, target: ModelConfig, device: torch.device
+    ) -> ModelConfig | None:
+        """speculative_config method draft_model (eagle3): the draft's (head's) config,
+        resolved as the target's is (its own folder, tokenizer and quantization; the target's
+        dtype, device and seed), checked against the target (`check_draft_model`,
+        `eagle3_head_config`); None for other methods."""
+        if spec is None or spec.method not in ("draft_model", "eagle3"):
+            return None
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"speculative_config method {spec.method!r} is served with "
+                f"tensor_parallel_size=1 only, got {self.tensor_parallel_size}"
+            )
+        args = dataclasses.replace(
+            self, model=spec.model, tokenizer=None, revision=None, tokenizer_revision=None,
+            generation_config="vllm", max_model_len=None, quantization=None,
+            served_model_name=None, dtype=str(target.dtype).removeprefix("torch."),
+            load_format="dummy" if self.load_format == "dummy" else "auto",
+        )  # fmt: skip
+        draft = args.create_model_config(device)
+        if spec.method == "eagle3":
+            draft = eagle3_head_config(target, draft)
+        check_draft_model(target, draft)
+        return dataclasses.replace(draft, max_model_len=target.max_model_len)
 
     def _parallel_config(self, model_config: ModelConfig, device: torch.device) -> ParallelConfig:
         """None picks "uni" for one rank, else "ray" when the caller is connected to a Ray
@@ -289,4 +322,57 @@ def check_heads(hf_config: Any, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
             "divide one another (KV heads are split, or replicated when fewer than ranks)"
+        )
+
+
+def eagle3_head_config(target: ModelConfig, head: ModelConfig) -> ModelConfig:
+    """An EAGLE-3 head's config for `target`: its architecture and the target's hidden size
+    checked; its rotary table stretched to the target's max_model_len (heads are trained on
+    short sequences; their config's length caps nothing)."""
+    if head.architecture != "LlamaForCausalLMEagle3":
+        raise ValueError(
+            f"speculative_config method 'eagle3' needs an EAGLE-3 head (architecture "
+            f"LlamaForCausalLMEagle3); {head.model!r} is {head.architecture}"
+        )
+    hidden = getattr(head.hf_config, "target_hidden_size", None) or head.hf_config.hidden_size
+    if hidden != target.hf_config.hidden_size:
+        raise ValueError(
+            f"speculative_config: the EAGLE-3 head {head.model!r} reads hidden states of size "
+            f"{hidden}, {target.model!r} has {target.hf_config.hidden_size}"
+        )
+    hf_config = copy.copy(head.hf_config)
+    hf_config.max_position_embeddings = max(head.max_model_len, target.max_model_len)
+    return dataclasses.replace(head, hf_config=hf_config, max_model_len=target.max_model_len)
+
+
+def check_draft_model(target: ModelConfig, draft: ModelConfig) -> None:
+    """A draft the target cannot verify is a start-up error: another vocabulary (the
+    tokenizers' token -> id maps where both have one, else the configs' vocabulary sizes:
+    equal tokenizers may pad their embeddings apart, drafts then stay in the shared ids), or
+    fewer positions than max_model_len (lower max_model_len to use it)."""
+    from pagellm import loader
+
+    name, draft_name = repr(target.model), repr(draft.model)
+    if draft.max_model_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_name} holds {draft.max_model_len} "
+            f"positions, fewer than max_model_len={target.max_model_len} of {name}; pass "
+            f"max_model_len={draft.max_model_len} (or less) to use it"
+        )
+    ours, theirs = loader.load_tokenizer(target.source), loader.load_tokenizer(draft.source)
+    if ours is not None and theirs is not None:
+        mine, its = ours.get_vocab(), theirs.get_vocab()
+        if mine != its:
+            token = min(t for t in mine.keys() | its.keys() if mine.get(t) != its.get(t))
+            raise ValueError(
+                f"speculative_config: the draft model {draft_name}'s tokenizer differs from "
+                f"{name}'s ({len(its)} vs {len(mine)} tokens; {token!r} is id "
+                f"{its.get(token)} vs {mine.get(token)}): a draft must share the target's "
+                "tokenizer"
+            )
+    elif draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {draft_name} has a vocabulary of "
+            f"{draft.vocab_size} tokens, {name} of {target.vocab_size}: a draft must share "
+            "the target's tokenizer"
         )

@@ -206,6 +206,10 @@ class LlamaModel(nn.Module):
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
         self._cpu_decoder_built = False
+        # an EAGLE-3 head's inputs (pagellm/spec_decode/eagle3.py): the residual stream entering
+        # these layers, kept by each forward as `aux_hidden_states` [T, len * hidden]
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(
         self,
@@ -222,12 +226,17 @@ class LlamaModel(nn.Module):
             # the weights are packed by now
             self.cpu_decoder = CpuDecoder.build(self, LlamaDecoderLayer)
             self._cpu_decoder_built = True
-        if self.cpu_decoder is not None and self.cpu_decoder.runs(hidden, kv_caches, attn_metadata):
-            hidden, residual = self.cpu_decoder(hidden, cos_sin, kv_caches, attn_metadata)
+        decoder = None if self.aux_hidden_layers else self.cpu_decoder  # one call: no aux
+        if decoder is not None and decoder.runs(hidden, kv_caches, attn_metadata):
+            hidden, residual = decoder(hidden, cos_sin, kv_caches, attn_metadata)
         else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            residual, aux = None, []
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                if i in self.aux_hidden_layers:
+                    aux.append(hidden if residual is None else hidden + residual)
                 hidden, residual = layer(cos_sin, hidden, residual, kv_cache, attn_metadata)
+            if aux:
+                self.aux_hidden_states = torch.cat(aux, dim=-1)
         hidden, _ = self.norm.forward_with_residual(hidden, residual)
         return hidden
 

@@ -25,6 +25,8 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    # speculative decoding's heads, drafting for a target (speculative_config method eagle3)
+    "LlamaForCausalLMEagle3": ("eagle3", "Eagle3LlamaForCausalLM"),
 }
 
 

@@ -7,7 +7,7 @@ model on the device (`pagellm/spec_decode/draft_model.py`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,18 @@ class Proposer:
 
     def remove_request(self, req_id: str) -> None:
         """The request left the runner (finished or preempted)."""
+
+    def after_forward(self, batch: Any) -> None:
+        """The step's forward is done (`batch`: its `StepBatch`), its tokens not yet sampled:
+        a head that reads the target's hidden states takes this step's here."""
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of the proposer's own KV cache (a draft model's): the runner's
+        KV budget buys blocks of the target's and of this together."""
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate that cache: `num_blocks` blocks, at the target's block ids."""
 
 
 class NgramProposer(Proposer):

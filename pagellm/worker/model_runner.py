@@ -123,9 +123,14 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
+        """One block of every layer's cache: the target's, and a draft model's (its K/V at
+        the same block ids) where the proposer keeps one."""
         mc = self.model_config
-        return kv_block_bytes(
+        own = kv_block_bytes(
             mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_element_size, self.block_size
+        )
+        return own + (
+            0 if self.spec is None else self.spec.proposer.kv_block_bytes(self.block_size)
         )
 
     @property
@@ -182,6 +187,8 @@ class ModelRunner:
         )
         dtype = self.kv_cache_dtype
         self.kv_caches = [zeros_kv(shape, dtype, self.device) for _ in range(mc.num_layers)]
+        if self.spec is not None:
+            self.spec.proposer.initialize_kv_cache(num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, %s)",
             num_blocks,
@@ -311,7 +318,8 @@ class ModelRunner:
         """Eager forward of a flat batch given as host arrays: [T, hidden]."""
         return self._run_model(arrays, self._stage(arrays, block_rows), kv_caches)
 
-    def _run_model(self, arrays: dict, dev: dict, kv_caches: list) -> torch.Tensor:
+    def _run_model(self, arrays: dict, dev: dict, kv_caches: list, model=None) -> torch.Tensor:
+        """`model` (default: the target; a draft model) over staged inputs: [T, hidden]."""
         qsl, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
         common = CommonAttentionMetadata(
             num_reqs=len(seq_lens),
@@ -327,13 +335,16 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         attn_metadata = self.attn_backend_cls.build_metadata(common)
-        return self.model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
+        model = self.model if model is None else model
+        return model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
-        if self.spec is not None and self.spec.verifies(batch):
-            return self.spec.sample(batch, hidden, grammar)
+        if self.spec is not None:
+            self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
+            if self.spec.verifies(batch):
+                return self.spec.sample(batch, hidden, grammar)
         ib = self.input_batch
         # a request samples when this step brings its KV cache to the end of its tokens
         samples = batch.seq_lens == ib.num_tokens[batch.rows]  # [R] bool

@@ -39,6 +39,13 @@ def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixTreeProposer(config)
+    if config.method in ("draft_model", "eagle3"):
+        from pagellm.spec_decode.draft_model import DraftModelProposer
+        from pagellm.spec_decode.eagle3 import Eagle3Proposer
+        from pagellm.worker.draft_host import DraftHost
+
+        cls = DraftModelProposer if config.method == "draft_model" else Eagle3Proposer
+        return cls(config, runner.config.draft_model_config, DraftHost(runner))
     raise ValueError(f"speculative method {config.method!r} is not served yet")
 
 
@@ -174,7 +181,5 @@ class SpecDecoder:
             if k > 0:
                 tokens = ib.token_ids[row, :n]
                 wanted.append(Drafting(req_id, row, tokens, int(ib.num_prompt_tokens[row]), k))
-        if not wanted:
-            return {}
-        drafts = self.proposer.propose(wanted)
+        drafts = self.proposer.propose(wanted)  # called without any: a head still catches up
         return {r.req_id: d for r, d in zip(wanted, drafts) if d}

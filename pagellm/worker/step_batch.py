@@ -39,14 +39,19 @@ def prepare_batch(ib: InputBatch, sched: SchedulerOutput) -> StepBatch:
     req_ids = list(sched.num_scheduled_tokens)
     rows = np.fromiter((ib.req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
     num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, len(req_ids))
-    batch = StepBatch(req_ids, rows, num_scheduled)
-    num_computed = ib.num_computed_tokens[rows]
-    # position of each token: its request's computed count + its index within the request
-    offsets = np.arange(batch.query_start_loc[-1]) - np.repeat(
-        batch.query_start_loc[:-1], num_scheduled
-    )
-    batch.positions = np.repeat(num_computed, num_scheduled) + offsets
-    batch.seq_lens = (num_computed + num_scheduled).astype(np.int32)
+    return span_batch(req_ids, rows, ib.num_computed_tokens[rows], num_scheduled)
+
+
+def span_batch(
+    req_ids: list[str], rows: np.ndarray, starts: np.ndarray, counts: np.ndarray
+) -> StepBatch:
+    """Tokens starts[i] .. starts[i] + counts[i] - 1 of each row (those before in the cache):
+    a step's, or a draft model's over the same rows (`pagellm/worker/draft_host.py`)."""
+    batch = StepBatch(req_ids, rows, counts)
+    # position of each token: its request's start + its index within the request
+    offsets = np.arange(batch.query_start_loc[-1]) - np.repeat(batch.query_start_loc[:-1], counts)
+    batch.positions = np.repeat(starts, counts) + offsets
+    batch.seq_lens = (starts + counts).astype(np.int32)
     return batch
 
 
