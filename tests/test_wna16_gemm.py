@@ -131,3 +131,14 @@ def test_act_order_weight_gathers_x_by_its_permutation():
     tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
     torch.testing.assert_close(weight(x).float(), want, rtol=1e-2, atol=tol)
     assert gpu_weight(qweight, scale, zeros, 4, 24, None) is None  # groups the kernels refuse
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="--tiny is the interpreter's check")
+def test_benchmark_tiny_runs_the_timed_path():
+    """`benchmarks/wna16.py --tiny`: the GEMV and the GEMM at each projection's tiny shape,
+    int4 groups of 128, against the dequantized product."""
+    from benchmark_modules import load
+
+    results = load("wna16").run_tiny([1, 8])
+    assert [r["rows"] for r in results] == [1, 8] * 4
+    assert max(r["rel_err"] for r in results) < 1e-5
