@@ -3,6 +3,7 @@ torch's bf16 matmul (cuBLAS), and against the int4 weight-streaming bound (CUDA)
 
     python benchmarks/wna16.py                        # M = 1 (GEMV), 8 ... 256 (GEMM)
     python benchmarks/wna16.py --rows 1 4 --hbm-tb-s 4.8          # an H200
+    python benchmarks/wna16.py --sweep --rows 1                   # GEMV tiles: the best
     TRITON_INTERPRET=1 python benchmarks/wna16.py --tiny          # CPU: the same code path on
                                                                   # tiny shapes, checked only
 
@@ -60,7 +61,7 @@ def moved_bytes(m: int, n: int, k: int) -> int:
     return n * k // 2 + n * (k // GROUP) * 5 + 2 * m * (k + n)
 
 
-def check(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> float:
+def check(m: int, n: int, k: int, device: str, dtype: torch.dtype, config=None) -> float:
     """Max error of `wna16_gemm` against x @ dequantized(w)^T, relative to its largest entry."""
     from pagellm.kernels.wna16_gemm import wna16_gemm
     from pagellm.quantization.wna16_formats import dequantize
@@ -68,7 +69,7 @@ def check(m: int, n: int, k: int, device: str, dtype: torch.dtype) -> float:
     q, s, z = random_int4(n, k, device)
     x = torch.randn(m, k, device=device, dtype=dtype)
     want = F.linear(x.float(), dequantize(q, s, z, 4, GROUP))
-    got = wna16_gemm(x, q, s, z, 4, GROUP).float()
+    got = wna16_gemm(x, q, s, z, 4, GROUP, config=config).float()
     err = float((got - want).abs().max() / want.abs().max())
     if err > 2e-2:
         raise SystemExit(f"wna16_gemm M={m} N={n} K={k}: relative error {err:.3g}")
@@ -117,6 +118,8 @@ def run_tiny(rows: list[int]) -> list[dict]:
         for m in rows:
             start = time.perf_counter()
             err = check(m, n, k, "cpu", torch.float32)
+            if m <= 4:  # a sweep's tile too: K steps of several groups
+                err = max(err, check(m, n, k, "cpu", torch.float32, GEMV_TILES[-1]))
             wall = (time.perf_counter() - start) * 1e3
             results.append({"proj": name, "rows": m, "N": n, "K": k, "rel_err": err,
                             "interpreter_ms": round(wall, 1)})  # fmt: skip
@@ -147,12 +150,59 @@ def _print(r: dict, hbm: float) -> None:
           f"{r['speedup']:.2f}x", flush=True)  # fmt: skip
 
 
+GEMV_TILES = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+              for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (2, 4)]  # fmt: skip
+
+
+def time_gemv(x: torch.Tensor, ints: list, config: dict) -> float:
+    """ms of one GEMV with tiles `config`, over the rotated weights `ints`."""
+    from cuda_timing import graph_median_ms
+
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    def run():
+        for q, s, z in ints:
+            wna16_gemm(x, q, s, z, 4, GROUP, config=config)
+
+    return graph_median_ms(run, 5) / len(ints)
+
+
+def sweep_gemv(m: int, hbm: float) -> dict:
+    """Every candidate GEMV tile at each projection (M rows, weights past L2): the default's
+    and the best's GB/s per projection, and the tile with the least time over the layer."""
+    from pagellm.kernels.wna16_gemm import gemv_config
+
+    totals = [0.0] * len(GEMV_TILES)
+    for name, (n, k) in SHAPES["llama-3.1-8b"].items():
+        ints = [random_int4(n, k, "cuda") for _ in range(max(1, int(2e9 // (n * k // 2))))]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        default = gemv_config(k, 4, GROUP)
+        default_ms = time_gemv(x, ints, default)
+        times = [time_gemv(x, ints, cfg) for cfg in GEMV_TILES]
+        totals = [a + b for a, b in zip(totals, times)]
+        best = min(range(len(times)), key=times.__getitem__)
+        gb_s = [moved_bytes(m, n, k) / t / 1e6 for t in (default_ms, times[best])]
+        print(
+            f"{name:8s} M={m}: default {default} {gb_s[0]:.0f} GB/s; best "
+            f"{GEMV_TILES[best]} {gb_s[1]:.0f} GB/s ({gb_s[1] / (hbm * 1e3):.0%})",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    best = min(range(len(totals)), key=totals.__getitem__)
+    print(f"best over the layer: {GEMV_TILES[best]} (for gemv_config)")
+    return {"rows": m, "layer_best": GEMV_TILES[best], "layer_best_ms": round(totals[best], 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth (H100 SXM)")
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny shapes")
+    ap.add_argument("--sweep", action="store_true", help="GEMV tiles at M = --rows[0] (CUDA)")
     args = ap.parse_args()
+    if args.sweep:
+        print(json.dumps({"bench": "wna16-gemv-sweep", **sweep_gemv(args.rows[0], args.hbm_tb_s)}))
+        return
     if args.tiny:
         results = run_tiny(args.rows)
         device = "cpu (Triton interpreter)"

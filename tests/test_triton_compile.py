@@ -145,7 +145,10 @@ def compile_wna16_gemm() -> None:
         block = 256 if bits == 4 else 128
         constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16,
                           BLOCK_K=min(block, group))  # fmt: skip
-        _compile(_wna16_gemv_kernel, types, constexprs, ("N", "K", "stride_qn"))
+        _compile(_wna16_gemv_kernel, types, constexprs | {"STEP_GROUPS": 1},
+                 ("N", "K", "stride_qn"))  # fmt: skip
+        wide = dict(constexprs, BLOCK_N=8, BLOCK_K=group * 4, STEP_GROUPS=4)  # whole groups
+        _compile(_wna16_gemv_kernel, types, wide, ("N", "K", "stride_qn"), num_warps=2)
         for block_m in (16, 64):
             constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=False, BLOCK_M=block_m,
                               BLOCK_N=64, BLOCK_K=min(64, group))  # fmt: skip

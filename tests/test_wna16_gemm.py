@@ -56,6 +56,24 @@ def test_wna16_gemm_matches_dequantized(rows, bits, group, sym):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
 
 
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 160), (8, 16, 176), (4, 64, 256)])
+@pytest.mark.parametrize("block_n,block_k", [(8, 128), (4, 64)])
+def test_gemv_steps_over_several_groups(bits, group, k, block_n, block_k):
+    """GEMV tiles whose K step holds 2-8 whole groups (each group's scale and zero applied to
+    its own columns; a short last group, a last step past K), against the dequantized
+    product."""
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    torch.manual_seed(k + block_n)
+    qweight, scales, zeros, deq, size = _weight(40, k, bits, group, False)
+    x = torch.randn(2, k, device=DEVICE).to(X_DTYPE)
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 2}
+    got = wna16_gemm(x, qweight, scales, zeros, bits, size, config=config).float()
+    want = F.linear(x.float(), deq)
+    tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
+
+
 def test_wna16_gemm_checks_its_inputs():
     from pagellm.kernels.wna16_gemm import wna16_gemm
 
@@ -69,6 +87,8 @@ def test_wna16_gemm_checks_its_inputs():
 
     with pytest.raises(ValueError, match="group size 24 is not a multiple of 16"):
         block_k(24, 64)
+    with pytest.raises(ValueError, match="a K step of 96 neither divides the group size 32"):
+        wna16_gemm(x[:1], qweight, scales, zeros, 4, size, config={"BLOCK_N": 8, "BLOCK_K": 96})
 
 
 @pytest.mark.gpu
