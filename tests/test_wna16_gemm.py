@@ -127,6 +127,22 @@ def test_gptq_engine_on_cuda_agrees_with_dequantized(tmp_path):
     assert same >= 12, same
 
 
+@pytest.mark.gpu
+def test_gptq_dummy_llama_8b_runs():
+    """Llama-3.1-8B's shapes in int4 without a checkpoint: random GPTQ weights in groups of
+    128 (load_format="dummy"), the Triton kernels in every Linear, CUDA graphs."""
+    from pagellm import LLM, SamplingParams
+
+    with LLM(model="llama-3.1-8b", load_format="dummy", quantization="gptq",
+             max_model_len=1024) as llm:  # fmt: skip
+        assert llm.llm_engine.config.model_config.quantization == "gptq"
+        outs = llm.generate(
+            [{"prompt_token_ids": list(range(100, 164))}] * 3,
+            SamplingParams(max_tokens=8, ignore_eos=True),
+        )
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
 def test_act_order_weight_gathers_x_by_its_permutation():
     """`WNA16GpuWeight` of an act-order layer, its columns sorted by group at load (as
     `WNA16LinearMethod` does): x is taken in the same order, so the product is the

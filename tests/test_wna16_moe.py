@@ -91,20 +91,27 @@ def test_cpu_logits_equal_the_dequantized_models(case, tmp_path):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter on a CPU-only machine")
-@pytest.mark.parametrize("case", ["qwen3_moe-gptq-asym-g32", "qwen3_moe-gptq_v2-8bit-channel"])
+@pytest.mark.parametrize("case", ["qwen3_moe-gptq-asym-g32", "qwen3_moe-gptq_v2-8bit-channel",
+                                  "qwen2_moe-shared-ct-asym-g32-actorder"])  # fmt: skip
 def test_cuda_path_keeps_int_experts(case, tmp_path, monkeypatch):
     """On CUDA the experts stay int, stacked by expert ([E, 2I, H / 2] uint8 for 4-bit), and
-    the fused MoE with int weights gives HF's logits on the dequantized folder."""
+    the fused MoE with int weights gives HF's logits on the dequantized folder; act-order
+    experts are dequantized at load (the bf16 kernel), the shared expert's Linears kept."""
     from pagellm.quantization.wna16 import WNA16Config
 
     folder, reference = _packed(tmp_path, case)
     _on_cuda_kernels(monkeypatch, WNA16Config)
     model = load_our_model(folder)
-    experts = model.model.layers[1].mlp.experts.quantized_experts
-    bits = CASES[case][2].bits
-    assert type(experts).__name__ == "WNA16GpuExperts"
-    assert experts.w13.q.shape == (4, 128, 128 * bits // 8) and experts.w13.bits == bits
-    assert experts.w2.q.dtype == torch.uint8 and experts.w2.shape == (4, 128, 64)
+    layer = model.model.layers[1].mlp.experts
+    experts, bits = layer.quantized_experts, CASES[case][2].bits
+    if CASES[case][2].act_order:
+        assert experts is None and layer.w13.dtype == torch.float32
+        shared = model.model.layers[1].mlp.shared_expert.gate_up_proj.packed_weight
+        assert type(shared).__name__ == "WNA16GpuWeight"
+    else:
+        assert type(experts).__name__ == "WNA16GpuExperts" and experts.w13.bits == bits
+        assert experts.w13.q.shape == (4, 128, 128 * bits // 8)
+        assert experts.w2.q.dtype == torch.uint8 and experts.w2.shape == (4, 128, 64)
     fed, got = run_paged(model, PROMPT, num_decode_steps=2)[0]
     torch.testing.assert_close(got, hf_logits(_hf(reference), fed), rtol=1e-4, atol=1e-4)
 

@@ -279,8 +279,8 @@ class WNA16Config(QuantizationConfig):
 
     def experts_weight(self, stacks: dict[str, dict[str, torch.Tensor]]):
         """A MoE layer's int experts for this device's kernels (`QuantizedExperts`), or None
-        (dequantized: the CPU, groups the kernel cannot take)."""
-        if self.device.type != "cuda":
+        (dequantized: the CPU, act-order, groups the kernel cannot take)."""
+        if self.device.type != "cuda" or any("g_idx" in t for t in stacks.values()):
             kind = None
         else:
             from pagellm.quantization.wna16_gpu import gpu_experts

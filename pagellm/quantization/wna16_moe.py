@@ -104,8 +104,7 @@ class WNA16ExpertsMethod(ExpertsMethod):
 
     def process_weights_after_loading(self, layer) -> None:
         stacks = {stacked: self._take(layer, stacked) for stacked in STACKS}
-        kept = not self.config.dequantize and all("g_idx" not in t for t in stacks.values())
-        weight = self.config.experts_weight(stacks) if kept else None
+        weight = None if self.config.dequantize else self.config.experts_weight(stacks)
         if weight is not None:
             layer.quantized_experts = weight
             return
