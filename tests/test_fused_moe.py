@@ -287,3 +287,24 @@ def test_fused_moe_quant_at_qwen3_30b_shapes(kind, num_tokens):
     ref = experts_torch(x.float(), d13.cuda().bfloat16().float(), d2.cuda().bfloat16().float(),
                         weights, ids)  # fmt: skip
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_quant_replays_in_a_cuda_graph():
+    """int4 experts: captured once, replayed with other tokens and routing (no host sync)."""
+    (w13, d13), (w2, d2) = _int_stack(16, 256, 256, 4, 128, 1), _int_stack(16, 256, 128, 4, 128, 2)
+    x, logits = _randn(32, 256, dtype=torch.bfloat16), _randn(32, 16)
+    weights, ids = select_experts(logits, 2, True)
+    fq.fused_moe_quant(x, w13, w2, weights, ids)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fq.fused_moe_quant(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        x.copy_(_randn(32, 256, dtype=torch.bfloat16, seed=seed))
+        new_weights, new_ids = select_experts(_randn(32, 16, seed=seed + 10), 2, True)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        ref = experts_torch(x.float(), d13.cuda().bfloat16().float(),
+                            d2.cuda().bfloat16().float(), weights, ids)  # fmt: skip
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
