@@ -18,11 +18,14 @@ transformers looks for.) Prepared once in `--workdir` and kept:
 
 The workload is throughput.py's batch-1 CPU run: one request of 64 random token ids, 128
 greedy tokens (ignore_eos), prefill included in output tok/s; `--rounds` rounds of A B (C),
-medians. pagellm runs `LLM(model=gptq/)` (int4 groups read by the GGUF block kernel inside
+medians (and each engine's best round: on a shared machine the rounds no other work slowed). pagellm runs `LLM(model=gptq/)` (int4 groups read by the GGUF block kernel inside
 the C++ decoder loop) and `LLM()` (the embedded GGUF, the default); llama.cpp runs in its own
 venv (llama-cpp-python; this script's `worker` mode in that interpreter) with torch's thread
-count, one request at a time as throughput.py's `--peer llama.cpp` does. The last line is
-one JSON object with every number. No module-level torch import: the worker's venv has none.
+count, one request at a time as throughput.py's `--peer llama.cpp` does. `--cpu-time` runs
+pagellm in-process and adds each engine's process CPU seconds a run (tokens a CPU second: a
+steadier measure than wall time where other work shares the cores; spinning threads count).
+The last line is one JSON object with every number. No module-level torch import: the
+worker's venv has none.
 """
 
 from __future__ import annotations
@@ -73,10 +76,12 @@ class LlamaCppWorker:
         if self.proc.stdout.readline().strip() != "ready":
             raise SystemExit("the llama.cpp worker did not start")
 
-    def __call__(self, prompts: list[list[int]]) -> float:
+    def __call__(self, prompts: list[list[int]]) -> tuple[float, float]:
+        """(wall seconds, the worker's CPU seconds) of one run."""
         self.proc.stdin.write(json.dumps(prompts) + "\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        wall, cpu = self.proc.stdout.readline().split()
+        return float(wall), float(cpu)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -92,12 +97,12 @@ def worker(gguf: str, threads: int) -> None:
                   n_threads_batch=threads, verbose=False)  # fmt: skip
     print("ready", flush=True)
     for line in sys.stdin:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for prompt in json.loads(line):
             for n, _ in enumerate(model.generate(prompt, temp=0.0, top_k=1, reset=True), 1):
                 if n == MAX_TOKENS:
                     break
-        print(time.perf_counter() - start, flush=True)
+        print(time.perf_counter() - start, time.process_time() - cpu, flush=True)
 
 
 def quantize_q4_0(python: str, src: str, dst: str, threads: int) -> None:
@@ -121,7 +126,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="pagellm's (bfloat16 too)")
     ap.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama_cpp")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="pagellm in-process; each engine's CPU seconds too")  # fmt: skip
     args = ap.parse_args()
+    if args.cpu_time:  # the EngineCore in this process: its CPU time is this process's
+        os.environ["PAGELLM_ENABLE_MULTIPROCESSING"] = "0"
     import torch
 
     from pagellm import LLM
@@ -134,16 +143,14 @@ def main() -> None:
         "pagellm-gptq": LLM(model=gptq_dir, dtype=args.dtype, max_num_seqs=1),
         "pagellm-gguf": LLM(dtype=args.dtype, max_num_seqs=1),
     }
-    runners = {
-        n: (lambda p, e=e: throughput.run_pagellm(e, p, MAX_TOKENS)) for n, e in engines.items()
-    }
+    runners = {n: _timed(throughput.run_pagellm, e) for n, e in engines.items()}
     cpp = None
     if args.llama_cpp_python:
         q4_0 = os.path.join(args.workdir, "q4_0.gguf")
         threads = torch.get_num_threads()
         quantize_q4_0(args.llama_cpp_python, resolve_model_source(None).path, q4_0, threads)
         runners["llama.cpp-q4_0"] = cpp = LlamaCppWorker(args.llama_cpp_python, q4_0, threads)
-    times = alternate(runners, prompts, args.rounds)
+    times, cpu = alternate(runners, prompts, args.rounds)
     tok_s = {n: round(MAX_TOKENS / statistics.median(t), 1) for n, t in times.items()}
     result = {
         "bench": "cpu_int4", "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
@@ -151,7 +158,12 @@ def main() -> None:
         "greedy tokens", "quantization": {n: e.llm_engine.config.model_config.quantization
                                            for n, e in engines.items()},
         "output_tok_s": tok_s, "runs_s": {n: [round(x, 3) for x in t] for n, t in times.items()},
+        "best_round_tok_s": {n: round(MAX_TOKENS / min(t), 1) for n, t in times.items()},
     }  # fmt: skip
+    if args.cpu_time:  # tokens a CPU second: steadier than wall time on a shared machine
+        tok_s = {n: round(MAX_TOKENS / statistics.median(t), 1) for n, t in cpu.items()}
+        result.update(output_tok_per_cpu_s=tok_s, cpu_s={n: [round(x, 3) for x in t]
+                                                           for n, t in cpu.items()})  # fmt: skip
     for name in tok_s:
         if name != "pagellm-gptq":
             result[f"gptq_over_{name}"] = round(tok_s["pagellm-gptq"] / tok_s[name], 3)
@@ -162,17 +174,31 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def alternate(runners: dict, prompts: list[list[int]], rounds: int) -> dict[str, list[float]]:
-    """A warm-up each, then `rounds` rounds of A B (C): seconds of each run."""
+def _timed(run_pagellm, engine):
+    """A runner of one pagellm engine: (wall seconds, this process's CPU seconds)."""
+
+    def run(prompts: list[list[int]]) -> tuple[float, float]:
+        cpu = time.process_time()
+        wall = run_pagellm(engine, prompts, MAX_TOKENS)
+        return wall, time.process_time() - cpu
+
+    return run
+
+
+def alternate(runners: dict, prompts: list[list[int]], rounds: int) -> tuple[dict, dict]:
+    """A warm-up each, then `rounds` rounds of A B (C): wall and CPU seconds of each run."""
     for run in runners.values():
         run(prompts)
     times: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(rounds):
         for name, run in runners.items():
-            times[name].append(run(prompts))
-            print(f"round {r}: {name:16s} {MAX_TOKENS / times[name][-1]:7.1f} output tok/s",
-                  flush=True)  # fmt: skip
-    return times
+            wall, cpu_s = run(prompts)
+            times[name].append(wall)
+            cpu[name].append(cpu_s)
+            print(f"round {r}: {name:16s} {MAX_TOKENS / wall:7.1f} output tok/s "
+                  f"({cpu_s:.2f} CPU s)", flush=True)  # fmt: skip
+    return times, cpu
 
 
 if __name__ == "__main__":
