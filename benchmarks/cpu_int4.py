@@ -14,13 +14,15 @@ transformers looks for.) Prepared once in `--workdir` and kept:
                `tests/wna16_pack.py` (GPTQ's format from its spec: min/max per group, fp16
                scales); the LM head, tied to the embeddings, stays float as GPTQ leaves it
     q4_0.gguf  the embedded file requantized to Q4_0 by llama.cpp's own quantizer
-               (`llama_model_quantize`, its default Q4_0 mix), with --llama-cpp-python
+               (`llama_model_quantize`, its default Q4_0 mix: the 210 projections Q4_0, the
+               tied embedding / LM head Q8_0 as in the Q4_1 file), with --llama-cpp-python
 
 The workload is throughput.py's batch-1 CPU run: one request of 64 random token ids, 128
 greedy tokens (ignore_eos), prefill included in output tok/s; `--rounds` rounds of A B (C),
-medians (and each engine's best round: on a shared machine the rounds no other work slowed). pagellm runs `LLM(model=gptq/)` (int4 groups read by the GGUF block kernel inside
-the C++ decoder loop) and `LLM()` (the embedded GGUF, the default); llama.cpp runs in its own
-venv (llama-cpp-python; this script's `worker` mode in that interpreter) with torch's thread
+medians (and each engine's best round: on a shared machine the rounds no other work slowed).
+pagellm runs `LLM(model=gptq/)` (int4 groups read by the GGUF block kernel inside the C++
+decoder loop) and `LLM()` (the embedded GGUF, the default); llama.cpp runs in its own venv
+(llama-cpp-python; this script's `worker` mode in that interpreter) with torch's thread
 count, one request at a time as throughput.py's `--peer llama.cpp` does. `--cpu-time` runs
 pagellm in-process and adds each engine's process CPU seconds a run (tokens a CPU second: a
 steadier measure than wall time where other work shares the cores; spinning threads count).
