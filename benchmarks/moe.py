@@ -1,8 +1,11 @@
-"""The fused-MoE expert GEMMs against cuBLAS on the same work (CUDA, bf16).
+"""The fused-MoE expert GEMMs against cuBLAS on the same work (CUDA, bf16; or int4 / fp8
+experts, `--weights`, against cuBLAS in bf16).
 
     python benchmarks/moe.py                              # Qwen3-30B-A3B shapes
     python benchmarks/moe.py --model mixtral-8x7b --tokens 1 64 256
     python benchmarks/moe.py --sweep                      # tile sweep: the best config per M
+    python benchmarks/moe.py --weights int4               # int4 experts (groups of 128)
+    python benchmarks/moe.py --weights fp8 --tokens 1 64  # fp8 experts (128 x 128 blocks)
 
 For each token count T, routing comes from random router logits (softmax, top-k, as the
 model routes). Timed, each as the median replay of a CUDA graph over enough layers' weights
@@ -41,12 +44,15 @@ SHAPES = {  # name: (experts E, top_k, hidden H, expert intermediate I)
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
 H200_PEAK = {"tflops": 989.0, "tb_s": 4.8}  # dense bf16 tensor cores, HBM3e
+BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5}  # an expert weight's bytes (scales not counted)
 
 
 class Problem:
     """Weights of `copies` layers, one routing of T tokens, and their expert layout."""
 
-    def __init__(self, shape: tuple[int, int, int, int], tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self, shape: tuple[int, int, int, int], tokens: int, seed: int = 0, kind: str = "bf16"
+    ) -> None:
         from pagellm.layers.moe import select_experts
 
         e, k, h, i = shape
@@ -58,6 +64,14 @@ class Problem:
              torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * i**-0.5)
             for _ in range(self.copies)
         ]  # fmt: skip
+        self.kind = kind  # int4 / fp8: the quantized copies the fused kernels read
+        self.quantized = []
+        if kind != "bf16":
+            copies = max(1, math.ceil(3e9 / (layer_bytes * BYTES[kind] / 2)))
+            self.quantized = [
+                (quantized_stack(e, 2 * i, h, kind), quantized_stack(e, h, i, kind))
+                for _ in range(copies)
+            ]
         self.x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(tokens, e, device="cuda", dtype=torch.float32)
         self.topk_weights, self.ids = select_experts(logits, k, renormalize=True)
@@ -72,34 +86,54 @@ class Problem:
     @property
     def weight_bytes(self) -> float:
         e, k, h, i = self.shape
-        return self.active * 3.0 * i * h * 2
+        return self.active * 3.0 * i * h * BYTES[self.kind]
+
+
+def quantized_stack(e: int, n: int, k: int, kind: str):
+    """Random experts [E, N, K] as the quantized kernels read them: int4 groups of 128
+    (symmetric, GPTQ's usual), or fp8 with 128 x 128 block scales (Qwen3-30B-A3B-FP8's)."""
+    from pagellm.kernels.fused_moe_quant import QuantizedStack
+
+    if kind == "int4":
+        q = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+        scales = torch.full((e, n, k // 128), k**-0.5 / 4.6, device="cuda")
+        zeros = torch.full((e, n, k // 128), 8, dtype=torch.uint8, device="cuda")
+        return QuantizedStack(q, scales, zeros, 4, 128)
+    q = (torch.randn(e, n, k, device="cuda") * 64).to(torch.float8_e4m3fn)
+    scales = torch.full((e, n // 128, k // 128), k**-0.5 / 64, device="cuda")
+    return QuantizedStack(q, scales, None, 0, 128)
 
 
 def time_fused(p: Problem, config) -> float:
     from pagellm.kernels.fused_moe import fused_moe
+    from pagellm.kernels.fused_moe_quant import fused_moe_quant
+
+    fused, weights = (fused_moe_quant, p.quantized) if p.quantized else (fused_moe, p.weights)
 
     def run():
-        for w13, w2 in p.weights:
-            fused_moe(p.x, w13, w2, p.topk_weights, p.ids, config)
+        for w13, w2 in weights:
+            fused(p.x, w13, w2, p.topk_weights, p.ids, config)
 
-    return graph_median_ms(run) / p.copies
+    return graph_median_ms(run) / len(weights)
 
 
 def time_gemms(p: Problem, config) -> float:
     from pagellm.kernels.fused_moe import align_by_expert, moe_gemm
+    from pagellm.kernels.fused_moe_quant import moe_gemm_quant
 
     e, k, h, i = p.shape
     layout = align_by_expert(p.ids, e, config.block_m)
     act = torch.empty(p.tokens * k, i, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(p.tokens * k, h, device="cuda", dtype=torch.bfloat16)
     flat_weights = p.topk_weights.view(-1)
+    gemm, weights = (moe_gemm_quant, p.quantized) if p.quantized else (moe_gemm, p.weights)
 
     def run():
-        for w13, w2 in p.weights:
-            moe_gemm(p.x, w13, act, layout, config, rows_per_a=k, gated=True)
-            moe_gemm(act, w2, y, layout, config, rows_per_a=1, routing_weights=flat_weights)
+        for w13, w2 in weights:
+            gemm(p.x, w13, act, layout, config, rows_per_a=k, gated=True)
+            gemm(act, w2, y, layout, config, rows_per_a=1, routing_weights=flat_weights)
 
-    return graph_median_ms(run) / p.copies
+    return graph_median_ms(run) / len(weights)
 
 
 def time_cublas(p: Problem) -> float:
@@ -150,13 +184,15 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config")
+    ap.add_argument("--weights", choices=sorted(BYTES), default="bf16",
+                    help="the experts' weights: int4 / fp8 run fused_moe_quant.py")  # fmt: skip
     args = ap.parse_args()
     from pagellm.kernels.fused_moe import choose_config
 
     shape = SHAPES[args.model]
     results = []
     for tokens in args.tokens:
-        p = Problem(shape, tokens)
+        p = Problem(shape, tokens, kind=args.weights)
         config = choose_config(tokens, shape[1], shape[0])
         row = {"tokens": tokens, "active_experts": p.active, "config": config.__dict__}
         row["fused_ms"] = round(time_fused(p, config), 4)
@@ -186,6 +222,7 @@ def main() -> None:
     summary = {
         "bench": "moe",
         "model": args.model,
+        "weights": args.weights,
         "shape": dict(zip(("experts", "top_k", "hidden", "intermediate"), shape)),
         "device": torch.cuda.get_device_name(),
         "peak": H200_PEAK,

@@ -25,6 +25,10 @@ GPU workloads (`--workload standard | fixed512 | batch1`, pagellm alone unless `
     python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy
     python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy \
         --quantization fp8
+    python benchmarks/throughput.py --workload batch1 --model llama-3.1-8b --load-format dummy \
+        --quantization gptq                     # int4, groups of 128 (also awq)
+    python benchmarks/throughput.py --workload standard --model qwen3-30b-a3b \
+        --load-format dummy --quantization gptq # int4 experts in the fused MoE kernel
 
 `standard` is nano-vllm's bench.py, generated in its order: `random.seed(0)`; 256 prompts of
 `randint(100, 1024)` token ids each drawn with `randint(0, 10000)`; then 256
@@ -36,7 +40,9 @@ tokens each. `batch1` is one request of 128 random token ids and 512 output toke
 of a lone stream). `--no-async-scheduling` turns async scheduling off. `--peer hf` also runs
 HF transformers' `generate_batch` (continuous batching, paged attention) on the first
 `--peer-requests` requests with the same settings. Start-up (`LLM(...)` to ready) is timed.
-`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load; on the CPU
+`--quantization` is the engine's (`fp8` quantizes the dummy bf16 weights at load, MoE experts
+included; `awq` / `gptq` / `compressed-tensors` draw random int4 weights in groups of 128 at
+the format's layout, the checkpoint a user downloads without downloading it; on the CPU
 `gguf` keeps the embedded GGUF's blocks quantized, the default dequantizes them), and
 `--peer unquantized` runs the same engine with `quantization="none"` beside it.
 

@@ -1,9 +1,8 @@
-"""The fused-MoE Triton kernels (routing top-k, the per-expert layout, the two grouped GEMMs)
-against the torch path of `pagellm/layers/moe.py`. Without CUDA they run under Triton's
-interpreter on tiny shapes (fp32 and fp16); `gpu`-marked tests add bf16 at Qwen3-30B-A3B's
-shapes and a CUDA-graph replay. Kernel outputs start as `torch.empty`, so an unwritten row
-fails the comparison.
-"""
+"""The fused-MoE Triton kernels (routing top-k, the per-expert layout, the two grouped GEMMs, and
+their int4 / int8 / fp8-weight variants) against the torch path of `pagellm/layers/moe.py`.
+Without CUDA they run under Triton's interpreter on tiny shapes (fp32 and fp16); `gpu`-marked
+tests add bf16 at Qwen3-30B-A3B's shapes and a CUDA-graph replay. Kernel outputs start as
+`torch.empty`, so an unwritten row fails the comparison."""
 
 from __future__ import annotations
 
@@ -23,12 +22,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_for_numpy_2_4()  # the GEMM loops to a runtime bound
 
 from pagellm.kernels import fused_moe as fm  # noqa: E402
+from pagellm.kernels import fused_moe_quant as fq  # noqa: E402
 from pagellm.layers.moe import experts_torch, select_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 TINY = fm.MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+X_DTYPE_QUANT = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -149,6 +150,87 @@ def test_choose_config_by_rows_per_expert():
     assert fm.choose_config(256, 2, 8).block_m == 64  # Mixtral decode of 256: 64 rows
 
 
+# ---- quantized experts (fused_moe_quant.py) --------------------------------------------------
+
+
+def _int_stack(e, n, k, bits, group, seed):
+    """(QuantizedStack of random int experts [E, N, K] in the canonical layout, float32
+    dequantized weights), asymmetric: random zero points."""
+    from pagellm.quantization.wna16_formats import dequantize, pack_nibbles
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (e, n, k), generator=g, dtype=torch.uint8)
+    groups = -(-k // group)
+    scales = (torch.rand(e, n, groups, generator=g) + 0.5) * (2 / (k**0.5 * (1 << bits)))
+    zeros = torch.randint(0, 1 << bits, (e, n, groups), generator=g, dtype=torch.uint8)
+    packed = torch.stack([pack_nibbles(w) for w in q]) if bits == 4 else q
+    deq = torch.stack([dequantize(*t, bits, group) for t in zip(packed, scales, zeros)])
+    stack = fq.QuantizedStack(packed.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), bits, group)
+    return stack, deq
+
+
+def _fp8_stack(e, n, k, block, seed):
+    """(QuantizedStack of fp8 experts with per-row or 128-block scales, float32 dequantized)."""
+    from pagellm.quantization.fp8 import FP8, dequantize_fp8
+
+    w = _randn(e, n, k, seed=seed, scale=k**-0.5).cpu()
+    shape = (e, -(-n // 128), -(-k // 128)) if block else (e, n)
+    scales = (
+        w.abs().amax()
+        / 448
+        * (torch.rand(shape, generator=torch.Generator().manual_seed(seed)) + 1)
+    )
+    full = (
+        scales.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :n, :k]
+        if block
+        else scales[..., None]
+    )
+    q = (w / full).to(FP8)
+    deq = torch.stack([dequantize_fp8(a, b) for a, b in zip(q, scales)])
+    return fq.QuantizedStack(q.to(DEVICE), scales.to(DEVICE), None, 0, 128 if block else 0), deq
+
+
+QUANT_CASES = {  # name: (stack maker for (E, N, K, seed), hidden, inter)
+    "int4-g32": (lambda e, n, k, s: _int_stack(e, n, k, 4, 32, s), 64, 32),
+    "int4-channel": (lambda e, n, k, s: _int_stack(e, n, k, 4, k, s), 64, 48),
+    "int8-g16": (lambda e, n, k, s: _int_stack(e, n, k, 8, 16, s), 32, 48),
+    "fp8-rows": (lambda e, n, k, s: _fp8_stack(e, n, k, False, s), 64, 32),
+    "fp8-blocks": (lambda e, n, k, s: _fp8_stack(e, n, k, True, s), 128, 128),
+}
+
+
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_quant_matches_torch_on_dequantized_weights(case, num_tokens):
+    """int4 / int8 (asymmetric groups, one group over K) and fp8 (rows, 128 blocks) experts,
+    dequantized in registers: the torch path on the dequantized weights (float32 under the
+    interpreter; the tile rounds to x's dtype as a dequantized-at-load weight does)."""
+    make, h, i = QUANT_CASES[case]
+    dtype = X_DTYPE_QUANT
+    x, _, _, weights, ids = _problem(num_tokens, 4, h, i, dtype)
+    w13, d13 = make(4, 2 * i, h, 1)
+    w2, d2 = make(4, h, i, 2)
+    out = fq.fused_moe_quant(x, w13, w2, weights, ids, TINY)
+    assert out.shape == (num_tokens, h) and out.dtype == dtype
+    ref = experts_torch(x.cpu().float(), d13.to(dtype).float(), d2.to(dtype).float(),
+                        weights.cpu(), ids.cpu())  # fmt: skip
+    _close(out, ref, dtype)
+
+
+def test_fused_moe_quant_rejects_bad_inputs():
+    w13, _ = _int_stack(4, 64, 32, 4, 32, 1)
+    w2, _ = _int_stack(4, 32, 32, 4, 32, 2)
+    x, _, _, weights, ids = _problem(2, 4, 32, 32, torch.float32)
+    with pytest.raises(ValueError, match="fused_moe_quant: x"):
+        fq.fused_moe_quant(x, w13, w13, weights, ids)
+    fp8_named_int = fq.QuantizedStack(w2.q, w2.scales, None, 0, 0)
+    with pytest.raises(ValueError, match="fp8 with bits 0"):
+        fq.fused_moe_quant(x, w13, fp8_named_int, weights, ids)
+    odd_group = fq.QuantizedStack(w2.q, w2.scales, w2.zeros, 4, 24)
+    with pytest.raises(ValueError, match="scale groups of 24 need a multiple of 16"):
+        fq.fused_moe_quant(x, w13, odd_group, weights, ids)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------
 
 
@@ -182,3 +264,47 @@ def test_fused_moe_replays_in_a_cuda_graph():
         weights, ids = select_experts(logits, 2, True)
         ref = experts_torch(x, layer.w13, layer.w2, weights, ids)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int4-g128", "fp8-blocks"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_fused_moe_quant_at_qwen3_30b_shapes(kind, num_tokens):
+    """128 experts, top-8, H 2048, I 768, bf16 x: int4 groups of 128 and fp8 128-blocks
+    against the torch path on the dequantized weights in float32."""
+    x, _, _, weights, ids = _problem(num_tokens, 128, 2048, 768, torch.bfloat16, top_k=8)
+    if kind == "fp8-blocks":
+        (w13, d13), (w2, d2) = (
+            _fp8_stack(128, 1536, 2048, True, 1),
+            _fp8_stack(128, 2048, 768, True, 2),
+        )
+    else:
+        (w13, d13), (w2, d2) = (
+            _int_stack(128, 1536, 2048, 4, 128, 1),
+            _int_stack(128, 2048, 768, 4, 128, 2),
+        )
+    out = fq.fused_moe_quant(x, w13, w2, weights, ids)
+    ref = experts_torch(x.float(), d13.cuda().bfloat16().float(), d2.cuda().bfloat16().float(),
+                        weights, ids)  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_quant_replays_in_a_cuda_graph():
+    """int4 experts: captured once, replayed with other tokens and routing (no host sync)."""
+    (w13, d13), (w2, d2) = _int_stack(16, 256, 256, 4, 128, 1), _int_stack(16, 256, 128, 4, 128, 2)
+    x, logits = _randn(32, 256, dtype=torch.bfloat16), _randn(32, 16)
+    weights, ids = select_experts(logits, 2, True)
+    fq.fused_moe_quant(x, w13, w2, weights, ids)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fq.fused_moe_quant(x, w13, w2, weights, ids)
+    for seed in (1, 2):
+        x.copy_(_randn(32, 256, dtype=torch.bfloat16, seed=seed))
+        new_weights, new_ids = select_experts(_randn(32, 16, seed=seed + 10), 2, True)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        ref = experts_torch(x.float(), d13.cuda().bfloat16().float(),
+                            d2.cuda().bfloat16().float(), weights, ids)  # fmt: skip
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

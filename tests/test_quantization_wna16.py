@@ -25,8 +25,14 @@ from wna16_pack import Packing, format_tensors, quantization_config, quantize, q
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.distributed.parallel_state import building_rank
 from pagellm.quantization import gguf_kernel
+from pagellm.quantization.base import quant_config_dict
 from pagellm.quantization.wna16_cpu import block_planes
-from pagellm.quantization.wna16_formats import dequantize, parse_scheme, to_canonical
+from pagellm.quantization.wna16_formats import (
+    default_config,
+    dequantize,
+    parse_scheme,
+    to_canonical,
+)
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 BLOCKS = gguf_kernel.supported()
@@ -174,7 +180,7 @@ def test_wrong_scales_and_float_weights_are_clear_errors(tmp_path):
 def _set_config(folder: str, **changes) -> None:
     path = os.path.join(folder, "config.json")
     config = json.load(open(path))
-    config["quantization_config"].update(changes)
+    config.setdefault("quantization_config", {}).update(changes)
     json.dump(config, open(path, "w"))
 
 
@@ -210,10 +216,16 @@ def test_each_rank_holds_its_rows_and_groups(packing, tmp_path):
     columns (act-order: all the scales and their columns' g_idx); dequantized, each rank's
     weights are its slice of the one-rank model's."""
     folder, _ = _packed(tmp_path, "qwen2", packing)
-    full = dict(load_our_model(folder, quantization="none").named_parameters())
+    _assert_rank_slices(folder)
+
+
+def _assert_rank_slices(folder: str, load_format: str = "auto") -> None:
+    """Each of two ranks' dequantized weights is its slice of the one-rank model's."""
+    full = dict(load_our_model(folder, load_format=load_format, quantization="none")
+                .named_parameters())  # fmt: skip
     for rank in range(2):
         with building_rank(rank, 2):
-            shard = load_our_model(folder, quantization="none")
+            shard = load_our_model(folder, load_format=load_format, quantization="none")
         for name, param in shard.named_parameters():
             want = full[name]
             fused = {"qkv_proj": [128, 64, 64], "gate_up_proj": [256, 256]}
@@ -224,6 +236,50 @@ def test_each_rank_holds_its_rows_and_groups(packing, tmp_path):
                 dim = 0 if param.shape[-1] == want.shape[-1] else 1
                 want = want.chunk(2, dim)[rank]
             assert torch.equal(param, want), f"rank {rank}: {name}"
+
+
+# ---------------------------------------------------------------- dummy weights
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_dummy_weights_in_each_int_format(method, tmp_path):
+    """load_format="dummy" with an int format the config does not state: the format's usual
+    config (4-bit, groups of 128) and random int weights at its layout, kept int where the
+    block kernel runs; dequantized, each group of a row takes at most 16 levels and the
+    weights' spread is the config's initializer_range (0.02)."""
+    folder = make_tiny_hf_model("qwen2", tmp_path, **TINY)
+    args = EngineArgs(model=folder, load_format="dummy", quantization=method, device="cpu")
+    stated = quant_config_dict(args.create_model_config(torch.device("cpu")).hf_config)
+    assert stated == default_config(method)
+    model = load_our_model(folder, load_format="dummy", quantization=method)
+    down = model.model.layers[0].mlp.down_proj
+    if BLOCKS:
+        assert type(down.packed_weight).__name__ == "WNA16BlockWeight"
+        weight = down.packed_weight(torch.eye(256)).t()  # [N, K]: the dense copy's rows
+    else:
+        weight = down.weight
+    assert weight.shape == (128, 256) and 0.01 < float(weight.std()) < 0.03
+    assert max(len(group.unique()) for group in weight.reshape(-1, 128)) <= 16
+
+
+def test_dummy_weights_of_a_folders_config_split_over_ranks(tmp_path):
+    """A folder whose config.json states a GPTQ quantization_config, with dummy weights: its
+    scheme (groups of 32), and the same model whatever the number of ranks."""
+    folder = make_tiny_hf_model("qwen2", tmp_path, **TINY)
+    _set_config(folder, **quantization_config(Packing("gptq", 4, 32, False)))
+    model = load_our_model(folder, load_format="dummy")
+    assert model.model.layers[0].self_attn.qkv_proj.quant_method.scheme.group_size == 32
+    _assert_rank_slices(folder, load_format="dummy")
+
+
+def test_engine_runs_dummy_int4_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model("llama", tmp_path, **TINY)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(model=folder, load_format="dummy", quantization="awq", max_model_len=64) as llm:
+        assert llm.llm_engine.config.model_config.quantization == "awq"
+        [out] = llm.generate([{"prompt_token_ids": [3, 17, 99]}], params)
+    assert len(out.outputs[0].token_ids) == 6
 
 
 def test_row_split_inside_a_group_is_a_clear_error(tmp_path):

@@ -1,13 +1,15 @@
-"""The paged attention, fp8 and int4 / int8 GEMM / GEMV kernels compiled for Hopper (sm_90)
-on this CPU-only machine: Triton's front end, its GPU passes and ptxas, without a device. The
-interpreter runs the kernels' semantics in CI, but accepts Python the compiler refuses (an
-`if` on a float constexpr once broke every GPU run); this catches that class of error before
-device time is spent. Each test compiles in a fresh process: with TRITON_INTERPRET=1 set (other test
-modules set it) `@triton.jit` makes interpreter functions, which cannot be compiled."""
+"""The paged attention, fp8 and int4 / int8 GEMM / GEMV and quantized fused-MoE kernels compiled
+for Hopper (sm_90) on this CPU-only machine: Triton's front end, its GPU passes and ptxas,
+without a device. The interpreter runs the kernels' semantics in CI, but accepts Python the
+compiler refuses (an `if` on a float constexpr once broke every GPU run); this catches that
+class of error before device time is spent. Each test compiles in a fresh process: with
+TRITON_INTERPRET=1 set (other test modules set it) `@triton.jit` makes interpreter functions,
+which cannot be compiled."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -143,12 +145,36 @@ def compile_wna16_gemm() -> None:
         block = 256 if bits == 4 else 128
         constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16,
                           BLOCK_K=min(block, group))  # fmt: skip
-        _compile(_wna16_gemv_kernel, types, constexprs, ("N", "K", "stride_qn"))
+        _compile(_wna16_gemv_kernel, types, constexprs | {"STEP_GROUPS": 1},
+                 ("N", "K", "stride_qn"))  # fmt: skip
+        wide = dict(constexprs, BLOCK_N=8, BLOCK_K=group * 4, STEP_GROUPS=4)  # whole groups
+        _compile(_wna16_gemv_kernel, types, wide, ("N", "K", "stride_qn"), num_warps=2)
         for block_m in (16, 64):
             constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=False, BLOCK_M=block_m,
                               BLOCK_N=64, BLOCK_K=min(64, group))  # fmt: skip
             _compile(_wna16_gemm_kernel, types, constexprs, ("N", "K", "stride_qn"),
                      num_warps=4, num_stages=3)  # fmt: skip
+
+
+def compile_fused_moe_quant() -> None:
+    """The fused MoE GEMM with int4 / int8 / fp8 (per-row, 128-block) expert weights, gated
+    (gate | up + SiLU-and-mul) and not (down x routing weights), at the decode and prefill
+    tiles of `choose_config`."""
+    from pagellm.kernels.fused_moe import H200_CONFIGS
+    from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
+
+    for bits, group in ((4, 128), (8, 64), (0, 0), (0, 128)):
+        w_type = "*fp8e4nv" if bits == 0 else "*u8"
+        types = {"a_ptr": "*bf16", "w_ptr": w_type, "s_ptr": "*fp32", "z_ptr": "*u8",
+                 "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                 "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
+        for gated, (_, c) in itertools.product((True, False), (H200_CONFIGS[0], H200_CONFIGS[-1])):
+            constexprs = dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHTS=not gated,
+                              BITS=bits, GROUP=group, PTX_CVT=True, BLOCK_M=c.block_m,
+                              BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, 64),
+                              GROUP_M=c.group_m)  # fmt: skip
+            _compile(_moe_quant_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
+                     num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
 
 
 def _in_fresh_process(function: str) -> None:
@@ -173,3 +199,7 @@ def test_fused_fp8_outputs_compile_for_hopper():
 
 def test_wna16_gemm_compiles_for_hopper():
     _in_fresh_process("compile_wna16_gemm")
+
+
+def test_fused_moe_quant_compiles_for_hopper():
+    _in_fresh_process("compile_fused_moe_quant")

@@ -56,6 +56,24 @@ def test_wna16_gemm_matches_dequantized(rows, bits, group, sym):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
 
 
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 160), (8, 16, 176), (4, 64, 256)])
+@pytest.mark.parametrize("block_n,block_k", [(8, 128), (4, 64)])
+def test_gemv_steps_over_several_groups(bits, group, k, block_n, block_k):
+    """GEMV tiles whose K step holds 2-8 whole groups (each group's scale and zero applied to
+    its own columns; a short last group, a last step past K), against the dequantized
+    product."""
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    torch.manual_seed(k + block_n)
+    qweight, scales, zeros, deq, size = _weight(40, k, bits, group, False)
+    x = torch.randn(2, k, device=DEVICE).to(X_DTYPE)
+    config = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 2}
+    got = wna16_gemm(x, qweight, scales, zeros, bits, size, config=config).float()
+    want = F.linear(x.float(), deq)
+    tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
+
+
 def test_wna16_gemm_checks_its_inputs():
     from pagellm.kernels.wna16_gemm import wna16_gemm
 
@@ -69,6 +87,8 @@ def test_wna16_gemm_checks_its_inputs():
 
     with pytest.raises(ValueError, match="group size 24 is not a multiple of 16"):
         block_k(24, 64)
+    with pytest.raises(ValueError, match="a K step of 96 neither divides the group size 32"):
+        wna16_gemm(x[:1], qweight, scales, zeros, 4, size, config={"BLOCK_N": 8, "BLOCK_K": 96})
 
 
 @pytest.mark.gpu
@@ -107,6 +127,22 @@ def test_gptq_engine_on_cuda_agrees_with_dequantized(tmp_path):
     assert same >= 12, same
 
 
+@pytest.mark.gpu
+def test_gptq_dummy_llama_8b_runs():
+    """Llama-3.1-8B's shapes in int4 without a checkpoint: random GPTQ weights in groups of
+    128 (load_format="dummy"), the Triton kernels in every Linear, CUDA graphs."""
+    from pagellm import LLM, SamplingParams
+
+    with LLM(model="llama-3.1-8b", load_format="dummy", quantization="gptq",
+             max_model_len=1024) as llm:  # fmt: skip
+        assert llm.llm_engine.config.model_config.quantization == "gptq"
+        outs = llm.generate(
+            [{"prompt_token_ids": list(range(100, 164))}] * 3,
+            SamplingParams(max_tokens=8, ignore_eos=True),
+        )
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
 def test_act_order_weight_gathers_x_by_its_permutation():
     """`WNA16GpuWeight` of an act-order layer, its columns sorted by group at load (as
     `WNA16LinearMethod` does): x is taken in the same order, so the product is the
@@ -131,3 +167,14 @@ def test_act_order_weight_gathers_x_by_its_permutation():
     tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
     torch.testing.assert_close(weight(x).float(), want, rtol=1e-2, atol=tol)
     assert gpu_weight(qweight, scale, zeros, 4, 24, None) is None  # groups the kernels refuse
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="--tiny is the interpreter's check")
+def test_benchmark_tiny_runs_the_timed_path():
+    """`benchmarks/wna16.py --tiny`: the GEMV and the GEMM at each projection's tiny shape,
+    int4 groups of 128, against the dequantized product."""
+    from benchmark_modules import load
+
+    results = load("wna16").run_tiny([1, 8])
+    assert [r["rows"] for r in results] == [1, 8] * 4
+    assert max(r["rel_err"] for r in results) < 1e-5

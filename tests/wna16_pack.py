@@ -6,7 +6,9 @@ from pagellm's reader), with the dequantized float checkpoint beside it.
                     act_order=True))
 
 rewrites `folder` in the format and writes `reference` with every quantized weight replaced
-by (q - zero) * scale in float32: the model the quantized one must reproduce.
+by (q - zero) * scale in float32: the model the quantized one must reproduce. MoE experts'
+projections are packed too (each expert's own tensors, as AutoGPTQ / AutoAWQ / llm-compressor
+store them); routers stay float.
 
 GPTQ's rounding (min/max grid per group: symmetric: zero 2^(bits-1), scale 2 max|w| /
 (2^bits - 1); asymmetric: scale (max - min) / (2^bits - 1), zero round(-min / scale)); scales
@@ -25,8 +27,20 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "qkv_proj", "gate_up_proj")  # fmt: skip
+PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "w1",
+    "w2",
+    "w3",
+)  # fmt: skip (w*: Mixtral's experts)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of an int32 holds column this
 
 
@@ -150,7 +164,7 @@ def quantize_folder(folder: str, reference: str, p: Packing) -> None:
     ref_state = dict(state)
     for name in [n for n in state if n.endswith(".weight")]:
         stem = name.removesuffix(".weight")
-        if stem.rpartition(".")[2] not in PROJECTIONS or ".experts." in stem:
+        if stem.rpartition(".")[2] not in PROJECTIONS:  # MoE experts too; routers ("gate") not
             continue
         tensors, deq = format_tensors(stem, state.pop(name), p)
         state.update({k: v.contiguous() for k, v in tensors.items()})

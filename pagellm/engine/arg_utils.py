@@ -32,7 +32,7 @@ from pagellm.config import (
     StructuredOutputsConfig,
     architecture_of,
 )
-from pagellm.quantization import resolve_quantization
+from pagellm.quantization import resolve_quantization, with_dummy_quantization
 from pagellm.utils import cpu_bf16_units
 
 if TYPE_CHECKING:
@@ -189,6 +189,7 @@ class EngineArgs:
                 tokenizer_revision=self.tokenizer_revision,
             )
         hf_config = loader.load_hf_config(source)
+        hf_config = with_dummy_quantization(hf_config, self.quantization, source.kind)
         check_architecture(architecture_of(hf_config))
         generation = loader.load_generation_config(source, hf_config, self.generation_config)
         max_len = _resolve_max_model_len(hf_config, self.max_model_len)

@@ -9,13 +9,14 @@ at load (its caller gathers x).
     _wna16_gemv_kernel  M rows (decode, M <= GEMV_MAX_ROWS), one program per BLOCK_N outputs
                         and row: the packed bytes streamed once, low and high nibbles dotted
                         with x's even and odd columns in float32 on the CUDA cores; a group's
-                        zero applied once a K step (scale * (q . x - zero * sum x))
+                        zero applied once a group (scale * (q . x - zero * sum x)); a K step
+                        lies in one group or holds whole groups (`gemv_config`)
     _wna16_gemm_kernel  more rows: [BLOCK_M, BLOCK_K] x tiles against [BLOCK_K, BLOCK_N]
                         weight tiles unpacked and scaled in registers into x's dtype
                         (bf16 / fp16), then tl.dot on the tensor cores, float32 accumulation
 
-BLOCK_K divides GROUP (a K step stays in one group), so each step reads one scale and zero a
-column. Both are CUDA-graph safe (no host syncs, shapes fixed by the launch).
+The GEMM's BLOCK_K divides GROUP (a K step stays in one group), so each step reads one scale
+and zero a column. Both are CUDA-graph safe (no host syncs, shapes fixed by the launch).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _wna16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     N, K, G, stride_xm, stride_qn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
 ):  # fmt: skip
     pid_n, row = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -40,9 +41,6 @@ def _wna16_gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
-        zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
         if BITS == 4:
             offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # bytes: two columns each
             b_mask = offs_b < K // 2
@@ -54,8 +52,8 @@ def _wna16_gemv_kernel(
             xe = tl.load(x_row + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
             xo = tl.load(x_row + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
             lo, hi = (qb & 15).to(tl.float32), (qb >> 4).to(tl.float32)
-            dot = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
-            xsum = tl.sum(xe + xo, axis=0)
+            prod = lo * xe[None, :] + hi * xo[None, :]  # [BLOCK_N, BLOCK_K / 2]
+            xs = xe + xo
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
@@ -65,12 +63,35 @@ def _wna16_gemv_kernel(
                 other=0,
             ).to(tl.float32)
             xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            dot = tl.sum(qv * xv[None, :], axis=1)
-            xsum = tl.sum(xv, axis=0)
-        acc += scale * (dot - zero * xsum)
+            prod = qv * xv[None, :]
+            xs = xv
+        acc += _grouped_sum(prod, xs, s_ptr, z_ptr, offs_n, n_mask, k0, G, GROUP, BLOCK_N,
+                            STEP_GROUPS)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _grouped_sum(prod, xs, s_ptr, z_ptr, offs_n, n_mask, k0, G, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, STEP_GROUPS: tl.constexpr):  # fmt: skip
+    """One K step's [BLOCK_N] contribution: per group g of the step, scale * (q . x - zero *
+    sum x), from the products q * x [BLOCK_N, W] and x's sums xs [W] (W columns, or bytes of
+    two columns, in STEP_GROUPS groups of equal width)."""
+    g = k0 // GROUP
+    if STEP_GROUPS == 1:
+        scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
+        zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
+        return scale * (tl.sum(prod, axis=1) - zero * tl.sum(xs, axis=0))
+    width: tl.constexpr = prod.shape[1] // STEP_GROUPS
+    dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEP_GROUPS, width)), axis=2)  # [BLOCK_N, S]
+    sums = tl.sum(tl.reshape(xs, (STEP_GROUPS, width)), axis=1)  # [S]
+    gs = g + tl.arange(0, STEP_GROUPS)
+    mask = n_mask[:, None] & (gs < G)[None, :]
+    offs = offs_n[:, None] * G + gs[None, :]
+    scale = tl.load(s_ptr + offs, mask=mask, other=0.0)
+    zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
+    return tl.sum(scale * (dots - zero * sums[None, :]), axis=1)
 
 
 @triton.jit
@@ -119,6 +140,14 @@ def block_k(group: int, wanted: int) -> int:
     return step
 
 
+def gemv_config(k: int, bits: int, group: int) -> dict:
+    """The GEMV's tiles (decode rows): 16 output rows a program, a K step of 256 columns
+    (4-bit) or 128 (8-bit) within one group, 4 warps. `config=` overrides them, and a K step
+    may then hold several whole groups (BLOCK_K a multiple of GROUP):
+    `benchmarks/wna16.py --sweep` times the candidates."""
+    return {"BLOCK_N": 16, "BLOCK_K": block_k(group, 256 if bits == 4 else 128), "num_warps": 4}
+
+
 def wna16_gemm(
     x: torch.Tensor,  # [M, K] bf16 / fp16 (float32 in the interpreter)
     qweight: torch.Tensor,  # [N, K * bits / 8] uint8
@@ -127,6 +156,7 @@ def wna16_gemm(
     bits: int,
     group: int,  # inputs a group (K for one group)
     bias: torch.Tensor | None = None,  # [N]
+    config: dict | None = None,  # the GEMV's tiles (M <= GEMV_MAX_ROWS): see gemv_config
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ w^T (+ bias) for an int weight in the canonical layout (see the module doc)."""
     m, k = x.shape
@@ -145,11 +175,12 @@ def wna16_gemm(
     bias_arg = bias if bias is not None else y
     common = (x, qweight, scales, zeros, bias_arg, y)
     if m <= GEMV_MAX_ROWS:
-        step = block_k(group, 256 if bits == 4 else 128)
-        grid = (triton.cdiv(n, 16), m)
+        cfg = dict(config or gemv_config(k, bits, group))
+        steps = _step_groups(cfg["BLOCK_K"], group)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
         _wna16_gemv_kernel[grid](
             *common, n, k, g, x.stride(0), qweight.stride(0), y.stride(0),
-            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_N=16, BLOCK_K=step,
+            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, STEP_GROUPS=steps, **cfg,
         )  # fmt: skip
         return y
     block_m = 16 if m <= 16 else 64
@@ -161,3 +192,13 @@ def wna16_gemm(
         BLOCK_K=step, num_warps=4, num_stages=3,
     )  # fmt: skip
     return y
+
+
+def _step_groups(step: int, group: int) -> int:
+    """Whole groups in a GEMV K step of `step` columns (1: the step lies inside one group)."""
+    if group % step == 0:
+        return 1
+    if step % group or (step // group) & (step // group - 1):
+        raise ValueError(f"wna16_gemm: a K step of {step} neither divides the group size "
+                         f"{group} nor holds a power of two of whole groups")  # fmt: skip
+    return step // group

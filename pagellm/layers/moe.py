@@ -1,6 +1,6 @@
 """Mixture-of-experts layers: the router's top-k (`select_experts`), the experts as stacked
-weights (`FusedMoE`), the sparse MLP block of Mixtral / Qwen2-MoE / Qwen3-MoE
-(`SparseMoeBlock`), and per-expert checkpoint tensors stacked at load (`MoEWeights`).
+weights (`FusedMoE`) and the sparse MLP block of Mixtral / Qwen2-MoE / Qwen3-MoE
+(`SparseMoeBlock`); per-expert checkpoint tensors are stacked at load by `moe_weights.py`.
 
 The experts of a layer are two parameters, the expert dimension first:
 
@@ -15,16 +15,14 @@ for a dense MLP. The router is replicated.
 On CUDA the top-k and the experts run as Triton kernels (`pagellm/kernels/fused_moe.py`: no
 host sync, safe in CUDA graphs). On the CPU they are torch (`experts_torch`): the (token, k)
 rows sorted by expert, one gate_up and one down matmul per expert over its rows. That path
-is the reference the kernels are tested against.
+is the reference the kernels are tested against. Quantized experts (int4 / int8 and fp8
+checkpoints on CUDA) are their method's `quantized_experts` (`pagellm/kernels/fused_moe_quant.py`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import re
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,11 +33,10 @@ from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
 from pagellm.layers.linear import Linear
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.weights import CheckpointTensor, TensorSlice, materialize
+from pagellm.quantization.base import ExpertsMethod, QuantizedExperts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -102,7 +99,14 @@ def experts_torch(
 
 
 class FusedMoE(nn.Module):
-    """A layer's experts as stacked weights, and the routing of tokens to them."""
+    """A layer's experts as stacked weights, and the routing of tokens to them. A
+    quantization method (`quant_method`, attached on `meta` through the
+    `quantizable_experts` slot) may replace w13 / w2 by its own stacked tensors (named
+    `w13_<role>`, `w2_<role>`) and, after loading, run them as `quantized_experts`."""
+
+    quantizable_experts = True
+    quant_method: ExpertsMethod | None = None
+    quantized_experts: QuantizedExperts | None = None
 
     def __init__(
         self,
@@ -118,6 +122,7 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         self.top_k = top_k
         self.renormalize = renormalize
+        self.num_experts, self.hidden_size = e, h
         self.full_intermediate = intermediate_size
         self.reduce = get_tp_group().size > 1
         # this rank's part of each expert's I: rows of gate / up, columns of down
@@ -130,7 +135,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         kernels = _kernels(x)
-        if kernels is not None:
+        if self.quantized_experts is not None:
+            out = self.quantized_experts(x, weights, ids)
+        elif kernels is not None:
             out = kernels.fused_moe(x, self.w13, self.w2, weights, ids)
         else:
             out = experts_torch(x, self.w13, self.w2, weights, ids)
@@ -138,15 +145,23 @@ class FusedMoE(nn.Module):
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         """The shape with one rank (random weights are drawn at it, then cut)."""
-        e, h, i = self.w13.shape[0], self.w13.shape[2], self.full_intermediate
+        e, h, i = self.num_experts, self.hidden_size, self.full_intermediate
         return (e, 2 * i, h) if param_name == "w13" else (e, h, i)
 
     def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
-        """Load every expert from a tensor of `full_shape`: this rank's part of each."""
-        shards = tensor.chunk(2, dim=1) if param_name == "w13" else (tensor,)
+        """Load every expert from a tensor of one rank's shape (`full_shape`, or a quantized
+        parameter's): this rank's part of each."""
+        shards = tensor.chunk(2, dim=1) if param_name.startswith("w13") else (tensor,)
         for expert in range(tensor.shape[0]):
             for shard, rows in enumerate(shards):
                 self.load_expert(param_name, expert, shard, len(shards), rows[expert])
+
+    def checkpoint_param(self, stacked: str, leaf: str) -> str | None:
+        """The parameter an expert projection's checkpoint tensor `leaf` loads into (see
+        `ExpertsMethod.checkpoint_param`): `stacked` itself for a float "weight"."""
+        if self.quant_method is not None:
+            return self.quant_method.checkpoint_param(self, stacked, leaf)
+        return stacked if leaf == "weight" else None
 
     def load_expert(
         self, param_name: str, expert: int, shard: int, num_shards: int, tensor: torch.Tensor
@@ -155,13 +170,21 @@ class FusedMoE(nn.Module):
         of `num_shards` of its stacked parameter (w13: gate 0, up 1 of 2; w2: down, 0 of 1)."""
         if not isinstance(tensor, CheckpointTensor):
             tensor = CheckpointTensor(tensor)
-        part = self.part if param_name == "w13" else TensorSlice(1, self.part.start, self.part.size)
+        part = (
+            self.part
+            if param_name.startswith("w13")
+            else TensorSlice(1, self.part.start, self.part.size)
+        )
+        if self.quant_method is not None:  # its tensors' parts of this rank's rows / columns
+            part = self.quant_method.tensor_slice(self, param_name, part)
         tensor = tensor.read(part if self.reduce else None)
         param = materialize(self, param_name, tensor.device)
         if not 0 <= expert < param.shape[0]:
             raise ValueError(f"expert {expert} of {param_name}: the layer has {param.shape[0]}")
         rows = param.shape[1] // num_shards
         target = param.data[expert, shard * rows : (shard + 1) * rows]
+        if tensor.dim() == 0 and target.dim():  # a per-tensor scale fills its shard's rows
+            tensor = tensor.expand(target.shape)
         if tensor.shape != target.shape:
             raise ValueError(
                 f"expert {expert} of {param_name}, shard {shard}: expected "
@@ -223,110 +246,3 @@ def use_sparse_mlps(model: nn.Module, make_block: Callable[[int], nn.Module | No
         block = make_block(i)
         if block is not None:
             layer.mlp = block
-
-
-# `<...>.experts.<expert>.<projection>.weight` (an fp8 checkpoint's: also `.weight_scale[_inv]`)
-_EXPERT_TENSOR = re.compile(
-    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight(_scale(_inv)?)?)"
-)
-
-
-class MoEWeights:
-    """Mixin for a Llama-style model with `SparseMoeBlock`s: per-expert checkpoint tensors go
-    into the stacked parameters; the rest loads as the model's `load_weights` loads it."""
-
-    # stacked parameter -> the per-expert checkpoint projections stacked in it, in row order
-    expert_params: dict[str, tuple[str, ...]] = {
-        "w13": ("gate_proj", "up_proj"),
-        "w2": ("down_proj",),
-    }
-    # checkpoint name fragment -> ours (transformers 5 keeps a layer's experts fused in memory)
-    checkpoint_renames: dict[str, str] = {
-        ".experts.gate_up_proj": ".experts.w13",
-        ".experts.down_proj": ".experts.w2",
-    }
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        shards: dict[str, set[tuple[int, int]]] = defaultdict(set)
-        fp8_parts: dict[str, dict[str, CheckpointTensor]] = defaultdict(dict)
-        dequantized: list[str] = []
-        loaded = super().load_weights(self._load_experts(weights, shards, fp8_parts, dequantized))
-        if fp8_parts:  # a weight without its scale, or a scale without its weight
-            stem, parts = next(iter(fp8_parts.items()))
-            raise ValueError(f"fp8 expert weight {stem!r}: the checkpoint has only {sorted(parts)}")
-        if dequantized:
-            logger.info("fp8 checkpoint: %d MoE expert projections dequantized to the model "
-                        "dtype at load (no fp8 expert GEMMs)", len(dequantized))  # fmt: skip
-        for name, seen in shards.items():
-            stacked = self.get_parameter(name)
-            if len(seen) == stacked.shape[0] * len(self.expert_params[name.rpartition(".")[2]]):
-                loaded.add(name)
-        return loaded
-
-    def _load_experts(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        shards: dict[str, set],
-        fp8_parts: dict[str, dict[str, CheckpointTensor]],
-        dequantized: list[str],
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Load per-expert tensors (recording (expert, shard) pairs); yield every other one.
-        An fp8 expert weight (an fp8 checkpoint's) waits in `fp8_parts` for its scale (or the
-        scale for it), then loads dequantized."""
-        modules = dict(self.named_modules())
-        param_of = {  # checkpoint projection -> (stacked parameter, shard, shards)
-            proj: (param, i, len(projs))
-            for param, projs in self.expert_params.items()
-            for i, proj in enumerate(projs)
-        }
-        for hf_name, tensor in weights:
-            name = hf_name
-            for old, new in self.checkpoint_renames.items():
-                name = name.replace(old, new)
-            match = _EXPERT_TENSOR.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            experts = modules.get(match["experts"])
-            if not isinstance(experts, FusedMoE) or match["proj"] not in param_of:
-                raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: no such expert weight")
-            param, shard, num_shards = param_of[match["proj"]]
-            expert = int(match["expert"])
-            if match["kind"] != "weight" or _is_fp8(tensor):
-                stem = name.rpartition(".")[0]
-                fp8_parts[stem][match["kind"]] = tensor
-                if len(fp8_parts[stem]) < 2:
-                    continue
-                try:
-                    tensor = _dequantized(fp8_parts.pop(stem))
-                except ValueError as exc:
-                    raise ValueError(f"fp8 expert weight {stem!r}: {exc}") from None
-                dequantized.append(stem)
-            try:
-                experts.load_expert(param, expert, shard, num_shards, tensor)
-            except ValueError as exc:
-                raise ValueError(f"checkpoint tensor {hf_name!r}: {exc}") from None
-            shards[f"{match['experts']}.{param}"].add((expert, shard))
-
-
-def _is_fp8(tensor: CheckpointTensor | torch.Tensor) -> bool:
-    source = tensor.source if isinstance(tensor, CheckpointTensor) else tensor
-    if isinstance(source, torch.Tensor):
-        return source.dtype == torch.float8_e4m3fn
-    get_dtype = getattr(source, "get_dtype", None)  # a safetensors slice
-    return get_dtype is not None and get_dtype() == "F8_E4M3"
-
-
-def _dequantized(parts: dict[str, CheckpointTensor | torch.Tensor]) -> torch.Tensor:
-    """float32 weight from an fp8 expert projection's `weight` and its `weight_scale` (per
-    tensor or per row) or `weight_scale_inv` (128 x 128 blocks)."""
-    from pagellm.quantization.fp8 import dequantize_fp8
-
-    read = {k: v.read() if isinstance(v, CheckpointTensor) else v for k, v in parts.items()}
-    if "weight" not in read:
-        raise ValueError(f"two scales and no weight: {sorted(read)}")
-    ((kind, scale),) = ((k, v) for k, v in read.items() if k != "weight")
-    weight = read["weight"]
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"a {kind} for a {weight.dtype} expert weight: an fp8 one was expected")
-    return dequantize_fp8(weight, scale if scale.dim() == 2 else scale.reshape(-1))

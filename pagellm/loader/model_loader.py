@@ -79,10 +79,12 @@ def build_on_meta(
         model = model_cls(model_config.hf_config, attn_backend_cls)
         if quant is not None:
             count = quant.attach(model)
-            moe = sum(isinstance(m, FusedMoE) for m in model.modules())
+            moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
+            experts = sum(m.quant_method is not None for m in moe)
             kind = str(dtype).removeprefix("torch.")
-            kept = f"; {moe} MoE layers' experts and routers stay in {kind}" if moe else ""
-            logger.info("quantization: %s, %d linear layers%s", quant.describe(), count, kept)
+            kept = f"; {len(moe)} MoE layers: {experts} with quantized experts, routers in {kind}"
+            logger.info("quantization: %s, %d linear layers%s", quant.describe(), count - experts,
+                        kept if moe else "")  # fmt: skip
     return model, quant
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.layers.moe import MoEWeights, SparseMoeBlock, num_experts_of, use_sparse_mlps
+from pagellm.layers.moe import SparseMoeBlock, num_experts_of, use_sparse_mlps
+from pagellm.layers.moe_weights import MoEWeights
 from pagellm.models.llama import MistralForCausalLM
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.layers.moe import MoEWeights, use_sparse_mlps
+from pagellm.layers.moe import use_sparse_mlps
+from pagellm.layers.moe_weights import MoEWeights
 from pagellm.models.llama import AttentionOptions
 from pagellm.models.qwen2 import Qwen2ForCausalLM
 from pagellm.models.qwen3_moe import qwen_moe_block

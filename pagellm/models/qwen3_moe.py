@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
 from pagellm.layers.moe import (
-    MoEWeights,
     SparseMoeBlock,
     is_sparse_layer,
     num_experts_of,
     use_sparse_mlps,
 )
+from pagellm.layers.moe_weights import MoEWeights
 from pagellm.models.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:

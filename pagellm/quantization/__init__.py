@@ -23,7 +23,9 @@
                      int4 / int8 `pack-quantized` (W4A16 / W8A16, wna16.py)
     "awq", "gptq"    AWQ (GEMM) and GPTQ (4 / 8-bit, act-order, v1 / v2 zeros) checkpoints
                      (wna16.py; vLLM's "awq_marlin" / "gptq_marlin" are the same names here);
-                     these and pack-quantized checkpoints split over tensor-parallel ranks
+                     these and pack-quantized checkpoints split over tensor-parallel ranks;
+                     with load_format="dummy" and no quantization_config: random int4
+                     weights in groups of 128 (`with_dummy_quantization`)
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel names, s
 NONE = "none"
 CPU_ONLY = ("gguf", "int4", "int8")
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quant_method values we load
+INT_FORMATS = ("awq", "gptq", "compressed-tensors")  # load_format="dummy": int4 g128 weights
 
 
 def resolve_quantization(
@@ -95,6 +98,20 @@ def resolve_quantization(
     if name in ("fp8", "compressed-tensors"):
         return _fp8_at_load(name, device)
     return None if name == NONE else name
+
+
+def with_dummy_quantization(hf_config: Any, name: str | None, source_kind: str) -> Any:
+    """Random weights asked for in an int format their config does not state ("awq",
+    "gptq", "compressed-tensors" with load_format="dummy", e.g. a shipped config): the
+    format's usual `quantization_config` (4-bit, groups of 128) set on `hf_config`, so the
+    loader draws int weights at that layout (benchmarks without a checkpoint)."""
+    name = ALIASES.get(name, name)
+    if source_kind != "dummy" or name not in INT_FORMATS or quant_config_dict(hf_config):
+        return hf_config
+    from pagellm.quantization.wna16_formats import default_config
+
+    hf_config.quantization_config = default_config(name)
+    return hf_config
 
 
 def checkpoint_method(hf_config: Any) -> str | None:

@@ -112,6 +112,40 @@ class LinearMethod(ABC):
         `create_weights` left (`pagellm plan`); default: its parameters as they are."""
         return param_bytes(layer)
 
+    def dummy_tensor(
+        self, layer: Linear, param_name: str, std: float, generator: torch.Generator
+    ) -> torch.Tensor | None:
+        """Random values for parameter `param_name` at the checkpoint tensor's full (one-rank)
+        shape, on the generator's device (`load_format="dummy"`); None: a float tensor of
+        the layer's `full_shape` as for an unquantized layer (the default)."""
+        return None
+
+
+class QuantizedExperts(ABC):
+    """A MoE layer's experts in a kernel's layout: `experts(x, weights, ids)` is the layer's
+    output for routing (weights [T, K] float32, expert ids [T, K] int32) with the experts'
+    weights dequantized (`pagellm.layers.moe.experts_torch`), up to the method's rounding."""
+
+    @abstractmethod
+    def __call__(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class ExpertsMethod(LinearMethod):
+    """How one `FusedMoE`'s stacked experts (w13 [E, 2I, H], w2 [E, H, I]) are held: a
+    `LinearMethod` for the layer whose `process_weights_after_loading` sets its
+    `quantized_experts` (a `QuantizedExperts`) or leaves dequantized w13 / w2. Its
+    parameters are stacked by expert, a checkpoint tensor of one expert projection loaded
+    into rows of its expert's slice (`checkpoint_param`); `tensor_slice` gets the slice of
+    that projection's float weight this rank would read."""
+
+    @abstractmethod
+    def checkpoint_param(self, layer: nn.Module, stacked: str, leaf: str) -> str | None:
+        """The parameter that an expert projection's checkpoint tensor `leaf` ("qweight",
+        "weight_scale", ...) loads into, for the projections stacked in `stacked` ("w13" or
+        "w2"); None where the method has no place for it."""
+
 
 class QuantizationConfig(ABC):
     """A quantization method for a whole model (one per `quantization=` name)."""
@@ -143,19 +177,28 @@ class QuantizationConfig(ABC):
         `dtype`, quantized values and their scales as the method wants them; None drops it."""
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
+    def experts_method(self, prefix: str, layer: nn.Module) -> ExpertsMethod | None:
+        """The method for the MoE experts named `prefix` (e.g. "model.layers.0.mlp.experts"),
+        or None to keep them in the model dtype (the default)."""
+        return None
+
     def describe(self) -> str:
         return self.name
 
     def attach(self, model: nn.Module) -> int:
         """Give each Linear of `model` (on `meta`) its method, but those that are not
-        `quantizable` (MoE routers); return how many got one. A layer offers itself through
-        a slot, its `quantizable` attribute (`Linear`'s is True), and takes the method in
-        its `quant_method`: this module never imports the layers."""
+        `quantizable` (MoE routers), and each MoE layer's experts theirs; return how many
+        layers got one. A layer offers itself through a slot, its `quantizable` (`Linear`) or
+        `quantizable_experts` (`FusedMoE`) attribute, and takes the method in its
+        `quant_method`: this module never imports the layers."""
         count = 0
         for prefix, module in model.named_modules():
-            if not getattr(module, "quantizable", False):
+            if getattr(module, "quantizable", False):
+                method = self.linear_method(prefix, module)
+            elif getattr(module, "quantizable_experts", False):
+                method = self.experts_method(prefix, module)
+            else:
                 continue
-            method = self.linear_method(prefix, module)
             if method is not None:
                 module.quant_method = method
                 method.create_weights(module)

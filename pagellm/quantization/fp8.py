@@ -13,8 +13,10 @@ Where the weights come from:
 
 A per-tensor scale becomes one per row (fused q|k|v parts keep their own); static activation
 scales (`input_scale`) are read and dropped: activations are scaled per token, dynamically.
-MoE experts are not `Linear`s: an fp8 checkpoint's expert projections are dequantized at load
-(`pagellm.layers.moe.MoEWeights`), and routers stay in the model dtype (`Linear.quantizable`).
+MoE experts on CUDA stay fp8 (or are quantized at load), stacked by expert, for the fused MoE
+kernel with fp8 weights (`fp8_moe.py`); on the CPU an fp8 checkpoint's expert projections
+are dequantized at load (`pagellm.layers.moe_weights`). Routers stay in the model dtype
+(`Linear.quantizable`).
 
 On CUDA (`Fp8Weight`): GEMMs of up to `MAX_TRITON_ROWS` rows (decode) run the weight-only
 Triton kernel (`pagellm/kernels/fp8_gemm.py`: bf16 activations, the weight streamed once);
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from pagellm.quantization.base import (
+    ExpertsMethod,
     LinearMethod,
     QuantizationConfig,
     QuantizedActivation,
@@ -227,6 +230,15 @@ class Fp8Config(QuantizationConfig):
         if prefix.rpartition(".")[2] == "lm_head" or self._ignored(prefix, layer):
             return None
         return self.method
+
+    def experts_method(self, prefix: str, layer) -> ExpertsMethod | None:
+        if self.dequantize:  # the CPU, quantization="none": dequantized at load (moe_weights)
+            return None
+        from pagellm.quantization.fp8_moe import fp8_experts_method
+
+        return fp8_experts_method(
+            layer, self.scheme, self.method.block_scale_name, quantize_weight_per_row
+        )
 
     def _ignored(self, prefix: str, layer) -> bool:
         names = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]

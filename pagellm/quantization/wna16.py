@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pagellm.quantization.base import (
+    ExpertsMethod,
     LinearMethod,
     QuantizationConfig,
     QuantizedWeight,
@@ -42,6 +43,7 @@ from pagellm.quantization.wna16_formats import (
     dequantize,
     parse_scheme,
     permute_columns,
+    random_canonical,
     sort_groups,
     to_canonical,
     unpermuted,
@@ -145,6 +147,16 @@ class WNA16LinearMethod(LinearMethod):
             for i, (a, b) in enumerate(rows)
         ])  # fmt: skip
 
+    def dummy_tensor(self, layer, param_name: str, std: float, generator) -> torch.Tensor | None:
+        role = {v: k for k, v in self.scheme.names.items()}.get(param_name)
+        if role is None:
+            return None  # a bias
+        full_rows = getattr(layer, "full_rows", None)
+        n = sum(full_rows.values()) if full_rows else getattr(layer, "full_out_features",
+                                                              layer.out_features)  # fmt: skip
+        k = getattr(layer, "full_in_features", layer.in_features)
+        return random_canonical(self.scheme, role, n, k, std, generator)
+
     def weight_bytes(self, layer) -> int:
         # the int weight and its scales; on the CPU also the dequantized copy
         n, k = layer.out_features, layer.in_features
@@ -170,6 +182,9 @@ class WNA16Config(QuantizationConfig):
         self.method = WNA16LinearMethod(self)
         self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint module -> full (N, K)
         self.kernels: dict[str, int] = {}  # what served the layers, for the log
+        # MoE experts: our experts module -> {stacked: one expert projection's full (N, K)}
+        self.expert_shapes: dict[str, dict[str, tuple[int, int]]] = {}
+        self.expert_names: tuple[dict[str, str], dict[str, str]] = ({}, {})  # renames, stacks
 
     @classmethod
     def from_model(cls, model_config, device: torch.device, checkpoint=None) -> WNA16Config:
@@ -193,6 +208,31 @@ class WNA16Config(QuantizationConfig):
             self.shapes[f"{prefix.rpartition('.')[0]}.{name}"] = (rows, k)
         return self.method
 
+    def attach(self, model: nn.Module) -> int:
+        # a MoE model's checkpoint names for its experts (`MoEWeights`): the tensors are
+        # read by their HF names, before the model renames them
+        stacks = getattr(model, "expert_params", {})
+        projections = {proj: stacked for stacked, projs in stacks.items() for proj in projs}
+        self.expert_names = (getattr(model, "checkpoint_renames", {}), projections)
+        return super().attach(model)
+
+    def experts_method(self, prefix: str, layer) -> ExpertsMethod | None:
+        from pagellm.quantization.wna16_moe import WNA16ExpertsMethod
+
+        h, i = layer.hidden_size, layer.full_intermediate
+        self.expert_shapes[prefix] = {"w13": (i, h), "w2": (h, i)}
+        return WNA16ExpertsMethod(self)
+
+    def _expert_shape(self, module: str) -> tuple[int, int] | None:
+        """One expert projection's full (N, K) for its checkpoint module name, or None."""
+        renames, projections = self.expert_names
+        for old, new in renames.items():
+            module = module.replace(old, new)
+        experts, _, rest = module.rpartition(".experts.")
+        stacked = projections.get(rest.partition(".")[2])
+        shapes = self.expert_shapes.get(f"{experts}.experts")
+        return shapes[stacked] if shapes and stacked else None
+
     def _ignored(self, prefix: str, layer) -> bool:
         names = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]
         for entry in self.scheme.ignore:
@@ -203,7 +243,7 @@ class WNA16Config(QuantizationConfig):
 
     def prepare_tensor(self, name: str, tensor: torch.Tensor, dtype: torch.dtype):
         module, _, leaf = name.rpartition(".")
-        shape = self.shapes.get(module)
+        shape = self.shapes.get(module) or self._expert_shape(module)
         if shape is None:  # an unquantized layer's or a norm's tensor
             return tensor.to(dtype) if tensor.is_floating_point() else tensor
         if leaf == "weight_shape":
@@ -236,6 +276,19 @@ class WNA16Config(QuantizationConfig):
         kind = type(weight).__name__ if weight is not None else "dequantized"
         self.kernels[kind] = self.kernels.get(kind, 0) + 1
         return weight
+
+    def experts_weight(self, stacks: dict[str, dict[str, torch.Tensor]]):
+        """A MoE layer's int experts for this device's kernels (`QuantizedExperts`), or None
+        (dequantized: the CPU, act-order, groups the kernel cannot take)."""
+        if self.device.type != "cuda" or any("g_idx" in t for t in stacks.values()):
+            kind = None
+        else:
+            from pagellm.quantization.wna16_gpu import gpu_experts
+
+            kind = gpu_experts(stacks, self.scheme.bits, self.scheme.group_size)
+        name = "experts " + (type(kind).__name__ if kind is not None else "dequantized")
+        self.kernels[name] = self.kernels.get(name, 0) + 1
+        return kind
 
     def process_weights_after_loading(self, model: nn.Module) -> None:
         super().process_weights_after_loading(model)

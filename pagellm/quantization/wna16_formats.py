@@ -298,3 +298,42 @@ def unpermuted(dense: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     if perm is None:
         return dense
     return torch.empty_like(dense).index_copy_(1, perm, dense)
+
+
+def default_config(method: str) -> dict:
+    """The `quantization_config` most checkpoints of `method` carry (4-bit, groups of 128;
+    GPTQ symmetric without act-order, AWQ with zero points, compressed-tensors W4A16
+    symmetric): what `load_format="dummy"` draws random int weights for."""
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                "version": "gemm"}  # fmt: skip
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                "desc_act": False, "checkpoint_format": "gptq"}  # fmt: skip
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": 128}  # fmt: skip
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+
+
+def random_canonical(
+    scheme: WNA16Scheme, role: str, n: int, k: int, std: float, generator: torch.Generator
+) -> torch.Tensor:
+    """Random weights at a projection's canonical shapes (n outputs, k inputs, on the
+    generator's device): uniform integers, zero points in the middle of their range, scales
+    that give the dequantized weight about `std` (a uniform 4-bit q has a standard deviation
+    of ~4.6, an 8-bit one ~74); act-order groups in order."""
+    device = generator.device
+    g = scheme.groups(k)
+    if role == "qweight":
+        shape = (n, k * scheme.bits // 8)
+        return torch.randint(0, 256, shape, generator=generator, device=device, dtype=torch.uint8)
+    if role == "scales":
+        q_std = ((1 << (2 * scheme.bits)) - 1) ** 0.5 / 12**0.5
+        jitter = torch.rand((n, g), generator=generator, device=device) + 0.5
+        return (jitter * (std / q_std)).half().float()  # fp16 values, as checkpoints store
+    if role == "zeros":
+        return torch.full((n, g), scheme.offset, dtype=torch.uint8, device=device)
+    group = scheme.group(k)
+    return (torch.arange(k, device=device, dtype=torch.int32) // group).reshape(1, k)

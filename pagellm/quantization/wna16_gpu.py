@@ -39,3 +39,22 @@ def gpu_weight(qweight, scales, zeros, bits: int, group: int, perm) -> Quantized
     device = qweight.device
     perm = None if perm is None else perm.to(device=device, dtype=torch.int64)
     return WNA16GpuWeight(qweight, scales.to(device), zeros.to(device), bits, group, perm)
+
+
+def gpu_experts(stacks: dict, bits: int, group_size: int):
+    """A MoE layer's int experts for the fused MoE kernel (`WNA16GpuExperts`), or None where
+    it cannot take them (groups not a multiple of 16: dequantized). `stacks`: "w13" / "w2" ->
+    their canonical tensors by role."""
+    from pagellm.kernels.fused_moe_quant import QuantizedStack
+    from pagellm.quantization.wna16_moe import WNA16GpuExperts
+
+    weights = []
+    for tensors in (stacks["w13"], stacks["w2"]):
+        k = tensors["qweight"].shape[2] * 8 // bits
+        group = k if group_size == -1 else group_size
+        if group % 16 or k % 16:
+            return None
+        weights.append(QuantizedStack(tensors["qweight"].contiguous(),
+                                      tensors["scales"].float().contiguous(),
+                                      tensors["zeros"].contiguous(), bits, group))  # fmt: skip
+    return WNA16GpuExperts(*weights)

@@ -1,0 +1,239 @@
+"""Fused mixture-of-experts with quantized expert weights (Triton, CUDA): `fused_moe.py`'s
+routing, layout by expert, tiles and epilogue, with each weight tile read in its stored form
+and dequantized in registers into x's dtype before the tensor-core dot (weights never
+written back to memory in bf16).
+
+    int (W4A16 / W8A16)  q [E, N, K * bits / 8] uint8 (`wna16_formats.py`'s canonical rows:
+                         4-bit, byte j holds column 2j low, 2j + 1 high), scales float32
+                         [E, N, G], zeros uint8 [E, N, G]: w = (q - zero) * scale, groups of
+                         GROUP inputs (BLOCK_K divides it: a K step reads one scale a row)
+    fp8                  q [E, N, K] float8_e4m3fn, read as int16 pairs (`fp8_convert`), scales
+                         float32 [E, N] (a row's) or [E, ceil(N / 128), ceil(K / 128)] (128 x
+                         128 blocks: BLOCK_K divides 128)
+
+The dequantized tile is rounded to x's dtype as a weight dequantized at load would be, so the
+result is `experts_torch` on those weights up to the order of summation. K must be a multiple
+of BLOCK_K (every MoE model's hidden and expert sizes are multiples of 64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
+from pagellm.kernels.fused_moe import (
+    ExpertLayout,
+    MoEConfig,
+    _store_rows,
+    _tile,
+    align_by_expert,
+    choose_config,
+)
+
+FP8_BLOCK = 128  # the fp8 block scales' rows and columns
+
+
+@dataclass(frozen=True)
+class QuantizedStack:
+    """One stacked expert weight [E, N, K] as the kernel reads it (see the module doc)."""
+
+    q: torch.Tensor  # int: uint8 [E, N, K * bits / 8]; fp8: float8_e4m3fn [E, N, K]
+    scales: torch.Tensor  # float32: int [E, N, G]; fp8 [E, N] or [E, N / 128, K / 128]
+    zeros: torch.Tensor | None  # int: uint8 [E, N, G]; fp8: None
+    bits: int  # 4 | 8: int weights; 0: fp8
+    group: int  # int: inputs a scale (K for one group); fp8: 128 (blocks) or 0 (rows)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, width = self.q.shape
+        return e, n, width * 8 // self.bits if self.bits else width
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_ok, k0, offs_k, stride_we, stride_wn,
+                 stride_se, stride_sn, dtype, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PTX_CVT: tl.constexpr):  # fmt: skip
+    """[BLOCK_K, BLOCK_N]: columns k0 + offs_k of the expert's rows offs_n, in `dtype`."""
+    if BITS == 0:
+        w = _fp8_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok, k0,
+                      stride_wn, stride_sn, dtype, GROUP, BLOCK_K, PTX_CVT)  # fmt: skip
+    else:
+        w = _int_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+                      z_ptr + expert * stride_se, offs_n, n_ok, k0, offs_k, stride_wn,
+                      stride_sn, dtype, BITS, GROUP)  # fmt: skip
+    return w
+
+
+@triton.jit
+def _fp8_tile(w_ptr, s_ptr, offs_n, n_ok, k0, stride_wn, stride_sn, dtype, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, PTX_CVT: tl.constexpr):  # fmt: skip
+    """fp8 rows read as int16 pairs, times their row's or block's scale, transposed."""
+    pairs = load_fp8_pairs(w_ptr, offs_n * stride_wn + k0, n_ok, BLOCK_K)
+    w = fp8_pairs_to_f16(pairs, 1, PTX_CVT).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    if GROUP:
+        scale = tl.load(s_ptr + (offs_n // GROUP) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+    else:
+        scale = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    return tl.trans((w * scale[:, None]).to(dtype))
+
+
+@triton.jit
+def _int_tile(q_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, offs_k, stride_qn, stride_sn, dtype,
+              BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """int rows' columns k0 + offs_k (in group k0 // GROUP), (q - zero) * scale."""
+    cols = k0 + offs_k
+    if BITS == 4:
+        qb = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None] // 2,
+                     mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
+        q = (qb >> ((cols[:, None] & 1) * 4)) & 15
+    else:
+        q = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None],
+                    mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
+    s_off = offs_n * stride_sn + k0 // GROUP
+    scale = tl.load(s_ptr + s_off, mask=n_ok, other=0.0)
+    zero = tl.load(z_ptr + s_off, mask=n_ok, other=0).to(tl.float32)
+    return ((q.to(tl.float32) - zero[None, :]) * scale[None, :]).to(dtype)
+
+
+@triton.jit
+def _moe_quant_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    weights_ptr, num_rows, num_experts, n_out, k_dim, stride_am, stride_we, stride_wn,
+    stride_se, stride_sn, num_blocks,
+    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHTS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, PTX_CVT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """`_moe_gemm_kernel` (fused_moe.py) with quantized weights: the same programs, rows and
+    epilogue; the scales' row r of an expert belongs to its weight row r (GATED: the up rows
+    at n_out further, scales too)."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = (rows >= 0) & (rows < num_rows)
+    rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rows // ROWS_PER_A)[:, None] * stride_am + offs_k[None, :]
+    dtype = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        w = _weight_tile(
+            w_ptr,
+            s_ptr,
+            z_ptr,
+            expert,
+            offs_n,
+            n_ok,
+            k0,
+            offs_k,
+            stride_we,
+            stride_wn,
+            stride_se,
+            stride_sn,
+            dtype,
+            BITS,
+            GROUP,
+            BLOCK_K,
+            PTX_CVT,
+        )
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        if GATED:
+            w_up = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n + n_out, n_ok, k0, offs_k,
+                                stride_we, stride_wn, stride_se, stride_sn, dtype, BITS, GROUP,
+                                BLOCK_K, PTX_CVT)  # fmt: skip
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+    _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
+                APPLY_WEIGHTS)  # fmt: skip
+
+
+def _block_k(config: MoEConfig, w: QuantizedStack, k: int) -> int:
+    """The config's K step, halved until it divides K and the weight's scale groups."""
+    step, unit = config.block_k, w.group or k
+    while step > 16 and (k % step or unit % step):
+        step //= 2
+    if k % step or unit % step:
+        raise ValueError(f"fused_moe_quant: K={k} and scale groups of {unit} need a multiple of 16")
+    return step
+
+
+def moe_gemm_quant(
+    a: torch.Tensor,  # [*, K]
+    w: QuantizedStack,  # [E, N_W, K]
+    out: torch.Tensor,  # [N, n_out]
+    layout: ExpertLayout,
+    config: MoEConfig,
+    rows_per_a: int,
+    gated: bool = False,  # w holds gate | up rows; out gets SiLU(gate) * up
+    routing_weights: torch.Tensor | None = None,  # [N] float32: scale each output row
+) -> torch.Tensor:
+    """out[r] = a[r // rows_per_a] @ dequant(w[expert of r]).T for every row r of the layout."""
+    e, n_w, k_dim = w.shape
+    if n_w != out.shape[1] * (2 if gated else 1) or k_dim != a.shape[1]:
+        raise ValueError(f"moe_gemm_quant: w {w.shape} does not fit a {tuple(a.shape)}, "
+                         f"out {tuple(out.shape)}")  # fmt: skip
+    c = dataclasses.replace(config, block_k=_block_k(config, w, k_dim))
+    num_blocks = layout.expert_ids.numel()
+    scales = w.scales
+    grid = (num_blocks * triton.cdiv(out.shape[1], c.block_n),)
+    _moe_quant_gemm_kernel[grid](
+        a, w.q, scales, w.zeros if w.zeros is not None else scales, out, layout.sorted_ids,
+        layout.expert_ids, layout.num_padded,
+        routing_weights if routing_weights is not None else out,
+        out.shape[0], e, out.shape[1], k_dim, a.stride(0), w.q.stride(0), w.q.stride(1),
+        scales.stride(0), scales.stride(1) if scales.dim() > 2 else 0, num_blocks,
+        ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHTS=routing_weights is not None,
+        BITS=w.bits, GROUP=w.group, PTX_CVT=a.device.type == "cuda",
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe_quant(
+    x: torch.Tensor,  # [T, H] bf16 / fp16 (float32 in the interpreter)
+    w13: QuantizedStack,  # [E, 2I, H]: gate rows, then up rows
+    w2: QuantizedStack,  # [E, H, I]
+    weights: torch.Tensor,  # [T, K] float32 routing weights
+    ids: torch.Tensor,  # [T, K] int32 experts
+    config: MoEConfig | None = None,
+) -> torch.Tensor:  # [T, H]
+    """`fused_moe.fused_moe` with quantized expert weights (see the module doc)."""
+    _check(x, w13, w2, weights, ids)
+    (t, h), (e, two_i, _), k = x.shape, w13.shape, ids.shape[1]
+    config = config or choose_config(t, k, e)
+    layout = align_by_expert(ids, e, config.block_m)
+    act = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
+    moe_gemm_quant(x, w13, act, layout, config, rows_per_a=k, gated=True)
+    y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    moe_gemm_quant(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1))
+    return y.view(t, k, h).sum(1)
+
+
+def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
+    for w in (w13, w2):
+        fp8 = w.q.dtype == torch.float8_e4m3fn
+        if not (w.q.is_contiguous() and w.scales.is_contiguous()) or fp8 != (w.bits == 0):
+            raise ValueError(f"fused_moe_quant: a {w.bits}-bit stack of {w.q.dtype} "
+                             "(contiguous, fp8 with bits 0)")  # fmt: skip
+        if w.scales.dtype != torch.float32 or (w.zeros is None) != fp8:
+            raise ValueError("fused_moe_quant: float32 scales; int weights with zeros")
+    (t, h), (e, two_i, h13) = x.shape, w13.shape
+    if h13 != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"fused_moe_quant: x {tuple(x.shape)}, w13 {w13.shape}, w2 {w2.shape}")
+    if ids.shape != weights.shape or ids.shape[0] != t or weights.dtype != torch.float32:
+        raise ValueError(f"fused_moe_quant: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    if x.stride(1) != 1 or not weights.is_contiguous():
+        raise ValueError("fused_moe_quant: x rows and the routing weights must be contiguous")
