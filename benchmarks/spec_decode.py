@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def run_config(args, engine: str, method: str, prompts_path: str, work: str) -> 
     waited = wait_quiet(args.wait_quiet) if args.wait_quiet else 0.0
     load, (busy0, own0), start = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = run_worker(cmd, env, f)
     wall, (busy1, own1) = time.perf_counter() - start, cpu_seconds()
     if rc != 0:
         raise SystemExit(f"{tag} failed (exit {rc}); its log:\n{tail(log, 40)}")
@@ -108,6 +109,21 @@ def run_config(args, engine: str, method: str, prompts_path: str, work: str) -> 
     args.gemm_plan = args.gemm_plan or result.get("gemm_plan")
     return {"engine": engine, "method": method, "load": load, "others": others, "waited": waited,
             **result}  # fmt: skip
+
+
+def run_worker(cmd: list[str], env: dict, log) -> int:
+    """The worker's exit code; a driver stopped (Ctrl-C, SIGTERM) stops its worker too, which
+    ends its engine's processes."""
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def run_quietly(args, engine: str, method: str, prompts_path: str, work: str) -> dict:
@@ -269,6 +285,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally`s run: workers stopped
     args = parse_args(sys.argv[1:])
     sets = ["grounded", "chat"] if args.set == "both" else [args.set]
     prompts = prompts_module().tokenize_sets(sets, args.prompts_per_set)
