@@ -79,9 +79,11 @@ class SpecDecoder:
         """The step's forward batch: with drafts and no row longer than 1 + k, each token a
         row of its own (its request's block table, the keys up to it), so a verify step is a
         decode-only step (CUDA graphs, the decode kernels: each position rounded as
-        decoding it alone would). Its tokens, hence the hidden states, keep their order."""
+        decoding it alone would). Its tokens, hence the hidden states, keep their order. At
+        most max_num_seqs rows (the step buffers' and the graphs' size)."""
         max_rows = self.config.num_speculative_tokens + 1
-        if not self.drafted_rows or int(batch.num_scheduled.max()) > max_rows:
+        too_many = len(batch.positions) > self.runner.config.scheduler_config.max_num_seqs
+        if not self.drafted_rows or too_many or int(batch.num_scheduled.max()) > max_rows:
             return batch
         rows = np.repeat(batch.rows, batch.num_scheduled)
         forward = StepBatch(batch.req_ids, rows, np.ones(len(rows), np.int64))
