@@ -149,6 +149,8 @@ def test_a_head_that_does_not_fit_is_a_start_up_error(target, head, tmp_path):
         EngineArgs(**args, speculative_config=_spec(other)).create_engine_config()
     with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
         EngineArgs(**args, speculative_config=_spec(target)).create_engine_config()
+    with pytest.raises(ValueError, match="is an EAGLE-3 head: serve its target"):
+        EngineArgs(model=head, dtype="float32").create_engine_config()
 
 
 def test_aux_layers_from_the_config_or_eagle3s_default():

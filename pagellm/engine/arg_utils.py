@@ -46,6 +46,7 @@ _DTYPES = {
     "half": torch.float16,
 }
 logger = logging.getLogger(__name__)
+EAGLE3_HEAD = "LlamaForCausalLMEagle3"  # the architecture of EAGLE-3 heads' checkpoints
 
 
 @dataclass
@@ -131,6 +132,11 @@ class EngineArgs:
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         speculative_config = SpeculativeConfig.of(self.speculative_config)
         model_config = self.create_model_config(device)
+        if model_config.architecture == EAGLE3_HEAD:
+            raise ValueError(
+                f"{model_config.model!r} is an EAGLE-3 head: serve its target model with "
+                "speculative_config={'method': 'eagle3', 'model': <this head>}"
+            )
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )
@@ -330,7 +336,7 @@ def eagle3_head_config(target: ModelConfig, head: ModelConfig) -> ModelConfig:
     """An EAGLE-3 head's config for `target`: its architecture and the target's hidden size
     checked; its rotary table stretched to the target's max_model_len (heads are trained on
     short sequences; their config's length caps nothing)."""
-    if head.architecture != "LlamaForCausalLMEagle3":
+    if head.architecture != EAGLE3_HEAD:
         raise ValueError(
             f"speculative_config method 'eagle3' needs an EAGLE-3 head (architecture "
             f"LlamaForCausalLMEagle3); {head.model!r} is {head.architecture}"
