@@ -35,31 +35,31 @@ def model_folder(tmp_path_factory) -> str:
     return make_tiny_hf_model("llama", tmp_path_factory.mktemp("stats"), vocab_size=VOCAB)
 
 
-def _next_probs(model, seqs: list[list[int]]) -> torch.Tensor:
-    """p(next token | seq) for equally long seqs: [len(seqs), VOCAB] float64."""
+def next_probs(model, seqs: list[list[int]]) -> torch.Tensor:
+    """p(next token | seq) for equally long seqs: [len(seqs), vocab] float64."""
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor(seqs)).logits[:, -1]
     return torch.softmax(logits.double(), dim=-1)
 
 
-def _self_drafting_prompt(model) -> list[int]:
+def self_drafting_prompt(model) -> list[int]:
     """Three tokens that are (nearly) the model's greedy continuation of the whole prompt,
     then a random tail: found by putting the continuation in front and recomputing it, for
     8 tails at once; the prompt whose first two sampled tokens most likely repeat its first
-    two (its first draft accepted)."""
+    two (its first draft accepted). Also test_trace.py's."""
     gen = torch.Generator().manual_seed(0)
-    tails = torch.randint(3, VOCAB, (8, 10), generator=gen)
+    tails = torch.randint(3, model.config.vocab_size, (8, 10), generator=gen)
     heads = torch.zeros(8, 0, dtype=torch.int64)
     for _ in range(6):
         seqs = torch.cat([heads, tails], dim=1)
         for _ in range(3):
-            best = _next_probs(model, seqs.tolist()).argmax(dim=1, keepdim=True)
+            best = next_probs(model, seqs.tolist()).argmax(dim=1, keepdim=True)
             seqs = torch.cat([seqs, best], dim=1)
         heads = seqs[:, -3:]
     prompts = torch.cat([heads, tails], dim=1)
     rows = torch.arange(8)
-    first = _next_probs(model, prompts.tolist())[rows, heads[:, 0]]
-    second = _next_probs(model, torch.cat([prompts, heads[:, :1]], dim=1).tolist())
+    first = next_probs(model, prompts.tolist())[rows, heads[:, 0]]
+    second = next_probs(model, torch.cat([prompts, heads[:, :1]], dim=1).tolist())
     return prompts[int((first * second[rows, heads[:, 1]]).argmax())].tolist()
 
 
@@ -67,11 +67,11 @@ def _self_drafting_prompt(model) -> list[int]:
 def target(model_folder):
     """(the prompt, its 3 tokens' exact joint distribution [VOCAB, VOCAB, VOCAB])."""
     model = hf_model(model_folder)
-    prompt = _self_drafting_prompt(model)
-    p1 = _next_probs(model, [prompt])[0]
-    p2 = _next_probs(model, [prompt + [a] for a in range(VOCAB)])
+    prompt = self_drafting_prompt(model)
+    p1 = next_probs(model, [prompt])[0]
+    p2 = next_probs(model, [prompt + [a] for a in range(VOCAB)])
     pairs = [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    p3 = _next_probs(model, pairs).view(VOCAB, VOCAB, VOCAB)
+    p3 = next_probs(model, pairs).view(VOCAB, VOCAB, VOCAB)
     return prompt, (p1[:, None, None] * p2[:, :, None] * p3).numpy()
 
 
