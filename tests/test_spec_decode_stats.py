@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from draft_prompts import next_probs, self_drafting_prompt
 from model_utils import hf_model, make_tiny_hf_model
 from test_spec_decode_units import _chi2_ok
 
@@ -33,34 +33,6 @@ SPEC = {
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> str:
     return make_tiny_hf_model("llama", tmp_path_factory.mktemp("stats"), vocab_size=VOCAB)
-
-
-def next_probs(model, seqs: list[list[int]]) -> torch.Tensor:
-    """p(next token | seq) for equally long seqs: [len(seqs), vocab] float64."""
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor(seqs)).logits[:, -1]
-    return torch.softmax(logits.double(), dim=-1)
-
-
-def self_drafting_prompt(model) -> list[int]:
-    """Three tokens that are (nearly) the model's greedy continuation of the whole prompt,
-    then a random tail: found by putting the continuation in front and recomputing it, for
-    8 tails at once; the prompt whose first two sampled tokens most likely repeat its first
-    two (its first draft accepted). Also test_trace.py's."""
-    gen = torch.Generator().manual_seed(0)
-    tails = torch.randint(3, model.config.vocab_size, (8, 10), generator=gen)
-    heads = torch.zeros(8, 0, dtype=torch.int64)
-    for _ in range(6):
-        seqs = torch.cat([heads, tails], dim=1)
-        for _ in range(3):
-            best = next_probs(model, seqs.tolist()).argmax(dim=1, keepdim=True)
-            seqs = torch.cat([seqs, best], dim=1)
-        heads = seqs[:, -3:]
-    prompts = torch.cat([heads, tails], dim=1)
-    rows = torch.arange(8)
-    first = next_probs(model, prompts.tolist())[rows, heads[:, 0]]
-    second = next_probs(model, torch.cat([prompts, heads[:, :1]], dim=1).tolist())
-    return prompts[int((first * second[rows, heads[:, 1]]).argmax())].tolist()
 
 
 @pytest.fixture(scope="module")

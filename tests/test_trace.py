@@ -249,8 +249,8 @@ def test_speculative_decoding_shows_drafts_and_accepted_drafts(tmp_path, capsys)
     """ngram drafts on a tiny Llama (its prompt starts with the model's greedy continuation
     of it: the first drafts are accepted, later ones mostly not): each verify step's drafts
     when scheduled, its accepted drafts when back, and the request's totals at its end."""
+    from draft_prompts import self_drafting_prompt
     from model_utils import hf_model, make_tiny_hf_model
-    from test_spec_decode_stats import self_drafting_prompt
 
     folder = make_tiny_hf_model("llama", tmp_path, vocab_size=64)
     prompt = self_drafting_prompt(hf_model(folder))
