@@ -17,11 +17,15 @@ from model_utils import hf_generate_greedy
 from pagellm.spec_decode.ngram import ngram_drafts
 
 
+def next_logits(model, seqs: list[list[int]]) -> torch.Tensor:
+    """The next token's logits after each of equally long seqs: [len(seqs), vocab] float64."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor(seqs)).logits[:, -1].double()
+
+
 def next_probs(model, seqs: list[list[int]]) -> torch.Tensor:
     """p(next token | seq) for equally long seqs: [len(seqs), vocab] float64."""
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor(seqs)).logits[:, -1]
-    return torch.softmax(logits.double(), dim=-1)
+    return torch.softmax(next_logits(model, seqs), dim=-1)
 
 
 def self_drafting_prompt(model) -> list[int]:
