@@ -11,7 +11,7 @@ import torch
 from pagellm.config import SpeculativeConfig
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection_sampler import VerifyLayout, verify
-from pagellm.spec_decode.adaptive import PROBE_EVERY, AdaptiveDrafts
+from pagellm.spec_decode.adaptive import PROBE_EVERY, AdaptiveDrafts, StepCosts
 from pagellm.spec_decode.ngram import ngram_drafts
 
 # ---- speculative_config ------------------------------------------------------------------
@@ -85,6 +85,23 @@ def test_adaptive_drafts_follow_acceptance_and_probe_when_idle():
     assert AdaptiveDrafts(4, enabled=False).num_drafts("b") == 4
     adaptive.remove("a")
     assert "a" not in adaptive.acceptance
+
+
+def test_a_measured_draft_cost_lowers_the_drafts():
+    """On the CPU one more row costs a good part of a one-row step: the cost fitted to the
+    steps' times (T(n) = 4 + 2 n ms: c = 2 / 6) makes a request at 80% acceptance draft
+    fewer tokens than the GPU's default cost does."""
+    costs = StepCosts(max_rows=8, default=0.1)
+    assert costs.record(1, 0.006) == 0.1  # one row count seen: nothing to fit yet
+    for step in range(StepCosts.REFIT_EVERY * 2):
+        n = 1 + step % 4
+        cost = costs.record(n, (4 + 2 * n) / 1e3)
+    assert cost == pytest.approx(1 / 3)
+    cheap, dear = AdaptiveDrafts(5, draft_cost=0.1), AdaptiveDrafts(5, draft_cost=cost)
+    for adaptive in (cheap, dear):
+        for _ in range(10):
+            adaptive.observe("a", 5, 4)
+    assert 0 < dear.num_drafts("a") < cheap.num_drafts("a")
 
 
 # ---- rejection sampler -------------------------------------------------------------------

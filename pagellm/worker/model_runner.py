@@ -20,6 +20,7 @@ tensor on the device (`async_output.PendingTokens`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -266,10 +267,13 @@ class ModelRunner:
         self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
-        if size is None:
-            hidden = self._run_model(arrays, dev, self.kv_caches)
-        else:
+        if size is not None:
             hidden = self.graphs.replay(size)
+        elif self.spec is None:
+            hidden = self._run_model(arrays, dev, self.kv_caches)
+        else:  # timed on the CPU: what a draft costs
+            run = functools.partial(self._run_model, arrays, dev, self.kv_caches)
+            hidden = self.spec.timed_forward(forward, run)
         return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:

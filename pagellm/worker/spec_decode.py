@@ -14,6 +14,8 @@ words, min_tokens, a thinking budget and a grammar's masks hold at every positio
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from pagellm.config import SpeculativeConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import broadcast_from_rank0, get_tp_group
 from pagellm.sample.rejection_sampler import VerifyLayout, position_generators, verify
-from pagellm.spec_decode.adaptive import AdaptiveDrafts
+from pagellm.spec_decode.adaptive import AdaptiveDrafts, StepCosts
 from pagellm.spec_decode.proposer import Drafting, NgramProposer, Proposer, SuffixTreeProposer
 from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.utils import to_device
@@ -56,6 +58,11 @@ class SpecDecoder:
         self.runner = runner
         self.proposer = make_proposer(config, runner)
         self.adaptive = AdaptiveDrafts(config.num_speculative_tokens, enabled=config.adaptive)
+        # a step's time is the host's to measure on the CPU only (eager, synchronous)
+        max_rows = runner.config.scheduler_config.max_num_seqs
+        self.costs = (
+            StepCosts(max_rows, self.adaptive.draft_cost) if runner.device.type == "cpu" else None
+        )
         max_reqs = runner.input_batch.num_tokens.shape[0]
         self.num_drafts = np.zeros(max_reqs, np.int64)  # drafts in each row this step
         self.drafted_rows: list[int] = []
@@ -91,6 +98,16 @@ class SpecDecoder:
         forward.positions = batch.positions
         forward.seq_lens = (batch.positions + 1).astype(np.int32)
         return forward
+
+    def timed_forward(self, forward: StepBatch, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`run()`, the step's forward; a decode step's time taken into the drafts' cost."""
+        if self.costs is None or not forward.is_decode_only:
+            return run()
+        start = time.perf_counter()
+        hidden = run()
+        cost = self.costs.record(len(forward.rows), time.perf_counter() - start)
+        self.adaptive.draft_cost = cost
+        return hidden
 
     # ---- verification --------------------------------------------------------------------
 
