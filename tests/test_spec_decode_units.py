@@ -87,21 +87,34 @@ def test_adaptive_drafts_follow_acceptance_and_probe_when_idle():
     assert "a" not in adaptive.acceptance
 
 
-def test_a_measured_draft_cost_lowers_the_drafts():
-    """On the CPU one more row costs a good part of a one-row step: the cost fitted to the
-    steps' times (T(n) = 4 + 2 n ms: c = 2 / 6) makes a request at 80% acceptance draft
-    fewer tokens than the GPU's default cost does."""
-    costs = StepCosts(max_rows=8, default=0.1)
-    assert costs.record(1, 0.006) == 0.1  # one row count seen: nothing to fit yet
-    for step in range(StepCosts.REFIT_EVERY * 2):
-        n = 1 + step % 4
-        cost = costs.record(n, (4 + 2 * n) / 1e3)
-    assert cost == pytest.approx(1 / 3)
-    cheap, dear = AdaptiveDrafts(5, draft_cost=0.1), AdaptiveDrafts(5, draft_cost=cost)
-    for adaptive in (cheap, dear):
+def test_measured_step_costs_set_how_many_drafts_pay():
+    """The costs fitted to the steps' periods: a plain one-request step takes 6 ms, one with
+    k drafts 6 (1 + s + c k) ms. On a CPU's costs (s = 0, c = 1/3) a request at 80%
+    acceptance drafts fewer tokens than on a GPU's (c = 0.1); where a drafted step costs
+    twice a plain one before its rows (s = 1), drafts at 50% acceptance do not pay."""
+
+    def fitted(s: float, c: float) -> StepCosts:
+        costs = StepCosts(max_drafts=5, draft_cost=0.1)
+        for step in range(StepCosts.REFIT_EVERY * 4):
+            k = step % 4  # 0..3 drafts
+            costs.record(1, k, 0.006 * ((1 + s + c * k) if k else 1))
+        costs.record(1, 2, 5.0)  # a step that waited for work: a median ignores it
+        return costs
+
+    cpu, stalls = fitted(0.0, 1 / 3), fitted(1.0, 0.05)
+    assert (cpu.step_cost, cpu.draft_cost) == (pytest.approx(0.0, abs=1e-9), pytest.approx(1 / 3))
+    assert (stalls.step_cost, stalls.draft_cost) == (pytest.approx(1.0), pytest.approx(0.05))
+    gpu, on_cpu, stalled = (AdaptiveDrafts(5) for _ in range(3))
+    on_cpu.draft_cost = cpu.draft_cost
+    stalled.step_cost, stalled.draft_cost = stalls.step_cost, stalls.draft_cost
+    for adaptive in (gpu, on_cpu):
         for _ in range(10):
             adaptive.observe("a", 5, 4)
-    assert 0 < dear.num_drafts("a") < cheap.num_drafts("a")
+    assert 0 < on_cpu.num_drafts("a") < gpu.num_drafts("a")
+    for adaptive in (gpu, stalled):
+        for _ in range(10):
+            adaptive.observe("b", 5, 1)  # the first draft accepted, the second not
+    assert gpu.num_drafts("b") > 0 and stalled.num_drafts("b") == 0
 
 
 # ---- rejection sampler -------------------------------------------------------------------

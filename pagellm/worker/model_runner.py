@@ -20,7 +20,6 @@ tensor on the device (`async_output.PendingTokens`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -256,8 +255,10 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return None
         batch = prepare_batch(self.input_batch, sched)
-        # verify rows (speculative decoding) as one-token rows: a decode-only step
-        forward = batch if self.spec is None else self.spec.as_decode_rows(batch)
+        forward = batch
+        if self.spec is not None:  # its drafts' cost timed; verify rows as one-token rows
+            self.spec.step_started(batch)
+            forward = self.spec.as_decode_rows(batch)
         arrays = host_arrays(self.input_batch, forward, self.block_size)
         if self.trace_paging is not None:
             self.trace_paging(forward, arrays)
@@ -267,13 +268,10 @@ class ModelRunner:
         self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
-        if size is not None:
-            hidden = self.graphs.replay(size)
-        elif self.spec is None:
+        if size is None:
             hidden = self._run_model(arrays, dev, self.kv_caches)
-        else:  # timed on the CPU: what a draft costs
-            run = functools.partial(self._run_model, arrays, dev, self.kv_caches)
-            hidden = self.spec.timed_forward(forward, run)
+        else:
+            hidden = self.graphs.replay(size)
         return batch, hidden
 
     def _graph_size(self, batch: StepBatch) -> int | None:

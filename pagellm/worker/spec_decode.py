@@ -15,7 +15,6 @@ words, min_tokens, a thinking budget and a grammar's masks hold at every positio
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,11 +57,8 @@ class SpecDecoder:
         self.runner = runner
         self.proposer = make_proposer(config, runner)
         self.adaptive = AdaptiveDrafts(config.num_speculative_tokens, enabled=config.adaptive)
-        # a step's time is the host's to measure on the CPU only (eager, synchronous)
-        max_rows = runner.config.scheduler_config.max_num_seqs
-        self.costs = (
-            StepCosts(max_rows, self.adaptive.draft_cost) if runner.device.type == "cpu" else None
-        )
+        self.costs = StepCosts(config.num_speculative_tokens, self.adaptive.draft_cost)
+        self.last_step: tuple[float, int, int] | None = None  # (start, requests, drafts)
         max_reqs = runner.input_batch.num_tokens.shape[0]
         self.num_drafts = np.zeros(max_reqs, np.int64)  # drafts in each row this step
         self.drafted_rows: list[int] = []
@@ -99,15 +95,18 @@ class SpecDecoder:
         forward.seq_lens = (batch.positions + 1).astype(np.int32)
         return forward
 
-    def timed_forward(self, forward: StepBatch, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`run()`, the step's forward; a decode step's time taken into the drafts' cost."""
-        if self.costs is None or not forward.is_decode_only:
-            return run()
-        start = time.perf_counter()
-        hidden = run()
-        cost = self.costs.record(len(forward.rows), time.perf_counter() - start)
-        self.adaptive.draft_cost = cost
-        return hidden
+    def step_started(self, batch: StepBatch) -> None:
+        """A step starts: the one before it (if a decode step) took until now, which is its
+        cost in the drafts' measure (`StepCosts`)."""
+        now = time.perf_counter()
+        if self.last_step is not None:
+            start, num_reqs, num_drafts = self.last_step
+            self.costs.record(num_reqs, num_drafts, now - start)
+            self.adaptive.draft_cost = self.costs.draft_cost
+            self.adaptive.step_cost = self.costs.step_cost
+        num_drafts = int(self.num_drafts[batch.rows].sum()) if self.drafted_rows else 0
+        decode = int(batch.num_scheduled.sum()) == len(batch.rows) + num_drafts
+        self.last_step = (now, len(batch.rows), num_drafts) if decode else None
 
     # ---- verification --------------------------------------------------------------------
 
