@@ -95,6 +95,9 @@ class EngineArgs:
     # vLLM's keys (method, num_speculative_tokens, prompt_lookup_min/max, model, ...), as a
     # dict or its JSON text; None: no speculative decoding (pagellm/spec_decode/)
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # auto | generate | pooling (embedding, classification and scoring: LLM.embed, ...);
+    # auto: pooling for a classifier, an LM-head-less checkpoint or sentence-transformers files
+    runner: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -140,6 +143,10 @@ class EngineArgs:
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )
+        if model_config.runner == "pooling":
+            from pagellm.loader.pooler_config import pooling_cache_config
+
+            cache_config = pooling_cache_config(model_config, cache_config, speculative_config)
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -183,6 +190,7 @@ class EngineArgs:
         # imported here: the CLI builds its flags from EngineArgs without them
         from pagellm import loader
         from pagellm.layers.rope import long_rope
+        from pagellm.loader.pooler_config import load_pooler_config, resolve_runner
         from pagellm.models.registry import check_architecture
 
         if source is None:
@@ -204,6 +212,8 @@ class EngineArgs:
             self.quantization, hf_config, source.kind, device, self.tensor_parallel_size
         )
         rope = long_rope(hf_config)
+        folder = source.path if source.kind == "hf" else None
+        runner = resolve_runner(self.runner, folder, hf_config)
         return ModelConfig(
             model=source.name,
             source=source,
@@ -218,6 +228,8 @@ class EngineArgs:
             eos_token_ids=generation.eos_token_ids,
             quantization=quantization,
             long_rope_switch=None if rope is None else rope[0],
+            runner=runner,
+            pooler_config=load_pooler_config(folder, hf_config) if runner == "pooling" else None,
         )
 
     def create_draft_model_config(

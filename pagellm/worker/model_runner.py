@@ -51,6 +51,7 @@ from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import ProfiledMemory, profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.pooler import Pooler
 from pagellm.worker.spec_decode import SpecDecoder
 from pagellm.worker.step_batch import (
     StepBatch,
@@ -118,6 +119,11 @@ class ModelRunner:
         # speculative decoding: drafts verified in the step's forward, proposed after it
         spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoder(spec, self)
+        # a pooling model: requests finish with a pooled vector instead of sampling
+        mc = self.model_config
+        self.pooler = (
+            Pooler(mc.pooler_config, self.model, self.device) if mc.runner == "pooling" else None
+        )
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -176,6 +182,8 @@ class ModelRunner:
                     ones = np.ones(size, np.int32)
                     self._forward(*dummy_inputs(self.block_size, ones, ones * graph_seq_len), kv)
         hidden = self._forward(*dummy_inputs(self.block_size, query_lens, seq_lens), kv)
+        if self.pooler is not None:
+            return  # nothing samples
         rows = min(sc.max_num_seqs, int(query_lens.sum()))
         meta = _profile_sampling(rows, self.device, self.input_batch.logits_processor(Penalties))
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
@@ -293,8 +301,12 @@ class ModelRunner:
             ib.remove_request(req_id)
             if self.spec is not None:
                 self.spec.remove_request(req_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new, self.long_rope_rows if new.long_rope else 0)
+            if self.pooler is not None:
+                self.pooler.add_request(new.req_id, new.pooling_params)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_blocks, cached.num_computed_tokens
@@ -341,6 +353,8 @@ class ModelRunner:
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
+        if self.pooler is not None:
+            return self._pool(batch, hidden)
         if self.spec is not None:
             self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
             if self.spec.verifies(batch):
@@ -368,6 +382,14 @@ class ModelRunner:
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
         self.pending.record(sampled)
         return AsyncModelRunnerOutput(output, sampled, self._read_back)
+
+    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
+        """A pooling model's step: the requests whose prompt ends here get their vector."""
+        pooled = self.pooler.pool(batch, hidden, self.input_batch.num_tokens[batch.rows])
+        sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
+        output.pooler_output = pooled
+        return AsyncModelRunnerOutput(output)
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""
