@@ -25,6 +25,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str | None = None  # set by LLM.embed / classify / score and the server's endpoints
+    # set by the input processor: a cross-encoder pair's token types (0: text 1, 1: text 2)
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dimensions", "truncate_prompt_tokens"):

@@ -68,6 +68,7 @@ class PoolerConfig:
     matryoshka: bool = False  # `dimensions` may cut its embeddings
     matryoshka_dimensions: list[int] | None = None  # the ones it was trained for (None: any)
     num_labels: int = 0  # a classifier's outputs
+    encoder: bool = False  # attends both ways, no KV cache, each prompt in one step
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -153,6 +154,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
     max_model_len: int = 2048  # prompt + output tokens of one request
     policy: str = "fcfs"  # the waiting queue's order: fcfs | priority
+    # False (an encoder): a prompt is admitted only when all of it fits the step's budget
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -87,6 +87,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill  # False: an encoder's
         self.kv_cache_manager = KVCacheManager(
             cache_config.block_size,
             num_kv_blocks,
@@ -337,6 +338,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         computed_blocks, num_computed = kv.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_computed, step)
+        if not self.chunked_prefill and num_computed + num_new < request.num_tokens:
+            return False  # its prompt in one step (the budget holds max_model_len): wait
         lookahead = self._num_lookahead_slots(request, num_computed + num_new)
         if kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
             return False

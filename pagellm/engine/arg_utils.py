@@ -143,10 +143,6 @@ class EngineArgs:
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )
-        if model_config.runner == "pooling":
-            from pagellm.loader.pooler_config import pooling_cache_config
-
-            cache_config = pooling_cache_config(model_config, cache_config, speculative_config)
         max_len = model_config.max_model_len
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -154,6 +150,12 @@ class EngineArgs:
             max_model_len=max_len,
             policy=self.scheduling_policy,
         )
+        if model_config.runner == "pooling":
+            from pagellm.loader.pooler_config import pooling_configs
+
+            cache_config, scheduler_config = pooling_configs(
+                model_config, cache_config, scheduler_config, speculative_config
+            )
         parallel_config = self._parallel_config(model_config, device)
         return EngineConfig(
             model_config=model_config,

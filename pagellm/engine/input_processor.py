@@ -110,6 +110,11 @@ class InputProcessor:
         if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
             token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
         self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is not None:  # a pair's (LLM.score): as many as its ids, which it ends with
+            params = msgspec.structs.replace(
+                params, token_type_ids=_as_prompt_token_ids(types)[-len(token_ids) :]
+            )
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -124,20 +124,24 @@ class PoolingMethods:
         tokenizer = self.get_tokenizer()
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
-        prompts = [
-            {"prompt_token_ids": pair_token_ids(tokenizer, a, b, keep)}
-            for a, b in zip(texts_1, texts_2)
-        ]
+        prompts = [pair_prompt(tokenizer, a, b, keep) for a, b in zip(texts_1, texts_2)]
         outputs = self.encode(prompts, params, use_tqdm, pooling_task="score")
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
 
-def pair_token_ids(tokenizer: Any, text_1: str, text_2: str, max_length: int | None) -> list[int]:
-    """The two texts as the tokenizer encodes a pair (a cross-encoder's input), truncated
-    (the longer text first) to `max_length` where asked."""
+def pair_prompt(
+    tokenizer: Any, text_1: str, text_2: str, max_length: int | None
+) -> dict[str, list[int]]:
+    """The two texts as the tokenizer encodes a pair (a cross-encoder's input: its ids and,
+    where it has them, token types), truncated (the longer text first) to `max_length`."""
     if max_length is None:
-        return tokenizer(text_1, text_2)["input_ids"]
-    return tokenizer(text_1, text_2, truncation=True, max_length=max_length)["input_ids"]
+        encoded = tokenizer(text_1, text_2)
+    else:
+        encoded = tokenizer(text_1, text_2, truncation=True, max_length=max_length)
+    prompt = {"prompt_token_ids": encoded["input_ids"]}
+    if encoded.get("token_type_ids") is not None:
+        prompt["token_type_ids"] = encoded["token_type_ids"]
+    return prompt
 
 
 def _pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list, list]:

@@ -19,10 +19,11 @@ from pagellm.config import (
     CacheConfig,
     ModelConfig,
     PoolerConfig,
+    SchedulerConfig,
     SpeculativeConfig,
     architecture_of,
 )
-from pagellm.models.registry import is_pooling_architecture
+from pagellm.models.registry import is_encoder_architecture, is_pooling_architecture
 
 RUNNERS = ("auto", "generate", "pooling")
 # a module's "type" ends with its class: sentence_transformers.models.Pooling (up to 5.x),
@@ -60,13 +61,15 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     arch = architecture_of(hf_config)
     modules = _st_modules(folder)
     pooling = next((m for m in modules if _kind(m) == _POOLING), None)
+    encoder = is_encoder_architecture(arch)
+    default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
     if is_classifier(arch):
         num_labels = len(getattr(hf_config, "id2label", None) or {}) or getattr(
             hf_config, "num_labels", 2
         )
-        return PoolerConfig(task="classify", pooling_type="LAST", normalize=False,
-                            num_labels=num_labels)  # fmt: skip
-    pooling_type = "LAST"
+        return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
+                            num_labels=num_labels, encoder=encoder)  # fmt: skip
+    pooling_type = default_type
     if pooling is not None:
         pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))
     dims = getattr(hf_config, "matryoshka_dimensions", None)
@@ -76,19 +79,34 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
         normalize=any(_kind(m) == _NORMALIZE for m in modules) if modules else True,
         matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
         matryoshka_dimensions=list(dims) if dims else None,
+        encoder=encoder,
     )
 
 
-def pooling_cache_config(
-    model_config: ModelConfig, cache: CacheConfig, spec: SpeculativeConfig | None
-) -> CacheConfig:
-    """A pooling model's cache: the prefix cache only for LAST pooling (mean and CLS pool
-    every prompt token's hidden state, which a cached prefix never computes); no drafts."""
+def pooling_configs(
+    model_config: ModelConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    spec: SpeculativeConfig | None,
+) -> tuple[CacheConfig, SchedulerConfig]:
+    """A pooling model's cache and scheduling: the prefix cache only for a decoder's LAST
+    pooling (MEAN and CLS pool every prompt token's state, which a cached prefix never
+    computes; an encoder caches nothing); an encoder's prompts never chunked, so its token
+    budget must hold a whole prompt; no drafts."""
     if spec is not None:
         raise ValueError("speculative_config: a pooling model (runner='pooling') samples nothing")
-    if model_config.pooler_config.pooling_type == "LAST" or not cache.enable_prefix_caching:
-        return cache
-    return dataclasses.replace(cache, enable_prefix_caching=False)
+    pooler = model_config.pooler_config
+    if pooler.encoder or pooler.pooling_type != "LAST":
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    if not pooler.encoder:
+        return cache, scheduler
+    budget, max_len = scheduler.max_num_batched_tokens, model_config.max_model_len
+    if budget < max_len:
+        raise ValueError(
+            f"an encoder runs each prompt in one step: max_num_batched_tokens ({budget}) must "
+            f"be at least max_model_len ({max_len}); raise it or lower max_model_len"
+        )
+    return cache, dataclasses.replace(scheduler, enable_chunked_prefill=False)
 
 
 def _st_modules(folder: str | None) -> list[dict[str, Any]]:

@@ -40,20 +40,32 @@ _POOLING_MODELS = {
     "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
     "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
+# encoders (models/bert.py): pooling only, bidirectional, no KV cache, never chunked
+_ENCODERS = {
+    "BertModel": "BertEmbeddingModel",
+    "BertForSequenceClassification": "BertForSequenceClassification",
+    "XLMRobertaModel": "XLMRobertaEmbeddingModel",
+    "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+}
 
 
 def supported_architectures() -> list[str]:
-    return sorted([*_MODELS, *_POOLING_MODELS])
+    return sorted([*_MODELS, *_POOLING_MODELS, *_ENCODERS])
 
 
 def is_pooling_architecture(architecture: str) -> bool:
     """A checkpoint without an LM head (an embedding model or a classifier): runner pooling."""
-    return architecture in _POOLING_MODELS
+    return architecture in _POOLING_MODELS or architecture in _ENCODERS
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """An encoder: attends both ways, keeps no KV cache, runs each prompt in one step."""
+    return architecture in _ENCODERS
 
 
 def check_architecture(architecture: str) -> None:
     """A ValueError naming `architecture` and the supported ones (nothing is imported)."""
-    if architecture not in _MODELS and architecture not in _POOLING_MODELS:
+    if not (architecture in _MODELS or is_pooling_architecture(architecture)):
         raise ValueError(
             f"model architecture {architecture!r} is not supported; "
             f"supported: {', '.join(supported_architectures())}"
@@ -64,6 +76,8 @@ def get_model_cls(architecture: str, runner: str = "generate") -> type[nn.Module
     """The class serving `architecture`; with runner "pooling" (or a pooling checkpoint) its
     family's decoder without the LM head (`models/pooling.py`)."""
     check_architecture(architecture)
+    if architecture in _ENCODERS:
+        return getattr(importlib.import_module("pagellm.models.bert"), _ENCODERS[architecture])
     causal = _POOLING_MODELS.get(architecture, architecture)
     module_name, cls_name = _MODELS[causal]
     cls = getattr(importlib.import_module(f"pagellm.models.{module_name}"), cls_name)

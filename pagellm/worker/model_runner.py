@@ -145,6 +145,9 @@ class ModelRunner:
 
     def determine_num_kv_blocks(self) -> int:
         cc = self.config.cache_config
+        if self.is_encoder:  # blocks only count tokens: enough for every request at once
+            sc = self.config.scheduler_config
+            return sc.max_num_seqs * -(-self.model_config.max_model_len // self.block_size) + 1
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
@@ -188,7 +191,15 @@ class ModelRunner:
         meta = _profile_sampling(rows, self.device, self.input_batch.logits_processor(Penalties))
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder (`models/bert.py`) reads no cache: no KV tensors, no CUDA graphs."""
+        return getattr(self.model, "is_encoder", False)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.is_encoder:
+            logger.info("no KV cache: an encoder runs each prompt in one forward")
+            return
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
@@ -272,6 +283,8 @@ class ModelRunner:
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, block_table_rows(self.input_batch, forward, self.block_size))
         self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
+        if self.pooler is not None:  # an encoder's token types (a cross-encoder's pairs)
+            self.pooler.prepare_step(batch)
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
         if size is None:
@@ -346,8 +359,9 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        attn_metadata = self.attn_backend_cls.build_metadata(common)
         model = self.model if model is None else model
+        encoder = getattr(model, "is_encoder", False)  # it attends within each request itself
+        attn_metadata = common if encoder else self.attn_backend_cls.build_metadata(common)
         return model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
     def _sample(

@@ -38,6 +38,25 @@ class Pooler:
         self.params.pop(req_id, None)
         self.partial.pop(req_id, None)
 
+    def prepare_step(self, batch: StepBatch) -> None:
+        """A model with token type embeddings gets the step's: [T] int64 (zeros where a
+        request has none)."""
+        if not hasattr(self.model, "token_type_ids"):
+            return
+        types = [self.params[r].token_type_ids for r in batch.req_ids]
+        if all(t is None for t in types):
+            self.model.token_type_ids = None
+            return
+        flat = np.zeros(int(batch.query_start_loc[-1]), np.int64)
+        starts = batch.seq_lens - batch.num_scheduled
+        for i, ids in enumerate(types):
+            if ids is not None:
+                n, start = int(batch.num_scheduled[i]), int(starts[i])
+                flat[batch.query_start_loc[i] : batch.query_start_loc[i] + n] = ids[
+                    start : start + n
+                ]
+        self.model.token_type_ids = to_device(flat, self.device)
+
     def pool(
         self, batch: StepBatch, hidden: torch.Tensor, num_tokens: np.ndarray
     ) -> dict[str, bytes]:
