@@ -488,4 +488,34 @@ def save_tiny_tokenizer(folder: Path | str, chat_template: str | None = None) ->
     return str(folder)
 
 
+def st_modules():
+    """sentence-transformers' Transformer, Pooling and Normalize (6.x's module, or 5.x's)."""
+    try:
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    return modules
+
+
+def close(ours, ref, atol: float = 2e-5) -> None:
+    """Two embeddings agree: cosine >= 0.99999 and every value within `atol`."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape
+    cosine = ours @ ref / np.linalg.norm(ours) / np.linalg.norm(ref)
+    assert cosine >= 0.99999
+    assert np.abs(ours - ref).max() <= atol
+
+
+def save_tiny_wordpiece(folder: Path | str) -> str:
+    """A BERT tokenizer (WordPiece; [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS)
+    saved into `folder`: pairs come as [CLS] a [SEP] b [SEP] with token types 0 / 1."""
+    from transformers import BertTokenizerFast
+
+    vocab = Path(folder) / "vocab.txt"
+    vocab.parent.mkdir(parents=True, exist_ok=True)
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    BertTokenizerFast(str(vocab)).save_pretrained(str(folder))
+    return str(folder)
+
+
 WORDS = "user model hi hello the a cat sat on mat why is sky blue tell me story".split()

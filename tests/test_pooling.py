@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from model_utils import save_tiny_tokenizer
+from model_utils import close, save_tiny_tokenizer, st_modules
 
 from pagellm import LLM, SamplingParams
 from pagellm.pooling_params import PoolingParams
@@ -20,15 +20,6 @@ TEXTS = [
     "tell me a story hi hello the cat sat on a mat why is sky blue",
     "hi",
 ]
-
-
-def st_modules():
-    """sentence-transformers' Transformer, Pooling and Normalize (6.x's module, or 5.x's)."""
-    try:
-        from sentence_transformers.sentence_transformer import modules
-    except ImportError:
-        from sentence_transformers import models as modules
-    return modules
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +59,6 @@ def llm(folder):
     engine.shutdown()
 
 
-def _close(ours, ref, atol=2e-5) -> None:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape
-    cosine = ours @ ref / np.linalg.norm(ours) / np.linalg.norm(ref)
-    assert cosine >= 0.99999
-    assert np.abs(ours - ref).max() <= atol
-
-
 def test_embed_equals_sentence_transformers(llm, st_model):
     outputs = llm.embed(TEXTS, use_tqdm=False)
     reference = st_model.encode(TEXTS)
@@ -83,7 +66,7 @@ def test_embed_equals_sentence_transformers(llm, st_model):
     for out, ref, text in zip(outputs, reference, TEXTS):
         assert out.outputs.hidden_size == 64
         assert out.prompt_token_ids == llm.get_tokenizer().encode(text)
-        _close(out.outputs.embedding, ref)
+        close(out.outputs.embedding, ref)
         assert abs(np.linalg.norm(out.outputs.embedding) - 1) < 1e-5
 
 
@@ -95,7 +78,7 @@ def test_unnormalized_is_hf_last_hidden_state(llm, folder):
     (out,) = llm.embed({"prompt_token_ids": ids}, PoolingParams(normalize=False), use_tqdm=False)
     with torch.no_grad():
         last = hf(torch.tensor([ids])).last_hidden_state[0, -1]
-    _close(out.outputs.embedding, last.numpy())
+    close(out.outputs.embedding, last.numpy())
     assert np.linalg.norm(out.outputs.embedding) > 1.5  # not normalized
 
 
@@ -110,7 +93,7 @@ def test_truncation_keeps_the_first_tokens_of_a_text(llm, st_model):
         reference = st_model.encode([long_text])[0]
     finally:
         st_model.max_seq_length = 64
-    _close(out.outputs.embedding, reference)
+    close(out.outputs.embedding, reference)
     (whole,) = llm.embed(long_text, use_tqdm=False, truncate_prompt_tokens=-1)
     assert len(whole.prompt_token_ids) == 16
 

@@ -23,6 +23,7 @@ from pagellm.config import (
     SpeculativeConfig,
     architecture_of,
 )
+from pagellm.models.pooling import num_labels
 from pagellm.models.registry import is_encoder_architecture, is_pooling_architecture
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -64,11 +65,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     encoder = is_encoder_architecture(arch)
     default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
     if is_classifier(arch):
-        num_labels = len(getattr(hf_config, "id2label", None) or {}) or getattr(
-            hf_config, "num_labels", 2
-        )
         return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
-                            num_labels=num_labels, encoder=encoder)  # fmt: skip
+                            num_labels=num_labels(hf_config), encoder=encoder)  # fmt: skip
     pooling_type = default_type
     if pooling is not None:
         pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.weights import load_packed_weights
+from pagellm.models.pooling import num_labels
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -176,7 +177,7 @@ class BertForSequenceClassification(BertEmbeddingModel):
         super().__init__(config, attn_backend_cls)
         self.pooler = nn.Module()
         self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.hidden_size, num_labels(config))
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
         # pooled: [N, hidden] float32 (the CLS states) -> [N, num_labels]
@@ -202,7 +203,7 @@ class XLMRobertaForSequenceClassification(XLMRobertaEmbeddingModel):
         super().__init__(config, attn_backend_cls)
         self.classifier = nn.Module()
         self.classifier.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.classifier.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier.out_proj = nn.Linear(config.hidden_size, num_labels(config))
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
         dense, out = self.classifier.dense, self.classifier.out_proj

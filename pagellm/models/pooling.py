@@ -29,7 +29,7 @@ def as_pooling_model(base: type[nn.Module], classify: bool = False) -> type[nn.M
                 del self.lm_head
             self.tie_word_embeddings = False  # nothing to tie: no head packs the embedding
             if classify:
-                self.score = nn.Linear(config.hidden_size, _num_labels(config), bias=False)
+                self.score = nn.Linear(config.hidden_size, num_labels(config), bias=False)
 
         def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("a pooling model has no LM head: it does not sample")
@@ -59,5 +59,7 @@ def _model_name(name: str) -> str:
     return "model." + name
 
 
-def _num_labels(config: Any) -> int:
+def num_labels(config: Any) -> int:
+    """A classifier's outputs: HF's `num_labels` is its `id2label`'s size (a config view
+    keeps only the dict)."""
     return len(getattr(config, "id2label", None) or {}) or getattr(config, "num_labels", 2)
