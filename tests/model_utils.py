@@ -497,6 +497,27 @@ def st_modules():
     return modules
 
 
+def make_st_embedding_model(path: Path | str) -> str:
+    """A tiny random Qwen3Model (no LM head) + word-level tokenizer, saved by
+    sentence-transformers with last-token pooling and Normalize (Qwen3-Embedding's layout)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, Qwen3Config
+
+    path = str(path)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        architectures=["Qwen3Model"], pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    modules = st_modules()
+    pipeline = [modules.Transformer(path), modules.Pooling(64, "lasttoken"), modules.Normalize()]
+    SentenceTransformer(modules=pipeline).save(path)
+    return path
+
+
 def close(ours, ref, atol: float = 2e-5) -> None:
     """Two embeddings agree: cosine >= 0.99999 and every value within `atol`."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from model_utils import close, save_tiny_tokenizer, st_modules
+from model_utils import close, make_st_embedding_model
 
 from pagellm import LLM, SamplingParams
 from pagellm.pooling_params import PoolingParams
@@ -24,23 +24,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    """Qwen3Model (no LM head) + word-level tokenizer + sentence-transformers files."""
-    from sentence_transformers import SentenceTransformer
-    from transformers import AutoModel, Qwen3Config
-
-    path = str(tmp_path_factory.mktemp("emb") / "qwen3-embedding")
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-        architectures=["Qwen3Model"], pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(path)
-    save_tiny_tokenizer(path)
-    modules = st_modules()
-    pipeline = [modules.Transformer(path), modules.Pooling(64, "lasttoken"), modules.Normalize()]
-    SentenceTransformer(modules=pipeline).save(path)
-    return path
+    return make_st_embedding_model(tmp_path_factory.mktemp("emb") / "qwen3-embedding")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
@@ -92,7 +93,7 @@ class PoolingMethods:
     ) -> list[ScoringRequestOutput]:
         """`data_1` against each of `data_2` (one to many, or pairwise): a cross-encoder's
         relevance, or an embedding model's cosine similarity (`.outputs.score`)."""
-        texts_1, texts_2 = _pairs(data_1, data_2)
+        texts_1, texts_2 = score_pairs(data_1, data_2)
         params = _with_truncation(pooling_params, truncate_prompt_tokens) or PoolingParams()
         if self.llm_engine.config.model_config.pooler_config.task == "embed":
             return self._embedding_score(texts_1, texts_2, params, use_tqdm)
@@ -105,7 +106,7 @@ class PoolingMethods:
         firsts, seconds = outs[: len(texts_1)], outs[len(texts_1) :]
         scores = []
         for a, b in zip(firsts, seconds):
-            cosine = F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).reshape(1)
+            cosine = torch.tensor([cosine_score(a, b)])
             ids = a.prompt_token_ids + b.prompt_token_ids
             base = PoolingRequestOutput(f"{a.request_id}_{b.request_id}", PoolingOutput(cosine),
                                         ids)  # fmt: skip
@@ -129,6 +130,11 @@ class PoolingMethods:
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
 
+def cosine_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
+    """An embedding model's score of two texts: their embeddings' cosine."""
+    return float(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
+
+
 def pair_prompt(
     tokenizer: Any, text_1: str, text_2: str, max_length: int | None
 ) -> dict[str, list[int]]:
@@ -144,7 +150,7 @@ def pair_prompt(
     return prompt
 
 
-def _pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list, list]:
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> tuple[list, list]:
     texts_1 = [data_1] if isinstance(data_1, str) else list(data_1)
     texts_2 = [data_2] if isinstance(data_2, str) else list(data_2)
     if len(texts_1) == 1:
