@@ -53,3 +53,11 @@ def test_classify_equals_hf(llm, folder):
         assert out.outputs.probs == pytest.approx(expected.softmax(0).tolist(), abs=1e-5)
     with pytest.raises(ValueError, match="classifies into 3 labels: score needs"):
         llm.score(TEXTS[0], TEXTS[1], use_tqdm=False)
+
+
+def test_positions_end_where_the_table_does(folder):
+    """40 position embeddings counted from pad_token_id + 1 = 1: 39 tokens at most."""
+    from pagellm import EngineArgs
+
+    config = EngineArgs(model=folder, dtype="float32").create_engine_config()
+    assert config.model_config.max_model_len == 39

@@ -2,10 +2,10 @@
 
 `build_app()` makes the app; its lifespan starts the engine inside the running event loop and
 shuts it down (the EngineCore process with it) when the server stops. A `RequestGuard` checks the
-API key (`/v1/*`, `/tokenize`, `/detokenize`, the pooling endpoints; `/health`, `/version` and `/metrics` stay open),
-the Content-Type and the body's size before a body is read. An `EngineSupervisor` decides what a
-dead EngineCore means: exit with status 1 (the default) or a new core in place
-(`--restart-engine`). The OpenAPI document declares the errors the server sends.
+API key (`/v1/*`, `/tokenize`, `/detokenize`, `/score`, `/rerank`, `/classify`; `/health`,
+`/version` and `/metrics` stay open), the Content-Type and the body's size before a body is read.
+An `EngineSupervisor` decides what a dead EngineCore means: exit with status 1 (the default) or
+a new core in place (`--restart-engine`). The OpenAPI document declares the errors the server sends.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pagellm.entrypoints.openai.protocol import IntIn, OpenAIModel, RequestModel
+from pagellm.entrypoints.openai.protocol import IntIn, OpenAIModel, RequestModel, SamplingInt
 from pagellm.entrypoints.openai.response_models import UsageInfo
 from pagellm.sampling_params import INT32_MAX
 
@@ -15,7 +15,8 @@ MAX_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
 TokenIds = list[IntIn(0, INT32_MAX)]
 Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
 Inputs = str | Texts | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
-Truncate = IntIn(-1, INT32_MAX) | None  # keep the first n tokens of a text; -1: max_model_len
+# keep the first n tokens of a text (the last n of token ids); -1: max_model_len
+Truncate = Literal[-1] | SamplingInt("truncate_prompt_tokens") | None
 
 
 class EmbeddingRequest(RequestModel):

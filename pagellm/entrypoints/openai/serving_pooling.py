@@ -3,7 +3,8 @@
 (prefill-only); a client that leaves aborts them. A pooling model's task decides what it
 serves: an embedding model embeds (and scores by cosine), a classifier classifies and, with
 one label, scores and reranks as a cross-encoder; the other requests are a 400 in our words,
-as is an input longer than the model without `truncate_prompt_tokens`.
+as is an input longer than the model without `truncate_prompt_tokens`. A generative model
+answers these endpoints 404.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagellm.entrypoints.llm_pooling import cosine_score, pair_prompt, score_pairs
+from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.generation import until_disconnect
 from pagellm.entrypoints.openai.pooling_protocol import (
     ClassificationData,
@@ -42,8 +44,20 @@ from pagellm.pooling_params import PoolingParams
 
 
 class OpenAIServingPooling(OpenAIServing):
+    def pooling_model(self, requested: str | None, endpoint: str) -> str:
+        """The model's name; a generative model serves no pooling endpoint: 404, as for a
+        route it does not have."""
+        name = self.model_name(requested)
+        if self.engine.config.model_config.pooler_config is None:
+            raise APIError(
+                f"{name!r} is a generative model: {endpoint} needs a pooling model (an "
+                "embedding model or a classifier; `pagellm serve MODEL --runner pooling`)",
+                404,
+            )
+        return name
+
     async def embeddings(self, request: EmbeddingRequest, raw_request: Request) -> JSONResponse:
-        model = self.model_name(request.model)
+        model = self.pooling_model(request.model, "/v1/embeddings")
         prompts = _prompts(request.input)
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
                                truncate_prompt_tokens=request.truncate_prompt_tokens,
@@ -58,7 +72,7 @@ class OpenAIServingPooling(OpenAIServing):
         return JSONResponse(body.model_dump())
 
     async def classify(self, request: ClassificationRequest, raw_request: Request) -> JSONResponse:
-        model = self.model_name(request.model)
+        model = self.pooling_model(request.model, "/classify")
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
                                task="classify")  # fmt: skip
         outputs = await self._run_admitted(_prompts(request.input), params, raw_request)
@@ -75,7 +89,7 @@ class OpenAIServingPooling(OpenAIServing):
         return JSONResponse(body.model_dump())
 
     async def score(self, request: ScoreRequest, raw_request: Request) -> JSONResponse:
-        model = self.model_name(request.model)
+        model = self.pooling_model(request.model, "/score")
         scores, outputs = await self._scores(
             request.text_1, request.text_2, request.truncate_prompt_tokens, raw_request
         )
@@ -85,7 +99,7 @@ class OpenAIServingPooling(OpenAIServing):
         return JSONResponse(body.model_dump())
 
     async def rerank(self, request: RerankRequest, raw_request: Request) -> JSONResponse:
-        model = self.model_name(request.model)
+        model = self.pooling_model(request.model, "/rerank")
         scores, outputs = await self._scores(
             request.query, request.documents, request.truncate_prompt_tokens, raw_request
         )
@@ -112,12 +126,12 @@ class OpenAIServingPooling(OpenAIServing):
         embedding model's two embeddings."""
         texts_1, texts_2 = score_pairs(text_1, text_2)
         mc = self.engine.config.model_config
-        if mc.pooler_config is not None and mc.pooler_config.task == "embed":
+        if mc.pooler_config.task == "embed":
             params = PoolingParams(truncate_prompt_tokens=keep, task="embed")
             outs = await self._run_admitted([*texts_1, *texts_2], params, raw_request)
             firsts, seconds = outs[: len(texts_1)], outs[len(texts_1) :]
             return [cosine_score(a, b) for a, b in zip(firsts, seconds)], outs
-        if mc.pooler_config is not None and mc.pooler_config.num_labels != 1:
+        if mc.pooler_config.num_labels != 1:
             raise ValueError(
                 f"{mc.model!r} classifies into {mc.pooler_config.num_labels} labels: score "
                 "and rerank need a cross-encoder with one label, or an embedding model"
