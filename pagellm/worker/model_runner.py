@@ -367,8 +367,9 @@ class ModelRunner:
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
-        if self.pooler is not None:
-            return self._pool(batch, hidden)
+        if self.pooler is not None:  # no sampling: the requests whose prompt ends get a vector
+            pooled = self.pooler.output(batch, hidden, self.input_batch.num_tokens[batch.rows])
+            return AsyncModelRunnerOutput(pooled)
         if self.spec is not None:
             self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
             if self.spec.verifies(batch):
@@ -396,14 +397,6 @@ class ModelRunner:
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
         self.pending.record(sampled)
         return AsyncModelRunnerOutput(output, sampled, self._read_back)
-
-    def _pool(self, batch: StepBatch, hidden: torch.Tensor) -> AsyncModelRunnerOutput:
-        """A pooling model's step: the requests whose prompt ends here get their vector."""
-        pooled = self.pooler.pool(batch, hidden, self.input_batch.num_tokens[batch.rows])
-        sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
-        output = ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
-        output.pooler_output = pooled
-        return AsyncModelRunnerOutput(output)
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""

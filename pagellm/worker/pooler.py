@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.config import PoolerConfig
+from pagellm.core.sched_output import ModelRunnerOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.utils import to_device
 from pagellm.worker.step_batch import StepBatch
@@ -56,6 +57,14 @@ class Pooler:
                     start : start + n
                 ]
         self.model.token_type_ids = to_device(flat, self.device)
+
+    def output(
+        self, batch: StepBatch, hidden: torch.Tensor, num_tokens: np.ndarray
+    ) -> ModelRunnerOutput:
+        """The step's answer to the scheduler: no tokens, the finished requests' vectors."""
+        output = ModelRunnerOutput(batch.req_ids, [[] for _ in batch.req_ids])
+        output.pooler_output = self.pool(batch, hidden, num_tokens)
+        return output
 
     def pool(
         self, batch: StepBatch, hidden: torch.Tensor, num_tokens: np.ndarray
