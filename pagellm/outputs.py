@@ -89,6 +89,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens from the prefix cache (a decoder's LAST pooling)
 
     output_cls: ClassVar[Any] = None  # the task's output: EmbeddingOutput, ...
 
@@ -96,7 +97,8 @@ class PoolingRequestOutput:
     def from_base(cls, base: PoolingRequestOutput) -> Any:
         """The pooled output of `base` as this task's (vLLM's `from_base`)."""
         return cls(base.request_id, cls.output_cls.from_base(base.outputs),
-                   base.prompt_token_ids, base.finished, base.prompt)  # fmt: skip
+                   base.prompt_token_ids, base.finished, base.prompt,
+                   base.num_cached_tokens)  # fmt: skip
 
 
 @dataclass

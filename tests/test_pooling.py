@@ -37,7 +37,7 @@ def st_model(folder):
 @pytest.fixture(scope="module")
 def llm(folder):
     # runner "auto": the Qwen3Model checkpoint is a pooling model; 8 tokens a step: chunked
-    engine = LLM(folder, dtype="float32", max_num_batched_tokens=8, max_model_len=16,
+    engine = LLM(folder, dtype="float32", max_num_batched_tokens=8, max_model_len=16, block_size=4,
                  kv_cache_memory_bytes=1 << 24)  # fmt: skip
     yield engine
     engine.shutdown()
@@ -52,6 +52,15 @@ def test_embed_equals_sentence_transformers(llm, st_model):
         assert out.prompt_token_ids == llm.get_tokenizer().encode(text)
         close(out.outputs.embedding, ref)
         assert abs(np.linalg.norm(out.outputs.embedding) - 1) < 1e-5
+
+
+def test_prefix_cache_hits_give_the_same_embeddings(llm, st_model):
+    """LAST pooling keeps the prefix cache: a repeated prompt computes only its last tokens."""
+    assert llm.llm_engine.config.cache_config.enable_prefix_caching
+    first, again = (llm.embed(TEXTS[2], use_tqdm=False)[0] for _ in range(2))
+    assert len(again.prompt_token_ids) == 16 and again.num_cached_tokens == 12  # 3 blocks of 4
+    close(again.outputs.embedding, st_model.encode(TEXTS[2]))
+    np.testing.assert_allclose(again.outputs.embedding, first.outputs.embedding, atol=1e-6)
 
 
 def test_unnormalized_is_hf_last_hidden_state(llm, folder):

@@ -380,7 +380,8 @@ def pooling_output(
 ) -> PoolingRequestOutput:
     """The core's float32 bytes as vLLM's `PoolingRequestOutput` (a tensor in `.outputs.data`)."""
     data = torch.frombuffer(bytearray(out.pooling_output), dtype=torch.float32)
-    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids, True, prompt)
+    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids, True, prompt,
+                                out.num_cached_tokens)  # fmt: skip
 
 
 def _num_cached_tokens(state: RequestState) -> int:
