@@ -95,7 +95,13 @@ class PoolingMethods:
         relevance, or an embedding model's cosine similarity (`.outputs.score`)."""
         texts_1, texts_2 = score_pairs(data_1, data_2)
         params = _with_truncation(pooling_params, truncate_prompt_tokens) or PoolingParams()
-        if self.llm_engine.config.model_config.pooler_config.task == "embed":
+        mc = self.llm_engine.config.model_config
+        if mc.pooler_config is None:
+            raise ValueError(
+                f"{mc.model!r} is a generative model: score needs a pooling model "
+                "(LLM(..., runner='pooling'))"
+            )
+        if mc.pooler_config.task == "embed":
             return self._embedding_score(texts_1, texts_2, params, use_tqdm)
         return self._cross_encoder_score(texts_1, texts_2, params, use_tqdm)
 

@@ -159,7 +159,7 @@ class OpenAIServingPooling(OpenAIServing):
         request_id = random_id("pool")
 
         async def one(i: int, prompt: Any) -> PoolingRequestOutput:
-            async for out in self.engine.generate(prompt, params, f"{request_id}-{i}"):
+            async for out in self.engine.encode(prompt, params, f"{request_id}-{i}"):
                 last = out
             return last
 
