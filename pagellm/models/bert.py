@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.layers.linear import Linear
 from pagellm.layers.weights import load_packed_weights
 from pagellm.models.pooling import num_labels
 
@@ -38,7 +39,7 @@ class DenseNorm(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, eps: float) -> None:
         super().__init__()
-        self.dense = nn.Linear(d_in, d_out)
+        self.dense = Linear(d_in, d_out)
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -50,9 +51,9 @@ class SelfAttention(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
+        self.query = Linear(hidden, hidden)
+        self.key = Linear(hidden, hidden)
+        self.value = Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden], each token attending to its request's tokens
@@ -69,7 +70,7 @@ class EncoderLayer(nn.Module):
         self.attention.self = SelfAttention(config)
         self.attention.output = DenseNorm(config.hidden_size, config.hidden_size, eps)
         self.intermediate = nn.Module()
-        self.intermediate.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate.dense = Linear(config.hidden_size, config.intermediate_size)
         self.output = DenseNorm(config.intermediate_size, config.hidden_size, eps)
         self.act = _ACTIVATIONS[config.hidden_act]
 
@@ -157,7 +158,11 @@ class BertEmbeddingModel(nn.Module):
         raise RuntimeError("an encoder has no LM head: it does not sample")
 
     def prepack_cpu_weights(self, batch_hint: int) -> None:
-        """Plain torch Linears: nothing to pack."""
+        """The layers' Linears packed for our CPU GEMMs (x86); the heads stay plain (they
+        see only the pooled rows)."""
+        for module in self.encoder.modules():
+            if isinstance(module, Linear):
+                module.prepack(batch_hint)
 
     def load_weights(self, weights: Any) -> set[str]:
         own = {name for name, _ in self.named_parameters()}
