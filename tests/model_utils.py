@@ -518,6 +518,26 @@ def make_st_embedding_model(path: Path | str) -> str:
     return path
 
 
+def make_bert_cross_encoder(path: Path | str, num_labels: int = 1) -> str:
+    """A tiny random BertForSequenceClassification (a reranker's layout) with a WordPiece
+    tokenizer; weights large enough that attention looks and token types matter."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = save_tiny_wordpiece(path)
+    config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128,
+                        max_position_embeddings=64, num_labels=num_labels)  # fmt: skip
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and "LayerNorm" not in name:
+                param.normal_(0, 0.15)
+        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1)
+    model.save_pretrained(path)
+    return path
+
+
 def close(ours, ref, atol: float = 2e-5) -> None:
     """Two embeddings agree: cosine >= 0.99999 and every value within `atol`."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import save_tiny_wordpiece
+from model_utils import make_bert_cross_encoder
 
 from pagellm import LLM
 from pagellm.pooling_params import PoolingParams
@@ -16,21 +16,7 @@ DOCS = ["the sky is blue", "the cat sat on the mat", "tell me a story", "hi"]
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    from transformers import BertConfig, BertForSequenceClassification
-
-    path = save_tiny_wordpiece(tmp_path_factory.mktemp("ce") / "bert-reranker")
-    config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=128,
-                        max_position_embeddings=64, num_labels=1)  # fmt: skip
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(config)
-    with torch.no_grad():  # attention that looks, token types that matter, logits that differ
-        for name, param in model.named_parameters():
-            if name.endswith("weight") and "LayerNorm" not in name:
-                param.normal_(0, 0.15)
-        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1)
-    model.save_pretrained(path)
-    return path
+    return make_bert_cross_encoder(tmp_path_factory.mktemp("ce") / "bert-reranker")
 
 
 @pytest.fixture(scope="module")

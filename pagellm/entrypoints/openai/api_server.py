@@ -28,7 +28,7 @@ from pagellm.entrypoints.openai import chat_page
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
-from pagellm.entrypoints.openai.errors import install_error_handlers
+from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.openapi import openapi_document
 from pagellm.entrypoints.openai.pooling_protocol import (
@@ -81,6 +81,19 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 _GENERATE_ERRORS = _errors(400, 401, 404, 413, 415, 429, 500, 503)
 _STREAM = {200: {"content": {"text/event-stream": {}}}}
 
+
+def _generative(raw_request: Request, endpoint: str) -> None:
+    """A pooling model generates nothing: a 400 naming what it serves."""
+    model_config = raw_request.app.state.engine.config.model_config
+    if model_config.pooler_config is not None:
+        what = "/v1/embeddings" if model_config.pooler_config.task == "embed" else "/classify"
+        raise APIError(
+            f"{model_config.served_model_name!r} is a pooling model: it serves {what}, "
+            f"/score and /rerank, not {endpoint}",
+            400,
+        )
+
+
 v1 = APIRouter(prefix="/v1")
 open_routes = APIRouter()
 
@@ -91,6 +104,7 @@ open_routes = APIRouter()
     responses={**_GENERATE_ERRORS, **_STREAM},
 )
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/completions")
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
     return await serving.create_completion(request, raw_request)
 
@@ -101,12 +115,14 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     responses={**_GENERATE_ERRORS, **_STREAM},
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/chat/completions")
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
 
 
 @v1.post("/responses", response_model=ResponseObject, responses={**_GENERATE_ERRORS, **_STREAM})
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/responses")
     return await raw_request.app.state.serving_responses.create_response(request, raw_request)
 
 
