@@ -71,6 +71,7 @@ class Pooler:
     ) -> dict[str, bytes]:
         """hidden: [T, hidden] of the step; num_tokens: [R] each row's prompt length. The
         finished requests' vectors, as float32 bytes."""
+        hidden = hidden[: int(batch.query_start_loc[-1])]  # a CUDA graph's padding rows off
         done = np.flatnonzero(batch.seq_lens == num_tokens)  # [F] rows whose prompt ends here
         kind = self.config.pooling_type
         if kind == "MEAN":
