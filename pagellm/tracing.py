@@ -15,7 +15,10 @@ A request's boundaries, in order (process: event name):
 caller: input_processing -> caller: zmq_send -> core: input_queue -> core: add_request ->
 core: schedule -> core: execute_model -> core: update_from_output -> core: zmq_return ->
 caller: output_received -> caller: detokenize -> caller: stop_check -> caller: request_output
-(schedule .. stop_check repeat per step; `preempted` marks a preemption).
+(schedule .. stop_check repeat per step; `preempted` marks a preemption). With speculative
+decoding a step's `schedule` counts the drafts it verifies (`num_draft_tokens`), its
+`update_from_output` the accepted ones too (`num_accepted_tokens`), and the finished
+`request_output` the request's totals.
 """
 
 from __future__ import annotations
@@ -122,8 +125,15 @@ class CallerTracer(Tracer):
         self.span("detokenize", start_us, request_id, num_tokens=num_tokens)
         self.instant("stop_check", request_id, stop_string=stop_string)
 
-    def request_output(self, request_id: str, finished: bool, output: Any) -> None:
-        self.instant("request_output", request_id, finished=finished, made=output is not None)
+    def request_output(
+        self, request_id: str, finished: bool, output: Any, metrics: Any = None
+    ) -> None:
+        """A RequestOutput made (or held back: n > 1); once finished, the request's drafts
+        and accepted drafts over all its steps (`RequestMetrics`), where it had drafts."""
+        args = dict(finished=finished, made=output is not None)
+        if finished and metrics is not None and metrics.num_draft_tokens:
+            args.update(_spec_counts(metrics))
+        self.instant("request_output", request_id, **args)
 
 
 # ---- the EngineCore's side -----------------------------------------------------------------
@@ -153,8 +163,10 @@ class CoreTracer(Tracer):
 
     def schedule(self, start_us: float, scheduler: Any, sched: Any) -> None:
         preempted = [r for r in sched.finished_req_ids if r in scheduler.requests]
+        drafts = sum(map(len, sched.scheduled_spec_decode_tokens.values()))
         self.span("schedule", start_us, None, num_reqs=len(sched.num_scheduled_tokens),
-                  num_tokens=sched.total_num_scheduled_tokens, preempted=preempted)  # fmt: skip
+                  num_tokens=sched.total_num_scheduled_tokens, preempted=preempted,
+                  **({"num_draft_tokens": drafts} if drafts else {}))  # fmt: skip
         for request_id in preempted:
             self.instant("preempted", request_id)
         _scheduled_requests(self, scheduler, sched, start_us)
@@ -182,12 +194,20 @@ class CoreTracer(Tracer):
         process's events back to the caller."""
         self.span("update_from_output", start_us, None, num_outputs=len(outputs.outputs))
         for out in outputs.outputs:
+            spec = _spec_counts(out) if out.num_draft_tokens else {}
             self.span("update_from_output", start_us, out.request_id,
-                      new_token_ids=out.new_token_ids, finished=out.finished)  # fmt: skip
+                      new_token_ids=out.new_token_ids, finished=out.finished, **spec)  # fmt: skip
         if outputs.outputs:
             for out in outputs.outputs:
                 self.instant("zmq_return", out.request_id)
             outputs.trace_events = self.drain()
+
+
+def _spec_counts(counts: Any) -> dict[str, int]:
+    """Drafts verified and accepted: a step's (`EngineCoreOutput`) or a request's totals
+    (`RequestMetrics`)."""
+    return dict(num_draft_tokens=counts.num_draft_tokens,
+                num_accepted_tokens=counts.num_accepted_tokens)  # fmt: skip
 
 
 def _scheduled_requests(tracer: Tracer, scheduler: Any, sched: Any, start: float) -> None:
@@ -206,10 +226,12 @@ def _scheduled_requests(tracer: Tracer, scheduler: Any, sched: Any, start: float
         kind = "decode" if not prefill else "prefill"
         if prefill and num_computed + num_tokens < request.num_prompt_tokens:
             kind = "prefill chunk"
+        drafts = len(sched.scheduled_spec_decode_tokens.get(request_id, ()))
         tracer.span("schedule", start, request_id, num_tokens=num_tokens, kind=kind,
                     num_computed_tokens=num_computed, new_block_ids=list(added),
                     block_ids=list(kv.get_block_ids(request_id)),
-                    prefix_cache_hit_tokens=num_computed if request_id in new else 0)  # fmt: skip
+                    prefix_cache_hit_tokens=num_computed if request_id in new else 0,
+                    **({"num_draft_tokens": drafts} if drafts else {}))  # fmt: skip
 
 
 def _mode(runner: Any, sched: Any) -> str:
@@ -269,8 +291,8 @@ _BOUNDARIES = {
 }
 _SHOWN_ARGS = ("kind", "num_tokens", "num_computed_tokens", "new_block_ids", "block_ids",
                "prefix_cache_hit_tokens", "mode", "gpu_ms", "new_token_ids", "finished",
-               "stop_string", "num_prompt_tokens", "block_table", "positions",
-               "slot_mapping")  # fmt: skip
+               "stop_string", "num_prompt_tokens", "num_draft_tokens", "num_accepted_tokens",
+               "block_table", "positions", "slot_mapping")  # fmt: skip
 
 
 def load_events(path: str) -> list[dict[str, Any]]:

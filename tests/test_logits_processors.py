@@ -251,3 +251,64 @@ def test_a_new_processor_plugs_in_by_its_class_and_one_registration():
 def test_masks_come_first():
     with pytest.raises(ValueError, match="mask"):
         build_logits_processors(2, VOCAB, CPU, [LogitBias, MinTokens])
+
+
+@pytest.mark.parametrize(
+    "cls, params",
+    [
+        (MinTokens, dict(min_tokens=4, stop_token_ids=[5])),
+        (BadWords, dict(bad_words=["x"])),  # the ids are set below
+        (Penalties, dict(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3)),
+        (ThinkingBudget, dict(thinking_token_budget=2)),
+        (LogitBias, dict(logit_bias={3: 1.5})),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else "",
+)
+def test_a_verify_row_is_the_step_after_the_drafts_before_it(cls, params):
+    """Speculative decoding: row j of a verify step (drafts_before = j) gets what a plain
+    step would after the request's output and its first j drafts, for every processor."""
+    prompt, output, drafts = [1, 2], [6, 3], [4, 6, 6]
+    extra = {}
+    if cls is BadWords:
+        extra = dict(bad_words_token_ids=[[6, 6], [4, 6, 2], [3]])
+    if cls is ThinkingBudget:  # the drafts close the span: rejected, it must stay open
+        extra, drafts = dict(reasoning_tag_ids=([1], [5, 0])), [5, 0, 6]
+
+    def proc_after(out):
+        proc = cls(4, VOCAB, CPU)
+        req = NewRow(SamplingParams(max_tokens=16, **params), prompt, out, (7,))
+        for key, value in extra.items():
+            setattr(req.params, key, value)
+        proc.add_request(1, req)
+        return proc
+
+    verify = proc_after(output)
+    tokens = _Tokens({1: (prompt, output)})
+    tokens.token_ids[1, 4:7] = drafts  # written after the row's tokens, not counted in them
+    before = np.arange(len(drafts) + 1)
+    step = tokens.step([1] * len(before), drafts_before=before, req_ids=["a"] * len(before))
+    logits = _logits(1).repeat(len(before), 1)  # one row of logits at every position
+    args = verify.prepare(step)
+    got = logits if args is None else verify.apply(logits.clone(), args)
+    for j in before.tolist():
+        plain = _Tokens({1: (prompt, output + drafts[:j])})
+        want = _apply(proc_after(output + drafts[:j]), logits[j : j + 1], plain.step([1]))
+        assert torch.equal(got[j : j + 1], want), j
+    if cls is not LogitBias:  # the one that does not read the tokens before a position
+        assert not torch.equal(got[0], got[-1])  # the drafts made a difference
+    # the drafts were rejected, row 0 gave token 0: the next step follows the output as if
+    # nothing had been drafted
+    if args is not None:
+        verify.record(args, torch.tensor([0, -1, -1, -1]))
+    after = output + [0]
+    plain = _Tokens({1: (prompt, after)})
+    want = _apply(proc_after(after), logits[:1], plain.step([1]))
+    assert torch.equal(_apply(verify, logits[:1], plain.step([1])), want)
+
+
+def test_penalties_count_only_the_kept_tokens_of_a_verify_step():
+    proc = Penalties(4, VOCAB, CPU)
+    _add(proc, 1, output=[3], frequency_penalty=1.0)
+    args = proc.prepare(_Tokens({1: ([1, 2], [3])}).step([1, 1, 1]))
+    proc.record(args, torch.tensor([4, 5, -1]))  # two kept, the third row past them
+    assert proc.state.output_counts[1].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]

@@ -276,9 +276,12 @@ def test_a_compiling_grammar_is_waited_for_not_polled(monkeypatch):
         check_regex(finished[0].outputs[0].text, "[a-z]{4}")
 
 
-def test_constraint_starts_after_the_thinking(llm):
-    """With a reasoning parser, tokens up to </think> are not the grammar's, and no mask is
-    filled for them; a prompt that closed its thinking starts constrained."""
+THINK, END = 100, 101  # stand-ins for <think> and </think>
+
+
+@pytest.fixture(scope="module")
+def regex_ab(llm):
+    """(a factory of requests constrained to "ab" after a thinking span, backend, a, b)."""
     from concurrent.futures import Future
 
     from pagellm.structured_output.backend import XgrammarBackend, tokenizer_info
@@ -287,16 +290,25 @@ def test_constraint_starts_after_the_thinking(llm):
     tokenizer = llm.get_tokenizer()
     backend = XgrammarBackend(tokenizer_info(tokenizer, 49152, [tokenizer.eos_token_id]))
     params = _constrained(regex="ab")
-    think, end = 100, 101  # stand-ins for <think> and </think>
-    a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+    compiled = backend.compile(params.key())
 
     def request(prompt: list[int]) -> StructuredOutputRequest:
         future: Future = Future()
-        future.set_result((backend.compile(params.key()), (think, end)))
+        future.set_result((compiled, (THINK, END)))
         so = StructuredOutputRequest(params, future, prompt)
         assert so.poll()
         return so
 
+    a, b = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
+    return request, backend, a, b
+
+
+def test_constraint_starts_after_the_thinking(llm, regex_ab):
+    """With a reasoning parser, tokens up to </think> are not the grammar's, and no mask is
+    filled for them; a prompt that closed its thinking starts constrained."""
+    request, _, a, b = regex_ab
+    tokenizer = llm.get_tokenizer()
+    think, end = THINK, END
     thinking = request([1, 2, think])
     assert not thinking.constrains_next
     for token in (5, 6, b, end):  # b would be refused by the grammar: it is thinking
@@ -306,6 +318,31 @@ def test_constraint_starts_after_the_thinking(llm):
     assert thinking.accept(tokenizer.eos_token_id)  # the grammar has terminated
     closed = request([1, think, 7, end, 3])
     assert closed.constrains_next and not closed.accept(a)
+
+
+def test_drafts_get_a_mask_at_each_constrained_position_and_are_rolled_back(llm, regex_ab):
+    """Speculative decoding: a verify step masks the position after each draft the grammar
+    takes (none inside the thinking, none past the end), drafts after a refused one are
+    dropped, and the matcher is left as it was."""
+    request, backend, a, b = regex_ab
+    eos = llm.get_tokenizer().eos_token_id
+    so = request([1, 2, THINK])
+    bitmask = backend.allocate_bitmask(8)
+    drafts = [5, END, a, b, eos, 7]
+    assert so.fill_positions(bitmask, 0, drafts) == [2, 3, 4]  # after </think>, a, b
+
+    def allows(row: int, token: int) -> bool:
+        return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+    assert allows(0, a) and not allows(0, b)
+    assert allows(1, b) and not allows(1, a)
+    assert allows(2, eos) and not allows(2, a)
+    assert so.valid_drafts(drafts) == drafts[:5]  # nothing after the grammar's end
+    assert so.valid_drafts([END, b, a]) == [END]  # b refused: what follows would be rejected
+    assert so.num_matched == 0 and not so.constrains_next  # still thinking
+    for token in (END, a, b):
+        assert not so.accept(token)
+    assert so.accept(eos)
 
 
 def test_chat_passes_tools_and_template_kwargs(llm):

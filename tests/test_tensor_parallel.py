@@ -4,8 +4,9 @@
   MLP columns, vocabulary rows; KV heads replicated when fewer than ranks), from
   safetensors, GGUF and random weights, built in this process as each rank would.
 - tensor_parallel_size=2 gives the same greedy token ids as 1, with chunked prefill, prefix
-  cache hits and preemptions in the batch (async scheduling: the server test and the Ray
-  test, `test_tensor_parallel_ray.py`).
+  cache hits and preemptions in the batch, and ngram drafts verified (rank 0's tokens sent
+  to every rank); without drafts, with async scheduling: the server test and the Ray test
+  (`test_tensor_parallel_ray.py`).
 - The embedded SmolLM2 (9 heads, 3 KV heads) cannot be split in 2: a clear ValueError.
 - A killed worker: EngineDeadError at once, no process or socket file left behind.
 - `pagellm serve -tp 2` answers as the one-rank engine does.
@@ -25,7 +26,8 @@ import httpx
 import pytest
 import torch
 from conftest import PROMPTS
-from model_utils import load_our_model, make_tiny_hf_model, write_tiny_gguf
+from draft_prompts import looping_prompt
+from model_utils import hf_model, load_our_model, make_tiny_hf_model, write_tiny_gguf
 from timing import scaled, slowdown, wait_until
 
 from pagellm import LLM, EngineArgs, SamplingParams, StructuredOutputsParams
@@ -40,6 +42,8 @@ TOKEN_PROMPTS = [SHARED + [5 + i, 17, 33, 99, 200 + i, 7] * (i + 1) for i in ran
 # batch's ~100-token requests at once: preemptions
 STRESS = dict(max_num_batched_tokens=24, num_gpu_blocks_override=12)
 SMALL_KV = 1 << 22
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
@@ -192,6 +196,7 @@ def llama_tp2(tiny_llama):
         max_model_len=256,
         tensor_parallel_size=2,
         kv_cache_memory_bytes=SMALL_KV,
+        speculative_config=NGRAM,
         **STRESS,
     )
     llm.worker_dirs = _worker_dirs() - before  # the executor's socket directory
@@ -230,6 +235,11 @@ def test_two_ranks_same_tokens_as_one(llama_tp2, tiny_llama, monkeypatch):
     assert [r["rank"] for r in ranks] == [0, 1]
     assert len({r["pid"] for r in ranks}) == 2 and os.getpid() not in {r["pid"] for r in ranks}
     assert all(r["num_kv_heads"] == 1 for r in ranks)  # 2 KV heads, one per rank
+    # drafts verified over two ranks: a prompt that loops, whose drafts are often right
+    prompt, want = looping_prompt(hf_model(tiny_llama))
+    (out,) = llama_tp2.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == want
+    assert 3 <= out.metrics.num_accepted_tokens < out.metrics.num_draft_tokens
 
 
 def _two_rank_ids(folder: str) -> list[list[int]]:

@@ -292,3 +292,22 @@ def test_the_span_decides_as_a_rereading_would_with_the_last_token_unknown(start
             assert runner.next_forced(seen) == want, (trial, prompt, output[:m], seen)
         if budget > 0:
             assert waits <= len(end), (prompt, output, budget)
+
+
+@pytest.mark.parametrize("start, end", TAGS)
+def test_drafts_after_the_known_tokens_are_looked_at_never_taken_in(start, end):
+    """A verify step asks for the token forced after the known output and each draft; the
+    drafts may be rejected, so the span must decide later as if it had never seen them."""
+    rng = random.Random(1)
+    alphabet = [0, 1, 2, 3, 4, 5]
+    for trial in range(300):
+        budget = rng.choice([0, 1, 2, 4])
+        prompt = rng.choice([[0, 0], [0, *start], [*start, 0, *end]])
+        output = [rng.choice(alphabet) for _ in range(rng.randint(0, 10))]
+        span = ThinkingSpan(budget, start, end, prompt)
+        for m in range(len(output) + 1):
+            drafts = [rng.choice(alphabet) for _ in range(rng.randint(0, 4))]
+            for j in range(len(drafts) + 1):  # the verify rows of a step after output[:m]
+                ahead = [*output[:m], *drafts[:j]]
+                want = _reference(prompt, ahead, budget, start, end)
+                assert span.next_forced(ahead, m) == want, (trial, output[:m], drafts[:j])

@@ -243,3 +243,46 @@ def test_a_preemption_is_reported(tmp_path, monkeypatch):
     preempted = {e["args"]["request_id"] for e in events if e["name"] == "preempted"}
     scheduled = [e for e in events if e["name"] == "schedule" and e["args"].get("preempted")]
     assert preempted and preempted == {r for e in scheduled for r in e["args"]["preempted"]}
+
+
+def test_speculative_decoding_shows_drafts_and_accepted_drafts(tmp_path, capsys):
+    """ngram drafts on a tiny Llama (its prompt starts with the model's greedy continuation
+    of it: the first drafts are accepted, later ones mostly not): each verify step's drafts
+    when scheduled, its accepted drafts when back, and the request's totals at its end."""
+    from draft_prompts import self_drafting_prompt
+    from model_utils import hf_model, make_tiny_hf_model
+
+    folder = make_tiny_hf_model("llama", tmp_path, vocab_size=64)
+    prompt = self_drafting_prompt(hf_model(folder))
+    path = str(tmp_path / "spec.json")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "adaptive": False}  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(model=folder, dtype="float32", speculative_config=spec, trace=path) as llm:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    drafted, accepted = out.metrics.num_draft_tokens, out.metrics.num_accepted_tokens
+    assert 0 < accepted < drafted
+    events = load_events(path)
+    mine = request_events(events, out.request_id)
+    verifies = [
+        e["args"] for e in mine if e["name"] == "schedule" and "num_draft_tokens" in e["args"]
+    ]
+    assert all(s["num_tokens"] == 1 + s["num_draft_tokens"] for s in verifies)
+    assert sum(s["num_draft_tokens"] for s in verifies) == drafted
+    steps = [e["args"] for e in events if e["name"] == "schedule" and e["tid"] == 0]
+    assert sum(s.get("num_draft_tokens", 0) for s in steps) == drafted
+    updates = [e["args"] for e in mine if e["name"] == "update_from_output"]
+    verified = [u for u in updates if "num_draft_tokens" in u]
+    assert [u["num_draft_tokens"] for u in verified] == [s["num_draft_tokens"] for s in verifies]
+    assert sum(u["num_accepted_tokens"] for u in verified) == accepted
+    for u in verified:  # the accepted drafts and one token more (max_tokens may cut it)
+        assert len(u["new_token_ids"]) == u["num_accepted_tokens"] + 1 or u["finished"]
+    end = mine[-1]
+    assert end["name"] == "request_output" and end["args"]["finished"]
+    assert (end["args"]["num_draft_tokens"], end["args"]["num_accepted_tokens"]) == (
+        drafted,
+        accepted,
+    )
+    assert cli_main(["trace", "summarize", path]) == 0
+    text = capsys.readouterr().out
+    assert f"num_draft_tokens={drafted}, num_accepted_tokens={accepted}" in text

@@ -26,12 +26,16 @@ def drafts_in_step(request: Request, num_new: int) -> list[int]:
 
 def take_proposal(request: Request, proposals: dict[str, list[int]] | None) -> None:
     """The runner's drafts for the request's next step, where they can be used: not for a
-    grammar (its matcher follows accepted tokens only), nor for a request with a step in
-    flight (async scheduling: they follow a token now behind it)."""
+    request with a step in flight (async scheduling: they follow a token now behind it); a
+    grammar's request keeps those up to the first one its grammar refuses."""
     if not proposals or request.is_finished or request.num_output_placeholders:
         return
-    if request.structured_output is None:
-        request.spec_token_ids = proposals.get(request.request_id, [])
+    drafts = proposals.get(request.request_id, [])
+    grammar = request.structured_output
+    if drafts and grammar is not None and grammar.matcher is not None:
+        grammar.sync(request.output_token_ids)
+        drafts = grammar.valid_drafts(drafts)
+    request.spec_token_ids = drafts
 
 
 class SpecDecodeStats:

@@ -121,7 +121,8 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.monotonic())
         scheduler_output = self._schedule(idle=True)
         waiting = self.structured_output.sampling_requests(scheduler_output)
-        grammar = self.structured_output.grammar_bitmask(waiting) if waiting else None
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        grammar = self.structured_output.grammar_bitmask(waiting, drafts) if waiting else None
         start = self.tracer.execute_start() if self.tracer is not None else None
         runner_output = self.model_executor.execute_model(scheduler_output, grammar)
         if self.tracer is not None:
@@ -172,7 +173,9 @@ class EngineCore:
         executor = self.model_executor
         forwarded = executor.forward_async(scheduler_output)
         outputs = self._report(previous) if previous is not None else None
-        queued = executor.sample_async(forwarded, self.structured_output.grammar_bitmask(waiting))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        grammar = self.structured_output.grammar_bitmask(waiting, drafts)
+        queued = executor.sample_async(forwarded, grammar)
         return queued, outputs
 
     def _report(self, step: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:

@@ -236,7 +236,8 @@ class OutputProcessor:
                 reqs_to_abort.append(out.request_id)
         output = self._make_request_output(state, finish_reason, stop_reason)
         if self.tracer is not None:
-            self.tracer.request_output(state.request_id, finish_reason is not None, output)
+            finished = finish_reason is not None
+            self.tracer.request_output(state.request_id, finished, output, state.metrics)
         return output
 
     def _fail(self, state: RequestState, error: str, errors: list[str]) -> None:

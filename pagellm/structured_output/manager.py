@@ -177,27 +177,40 @@ class StructuredOutputManager:
     def sampling_requests(self, sched: SchedulerOutput) -> list[Request]:
         """The requests of `sched` that sample and need their last token on the host first."""
         scheduled = sched.num_scheduled_tokens
+        drafts = sched.scheduled_spec_decode_tokens
         waiting = []
         if self.live:
             self.live = {rid: r for rid, r in self.live.items() if not r.is_finished}
-            waiting = [r for rid, r in self.live.items() if rid in scheduled and self._samples(r)]
+            waiting = [
+                r
+                for rid, r in self.live.items()
+                if rid in scheduled and self._samples(r, len(drafts.get(rid, ())))
+            ]
         if self.budgets:
             self.budgets = {rid: b for rid, b in self.budgets.items() if not b[0].is_finished}
             for rid, (r, span) in self.budgets.items():
-                if rid in scheduled and rid not in self.live and self._samples(r):
+                if (
+                    rid in scheduled
+                    and rid not in self.live
+                    and self._samples(r, len(drafts.get(rid, ())))
+                ):
                     unknown = r.num_output_placeholders - self.placeholder
                     if span.must_see_last_token(r.output_token_ids, unknown):
                         waiting.append(r)
         return waiting
 
-    def _samples(self, request: Request) -> bool:
-        """Whether the step just scheduled brings the request to the end of its tokens."""
+    def _samples(self, request: Request, num_drafts: int = 0) -> bool:
+        """Whether the step just scheduled brings the request to the end of its tokens (and
+        of the `num_drafts` drafts it verifies)."""
         end = request.num_tokens + request.num_output_placeholders - self.placeholder
-        return request.num_computed_tokens == end
+        return request.num_computed_tokens == end + num_drafts
 
-    def grammar_bitmask(self, requests: list[Request]) -> GrammarBitmask | None:
+    def grammar_bitmask(
+        self, requests: list[Request], drafts: dict[str, list[int]] | None = None
+    ) -> GrammarBitmask | None:
         """One row per request whose next token the grammar constrains (its last token must be
-        on the host, in `output_token_ids`); None when no row restricts anything."""
+        on the host, in `output_token_ids`), and in a verify step one for each position after
+        its `drafts` that the grammar constrains; None when no row restricts anything."""
         requests = [
             r
             for r in requests
@@ -207,20 +220,26 @@ class StructuredOutputManager:
         ]
         if not requests:  # bad words, thinking budgets: no grammar, no backend
             return None
-        bitmask = self._bitmask_buffer()
+        drafts = drafts or {}
+        num_rows = len(requests) + sum(len(drafts.get(r.request_id, ())) for r in requests)
+        bitmask = self._bitmask_buffer(num_rows)
         req_ids: list[str] = []
+        drafts_before: list[int] = []
         for request in requests:
             so = request.structured_output
             so.sync(request.output_token_ids)
-            if so.constrains_next and so.fill(bitmask, len(req_ids)):
+            for j in so.fill_positions(bitmask, len(req_ids), drafts.get(request.request_id, [])):
                 req_ids.append(request.request_id)
+                drafts_before.append(j)
         if not req_ids:
             return None
-        return GrammarBitmask(req_ids, bitmask[: len(req_ids)].numpy())
+        rows = bitmask[: len(req_ids)].numpy()
+        return GrammarBitmask(req_ids, rows, drafts_before if any(drafts_before) else [])
 
-    def _bitmask_buffer(self) -> torch.Tensor:
-        if self._bitmask is None:
-            self._bitmask = self._get_backend().allocate_bitmask(self.max_num_seqs)
+    def _bitmask_buffer(self, num_rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            rows = max(num_rows, self.max_num_seqs)
+            self._bitmask = self._get_backend().allocate_bitmask(rows)
         return self._bitmask
 
     def shutdown(self) -> None:

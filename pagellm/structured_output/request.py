@@ -3,7 +3,9 @@
 Invariant: the matcher has seen exactly the request's first `num_seen` output tokens, and
 before a bitmask is filled `sync()` brings `num_seen` to the number of output tokens (tokens
 are never taken back today, preemption keeps them; a rollback or a replay covers the case).
-With a reasoning parser, tokens up to the end of the thinking are not the grammar's.
+With a reasoning parser, tokens up to the end of the thinking are not the grammar's. Drafts
+(speculative decoding) are followed only to fill their positions' masks and rolled back:
+the matcher takes a token for good once it is accepted.
 """
 
 from __future__ import annotations
@@ -157,6 +159,53 @@ class StructuredOutputRequest:
         restricts = self.matcher.fill_next_token_bitmask(bitmask, row)
         self._charge(start, "mask the next token")
         return restricts
+
+    # ---- drafts (speculative decoding): followed for a moment, never for good ----------
+
+    def fill_positions(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> list[int]:
+        """A verify step's masks, from `bitmask[row]` on: one for the next token and one
+        after each draft the grammar takes (a draft it refuses is rejected by its position's
+        mask, so the positions after it need none). The positions filled, as the number of
+        drafts before each; rows where every token is allowed are not kept."""
+        filled: list[int] = []
+
+        def at(j: int) -> None:
+            if self.fill(bitmask, row + len(filled)):
+                filled.append(j)
+
+        self._walk(drafts, at)
+        return filled
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the grammar refuses (the rest would be rejected)."""
+        return drafts[: self._walk(drafts)]
+
+    def _walk(self, drafts: list[int], at: Callable[[int], None] | None = None) -> int:
+        """Follow `drafts` after the tokens seen, calling `at(j)` at each position j the
+        grammar constrains; the matcher is rolled back after. How many drafts it took."""
+        ended, taken, j = self.reasoning_ended, 0, 0
+        try:
+            for j in range(len(drafts) + 1):
+                constrained = ended and not self.matcher.is_terminated()
+                if at is not None and constrained:
+                    at(j)
+                if j == len(drafts):
+                    break
+                if not ended:
+                    ended = drafts[j] == self.reasoning_end_id
+                    continue
+                if not constrained:
+                    break
+                start = time.thread_time()
+                accepted = self.matcher.accept_token(drafts[j])
+                self._charge(start, "accept a token")
+                if not accepted:
+                    break
+                taken += 1
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+        return j
 
 
 def _closed(token_ids: list[int] | None, start_id: int, end_id: int) -> bool:

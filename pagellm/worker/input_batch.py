@@ -108,11 +108,6 @@ class InputBatch:
             proc.remove_request(row)
         self._free_rows.append(row)
 
-    def allows_drafts(self, row: int) -> bool:
-        """Whether the request in `row` may verify drafts: none of its logits processors
-        depends on the tokens before a position (penalties, bad words, min_tokens, ...)."""
-        return all(proc.allows_drafts(row) for proc in self.processors)
-
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
         self.block_table[row, start : start + len(block_ids)] = block_ids
@@ -124,8 +119,10 @@ class InputBatch:
         device: torch.device,
         req_ids: list[str] | None = None,
         grammar: GrammarBitmask | None = None,
+        drafts_before: np.ndarray | None = None,
     ) -> SamplingMetadata:
-        """The step's settings for `rows` [S] (its requests `req_ids`, masked by `grammar`)."""
+        """The step's settings for `rows` [S] (its requests `req_ids`, masked by `grammar`;
+        `drafts_before` [S] in a verify step: the drafts before each row's position)."""
         temperature = self.temperature[rows]
         greedy = temperature < 1e-5
         top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
@@ -142,20 +139,22 @@ class InputBatch:
                 else {}
             ),
             max_num_logprobs=self._max_num_logprobs(rows),
-            processors=self._processors(rows, device, req_ids, grammar),
+            processors=self._processors(
+                SamplingStep(
+                    rows,
+                    self.token_ids,
+                    self.num_tokens,
+                    self.num_prompt_tokens,
+                    device,
+                    req_ids,
+                    grammar,
+                    drafts_before,
+                )  # fmt: skip
+            ),
         )
 
-    def _processors(
-        self,
-        rows: np.ndarray,
-        device: torch.device,
-        req_ids: list[str] | None,
-        grammar: GrammarBitmask | None,
-    ) -> list[tuple[LogitsProcessor, object]]:
+    def _processors(self, step: SamplingStep) -> list[tuple[LogitsProcessor, object]]:
         """The logits processors with work this step and their arguments (most steps: none)."""
-        step = SamplingStep(
-            rows, self.token_ids, self.num_tokens, self.num_prompt_tokens, device, req_ids, grammar
-        )
         active = []
         for proc in self.processors:
             args = proc.prepare(step)

@@ -7,8 +7,9 @@ after its tokens (not counted in them). The forward computes all of them as it c
 prefill chunk; the logits of the last 1 + k positions go to the rejection sampler
 (`pagellm/sample/rejection_sampler.py`), which returns the accepted drafts and one token
 more. Once those are on the host the proposer drafts again for every request that sampled,
-as many drafts as `AdaptiveDrafts` gives it (none for a request whose logits processors
-depend on the tokens before a position: penalties, bad words, min_tokens, a thinking budget).
+as many drafts as `AdaptiveDrafts` gives it. The logits processors see each verify row
+at its position (the drafts before it: `SamplingStep.drafts_before`), so penalties, bad
+words, min_tokens, a thinking budget and a grammar's masks hold at every position.
 """
 
 from __future__ import annotations
@@ -121,15 +122,16 @@ class SpecDecoder:
         logits = runner.model.compute_logits(hidden[to_device(index, device)])
         flat_rows = np.repeat(rows, ks + 1)
         req_ids = [batch.req_ids[i] for i in np.repeat(sample_idx, ks + 1).tolist()]
-        meta = ib.sampling_metadata(flat_rows, device, req_ids, grammar)
+        drafts_before = within if self.drafted_rows else None
+        meta = ib.sampling_metadata(flat_rows, device, req_ids, grammar, drafts_before)
         if meta.generators:  # seeded: each token drawn by its position's generator
             seeds = {i: ib.params[flat_rows[i]].seed for i in meta.generators}
             meta.generators = position_generators(seeds, ib.num_tokens[flat_rows] + within, device)
         draft_ids = ib.token_ids[flat_rows, ib.num_tokens[flat_rows] + within]
         draft_ids[within == np.repeat(ks, ks + 1)] = -1  # a request's last row: no draft
         tokens, result = verify(logits, meta, to_device(draft_ids, device), layout)
-        if meta.processors:
-            meta.record(result.sampled)
+        if meta.processors:  # the tokens kept, in the flat rows' order (-1: a row not kept)
+            meta.record(tokens[to_device(layout.valid, device)])
         if get_tp_group().size > 1:
             broadcast_from_rank0(tokens)  # every rank appends the same tokens
         result.sampled = tokens  # [S, K + 1]: what the host reads back; logprobs per row
@@ -177,8 +179,6 @@ class SpecDecoder:
         ib = self.runner.input_batch
         wanted = []
         for req_id, row, n in held:
-            if not ib.allows_drafts(row):
-                continue
             k = self.adaptive.num_drafts(req_id)
             if k > 0:
                 tokens = ib.token_ids[row, :n]

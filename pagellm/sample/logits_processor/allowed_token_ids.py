@@ -14,8 +14,6 @@ from pagellm.sample.logits_processor.interface import (
 
 
 class AllowedTokenIds(LogitsProcessor):
-    position_independent = True  # drafts verified with it
-
     def row_settings(self, req: NewRow) -> list[int] | None:
         return req.params.allowed_token_ids or None
 

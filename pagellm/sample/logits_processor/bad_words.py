@@ -1,6 +1,7 @@
 """bad_words: a bad word's last token is banned where the output so far ends with the rest
 of it (the words as token id sequences: `SamplingParams.bad_words_token_ids`, filled by the
-input processor). The output's last token must be on the host: the engine waits for it."""
+input processor). The output's last token must be on the host: the engine waits for it.
+In a verify step a position's output so far takes in the drafts before it."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ class BadWords(LogitsProcessor):
         if not self.rows:
             return None
         bans = []
+        ends = step.ends().tolist()
         for i, row in enumerate(step.rows.tolist()):
             words = self.rows.get(row)
             if words is None:
                 continue
-            start, end = step.num_prompt_tokens[row], step.num_tokens[row]
+            start, end = step.num_prompt_tokens[row], ends[i]
             ids = [
                 seq[-1]
                 for seq in words

@@ -1,7 +1,8 @@
 """Structured outputs: tokens a request's grammar does not allow this step go to -inf.
 
 The EngineCore fills the step's bitmask rows (`structured_output/manager.py`); they reach
-the runner with the step, not with the request, so no row is kept here.
+the runner with the step, not with the request, so no row is kept here. In a verify step a
+request has a mask for each position its grammar constrains, keyed by the drafts before it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from pagellm.structured_output.bitmask import GrammarBitmask, apply_grammar_bitm
 class GrammarMask(LogitsProcessor):
     masks = True
 
-    def prepare(self, step: SamplingStep) -> tuple[list[str], GrammarBitmask] | None:
+    def prepare(self, step: SamplingStep) -> tuple[list[tuple[str, int]], GrammarBitmask] | None:
+        """(each logits row's request and drafts before its position, the step's masks)."""
         if step.grammar is None:
             return None
-        return step.req_ids, step.grammar
+        before = [0] * len(step.rows) if step.drafts_before is None else step.drafts_before.tolist()
+        return list(zip(step.req_ids, before)), step.grammar
 
-    def apply(self, logits: torch.Tensor, args: tuple[list[str], GrammarBitmask]) -> torch.Tensor:
-        req_ids, grammar = args
-        apply_grammar_bitmask(logits, req_ids, grammar)
+    def apply(self, logits: torch.Tensor, args: tuple[list, GrammarBitmask]) -> torch.Tensor:
+        keys, grammar = args
+        apply_grammar_bitmask(logits, keys, grammar)
         return logits

@@ -14,6 +14,10 @@ logits, in the registry's order (`pagellm/sample/logits_processor/__init__.py`):
 
 Invariants: `prepare` makes no device sync (host values go over with `to_device`); logits
 row i is the request in `step.rows[i]`; values a processor leaves alone stay bit for bit.
+A step that verifies drafts (speculative decoding) has several logits rows of one request,
+one a position: a processor that reads the tokens before a position takes them up to
+`step.ends()[i]` (the row's tokens, then the drafts before that position: `token_ids` holds
+them after the row's tokens).
 """
 
 from __future__ import annotations
@@ -51,6 +55,14 @@ class SamplingStep:
     device: torch.device
     req_ids: list[str] | None = None  # [S] the requests of the logits rows
     grammar: GrammarBitmask | None = None  # this step's structured-output masks
+    # [S] drafts before each logits row's position (a verify step); None: no drafts
+    drafts_before: np.ndarray | None = None
+
+    def ends(self) -> np.ndarray:
+        """[S] how many tokens come before each logits row's position: its row's tokens and,
+        in a verify step, the drafts before it (in `token_ids` after the row's tokens)."""
+        ends = self.num_tokens[self.rows]
+        return ends if self.drafts_before is None else ends + self.drafts_before
 
 
 class LogitsProcessor:
@@ -58,10 +70,6 @@ class LogitsProcessor:
     override `add_request` / `remove_request`) and implement `prepare` and `apply`."""
 
     masks = False  # True: sets logits to -inf in place; the logprobs see it
-    # True: what it does to a row does not depend on the tokens before it, so the rows that
-    # verify drafts (speculative decoding) get it as they are; otherwise its requests get
-    # no drafts
-    position_independent = False
 
     def __init__(self, max_num_reqs: int, vocab_size: int | None, device: torch.device) -> None:
         self.device = device
@@ -81,10 +89,6 @@ class LogitsProcessor:
     def remove_request(self, row: int) -> None:
         self.rows.pop(row, None)
 
-    def allows_drafts(self, row: int) -> bool:
-        """Whether the request in `row` may verify drafts with this processor on."""
-        return self.position_independent or row not in self.rows
-
     def prepare(self, step: SamplingStep) -> Any | None:
         """This step's arguments for `apply`, or None: nothing to do this step."""
         raise NotImplementedError
@@ -94,7 +98,8 @@ class LogitsProcessor:
         raise NotImplementedError
 
     def record(self, args: Any, sampled: torch.Tensor) -> None:
-        """After sampling: `sampled [S]` ids on the device (for state kept on the device)."""
+        """After sampling: `sampled [S]` ids on the device (for state kept on the device);
+        -1 where a verify step's row was not kept (past the request's accepted drafts)."""
 
 
 def ban(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> torch.Tensor:

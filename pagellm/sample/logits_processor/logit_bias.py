@@ -17,8 +17,6 @@ Bias = tuple[list[int], np.ndarray]  # token ids, float32 biases
 
 
 class LogitBias(LogitsProcessor):
-    position_independent = True  # drafts verified with it
-
     def row_settings(self, req: NewRow) -> Bias | None:
         bias = req.params.logit_bias
         if not bias:

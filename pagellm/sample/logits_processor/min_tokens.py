@@ -22,7 +22,7 @@ class MinTokens(LogitsProcessor):
         if not self.rows:
             return None
         rows = step.rows
-        num_outputs = step.num_tokens[rows] - step.num_prompt_tokens[rows]
+        num_outputs = step.ends() - step.num_prompt_tokens[rows]
         bans = []
         for i, row in enumerate(rows.tolist()):
             settings = self.rows.get(row)

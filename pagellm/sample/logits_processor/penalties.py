@@ -12,7 +12,9 @@ applied lives on the device, one row per InputBatch row (`PenaltyState`):
 the output token counts `[rows, vocab]` int32 and the prompt tokens as a `[rows, vocab]` bool
 mask. Sampled ids are counted on the device right after sampling, in stream order, so the
 next step sees them even when the host has not read them back yet (async scheduling). The
-state is allocated when the first request with a penalty arrives.
+state is allocated when the first request with a penalty arrives. A verify step's row also
+counts the drafts before its position (`PenaltyParams.drafts`), and only the tokens kept
+(the accepted drafts and the one after them) are recorded.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ class PenaltyState:
             self.output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def record(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
-        """Count this step's samples: `rows [S]` InputBatch rows, `sampled [S]` ids (device)."""
-        ones = torch.ones_like(sampled, dtype=torch.int32)
-        self.output_counts.index_put_((rows, sampled), ones, accumulate=True)
+        """Count this step's samples: `rows [S]` InputBatch rows, `sampled [S]` ids (device;
+        -1 for a verify row not kept: it counts 0)."""
+        kept = (sampled >= 0).to(torch.int32)
+        self.output_counts.index_put_((rows, sampled.clamp(min=0)), kept, accumulate=True)
 
 
 @dataclass
@@ -58,13 +61,19 @@ class PenaltyParams:
     presence: torch.Tensor  # [S] float32, 0 = off
     frequency: torch.Tensor  # [S] float32, 0 = off
     repetition: torch.Tensor  # [S] float32, 1 = off
+    # a verify step: (logits rows, token ids) of the drafts before each row's position,
+    # counted as output (the state holds only the tokens known); None: no drafts
+    drafts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits [S, vocab]` -> float32 logits with the penalties applied, in place where
         they are float32 already (neutral values change nothing: x / 1, x * 1 and x - 0 are
         exact)."""
         logits = logits.float()
-        counts = self.state.output_counts[self.rows]  # [S, vocab]
+        counts = self.state.output_counts[self.rows]  # [S, vocab], a copy
+        if self.drafts is not None:
+            rows, token_ids = self.drafts
+            counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.int32), True)
         in_output = counts > 0
         seen = in_output | self.state.prompt_mask[self.rows]
         r = self.repetition.unsqueeze(1)
@@ -123,6 +132,7 @@ class Penalties(LogitsProcessor):
             presence=to_device(presence, device),
             frequency=to_device(frequency, device),
             repetition=to_device(repetition, device),
+            drafts=_drafts_before(step, used, device),
         )
 
     def neutral(self, num_rows: int) -> PenaltyParams:
@@ -136,3 +146,21 @@ class Penalties(LogitsProcessor):
 
     def record(self, args: PenaltyParams, sampled: torch.Tensor) -> None:
         args.record(sampled)  # counted on the device: the next step sees them
+
+
+def _drafts_before(
+    step: SamplingStep, used: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits rows, token ids): each draft before a penalized row's position, or None."""
+    if step.drafts_before is None:
+        return None
+    counts = np.where(used, step.drafts_before, 0)
+    if not counts.any():
+        return None
+    logits_rows = np.repeat(np.arange(len(counts)), counts)
+    starts = np.repeat(step.num_tokens[step.rows] - np.cumsum(counts) + counts, counts)
+    columns = starts + np.arange(len(logits_rows))  # each row's drafts, left to right
+    token_ids = step.token_ids[np.repeat(step.rows, counts), columns]
+    return to_device(logits_rows.astype(np.int64), device), to_device(
+        token_ids.astype(np.int64), device
+    )

@@ -58,14 +58,18 @@ class ThinkingSpan:
             return DONE, span_start
         return phase, span_start
 
-    def next_forced(self, output: Sequence[int]) -> int | None:
-        """The token forced at output index len(output), or None. The last token is looked at
-        but not taken in: it may be a placeholder the EngineCore decided not to wait for."""
+    def next_forced(self, output: Sequence[int], num_known: int | None = None) -> int | None:
+        """The token forced at output index len(output), or None. Only the first
+        `num_known - 1` tokens are taken in for good (all but the last by default): the last
+        known token may be a placeholder the EngineCore decided not to wait for, and the
+        tokens after the known ones are drafts (a verify step) that may be rejected."""
         num_outputs = len(output)
-        self.follow(output, num_outputs - 1)
+        self.follow(output, (num_outputs if num_known is None else num_known) - 1)
         phase, span_start = self.phase, self.span_start
-        if num_outputs > self.num_seen and phase != DONE:
-            phase, span_start = self._after(phase, span_start, output, num_outputs)
+        for stop in range(self.num_seen + 1, num_outputs + 1):
+            if phase == DONE:
+                break
+            phase, span_start = self._after(phase, span_start, output, stop)
         if phase != THINKING:
             return None
         k = num_outputs - span_start - self.budget  # how much of the end tag is in
@@ -123,12 +127,14 @@ class ThinkingBudget(LogitsProcessor):
         if not self.rows:
             return None
         rows, token_ids = [], []
+        ends = step.ends().tolist()
         for i, row in enumerate(step.rows.tolist()):
             span = self.rows.get(row)
             if span is None or span.phase == DONE:
                 continue
-            output = step.token_ids[row, step.num_prompt_tokens[row] : step.num_tokens[row]]
-            token = span.next_forced(output)
+            start = step.num_prompt_tokens[row]
+            output = step.token_ids[row, start : ends[i]]  # with a verify step's drafts
+            token = span.next_forced(output, step.num_tokens[row] - start)
             if token is not None:
                 rows.append(i)
                 token_ids.append(token)
