@@ -64,6 +64,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     pooling = next((m for m in modules if _kind(m) == _POOLING), None)
     encoder = is_encoder_architecture(arch)
     default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
+    if getattr(hf_config, "classifier_pooling", None) in ("cls", "mean"):  # ModernBERT's
+        default_type = hf_config.classifier_pooling.upper()
     if is_classifier(arch):
         return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
                             num_labels=num_labels(hf_config), encoder=encoder)  # fmt: skip

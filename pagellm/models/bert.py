@@ -26,7 +26,7 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.weights import load_packed_weights
 from pagellm.models.pooling import num_labels
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -72,7 +72,7 @@ class EncoderLayer(nn.Module):
         self.intermediate = nn.Module()
         self.intermediate.dense = Linear(config.hidden_size, config.intermediate_size)
         self.output = DenseNorm(config.intermediate_size, config.hidden_size, eps)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
         attn = self.attention.output(self.attention.self(x, layout), x)
@@ -105,6 +105,14 @@ class PaddedLayout:
         self.index = torch.from_numpy(flat).to(device)  # [R, L] flat token of each slot
         self.valid = torch.from_numpy(valid.reshape(-1)).to(device)  # [R * L]
         self.mask = torch.from_numpy(valid).to(device)[:, None, None, :]  # [R, 1, 1, L] keys
+
+    def band_mask(self, window: int) -> torch.Tensor:
+        """[R, 1, L, L]: a valid key within `window` positions of its query, either side (a
+        padding query row sees every valid key, so that no row is empty)."""
+        positions = torch.arange(self.shape[1], device=self.mask.device)
+        band = (positions[:, None] - positions[None, :]).abs() <= window  # [L, L]
+        padded_query = ~self.mask.transpose(-1, -2)  # [R, 1, L, 1]
+        return self.mask & (band | padded_query)
 
     def pad(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         r, length = self.shape

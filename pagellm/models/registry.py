@@ -46,6 +46,8 @@ _ENCODERS = {
     "BertForSequenceClassification": "BertForSequenceClassification",
     "XLMRobertaModel": "XLMRobertaEmbeddingModel",
     "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+    "ModernBertModel": "ModernBertEmbeddingModel",
+    "ModernBertForSequenceClassification": "ModernBertForSequenceClassification",
 }
 
 
@@ -77,7 +79,8 @@ def get_model_cls(architecture: str, runner: str = "generate") -> type[nn.Module
     family's decoder without the LM head (`models/pooling.py`)."""
     check_architecture(architecture)
     if architecture in _ENCODERS:
-        return getattr(importlib.import_module("pagellm.models.bert"), _ENCODERS[architecture])
+        module = "modernbert" if architecture.startswith("ModernBert") else "bert"
+        return getattr(importlib.import_module(f"pagellm.models.{module}"), _ENCODERS[architecture])
     causal = _POOLING_MODELS.get(architecture, architecture)
     module_name, cls_name = _MODELS[causal]
     cls = getattr(importlib.import_module(f"pagellm.models.{module_name}"), cls_name)
