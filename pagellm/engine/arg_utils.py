@@ -95,9 +95,10 @@ class EngineArgs:
     # vLLM's keys (method, num_speculative_tokens, prompt_lookup_min/max, model, ...), as a
     # dict or its JSON text; None: no speculative decoding (pagellm/spec_decode/)
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
-    # auto | generate | pooling (embedding, classification and scoring: LLM.embed, ...);
-    # auto: pooling for a classifier, an LM-head-less checkpoint or sentence-transformers files
+    # auto | generate | pooling (LLM.embed, ...); auto: pooling for a classifier, an
+    # LM-head-less checkpoint or sentence-transformers files (loader/pooler_config.py)
     runner: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None  # HF config attributes replaced (or JSON)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -192,6 +193,7 @@ class EngineArgs:
         # imported here: the CLI builds its flags from EngineArgs without them
         from pagellm import loader
         from pagellm.layers.rope import long_rope
+        from pagellm.loader.hf_config import with_hf_overrides
         from pagellm.loader.pooler_config import load_pooler_config, resolve_runner
         from pagellm.models.registry import check_architecture
 
@@ -204,7 +206,7 @@ class EngineArgs:
                 download_dir=self.download_dir,
                 tokenizer_revision=self.tokenizer_revision,
             )
-        hf_config = loader.load_hf_config(source)
+        hf_config = with_hf_overrides(loader.load_hf_config(source), self.hf_overrides, source)
         hf_config = with_dummy_quantization(hf_config, self.quantization, source.kind)
         check_architecture(architecture_of(hf_config))
         generation = loader.load_generation_config(source, hf_config, self.generation_config)
