@@ -87,6 +87,8 @@ def test_truncation_keeps_the_first_tokens_of_a_text(llm, st_model):
     finally:
         st_model.max_seq_length = 64
     close(out.outputs.embedding, reference)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens \\(17\\) is more than"):
+        llm.embed(long_text, use_tqdm=False, truncate_prompt_tokens=17)
     (whole,) = llm.embed(long_text, use_tqdm=False, truncate_prompt_tokens=-1)
     assert len(whole.prompt_token_ids) == 16
 

@@ -106,6 +106,11 @@ class InputProcessor:
                                 pc.matryoshka_dimensions, mc.model)  # fmt: skip
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
+        if keep is not None and keep > mc.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is more than the maximum model length "
+                f"({mc.max_model_len}): pass at most that, or -1"
+            )
         text, token_ids = self._tokenize(prompt, keep)
         if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
             token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
