@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.structured_output.params import StructuredOutputsParams
 
@@ -21,6 +29,11 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "RequestOutputKind",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
 ]
 
 

@@ -46,6 +46,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 help='speculative decoding, e.g. \'{"method": "ngram"}\' (vLLM\'s keys)',
             )  # fmt: skip
             continue
+        if f.name == "hf_overrides":  # vLLM's: a JSON object
+            group.add_argument(
+                "--hf-overrides", default=None, metavar="JSON",
+                help="HF config attributes replaced, e.g. '{\"architectures\": [...]}'",
+            )  # fmt: skip
+            continue
         flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, [])]
         hint = hints[f.name]
         if bool in (hint, _scalar_type(hint)):  # bool, or bool | None (None: automatic)

@@ -1,8 +1,11 @@
-"""RequestOutput and CompletionOutput: what LLM.generate() returns, with vLLM's fields."""
+"""RequestOutput and CompletionOutput: what LLM.generate() returns, with vLLM's fields; the
+pooling outputs (`PoolingRequestOutput`, `EmbeddingRequestOutput`, ...) of LLM.embed / classify /
+score."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -69,3 +72,86 @@ class RequestOutput:
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
             f"outputs={self.outputs!r}, finished={self.finished})"
         )
+
+
+# ---- pooling models: LLM.encode / embed / classify / score (vLLM's shapes) ------------------
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor [n]: an embedding, or a classifier's probabilities / logits
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: Any  # PoolingOutput, or the task's own (EmbeddingOutput, ...)
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens from the prefix cache (a decoder's LAST pooling)
+
+    output_cls: ClassVar[Any] = None  # the task's output: EmbeddingOutput, ...
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> Any:
+        """The pooled output of `base` as this task's (vLLM's `from_base`)."""
+        return cls(base.request_id, cls.output_cls.from_base(base.outputs),
+                   base.prompt_token_ids, base.finished, base.prompt,
+                   base.num_cached_tokens)  # fmt: skip
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ClassificationOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ScoringOutput:
+        data = output.data
+        if data.numel() != 1:
+            raise ValueError(f"a score is one value; the model gave {data.numel()}")
+        return cls(float(data.reshape(-1)[0]))
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+    output_cls: ClassVar[Any] = EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+    output_cls: ClassVar[Any] = ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput
+    output_cls: ClassVar[Any] = ScoringOutput

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int]  # the tokenizer's EOS and the generation config's: each ends it
     arrival_time: float
     priority: int = 0  # lower is scheduled first, with scheduling_policy="priority"
+    # a pooling model's request (prefill-only: no sampling; `sampling_params` is a placeholder)
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -51,6 +54,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # speculative decoding: drafts verified for this request this step, and those accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # a pooling request's result (float32 values, native byte order), with its finish
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:

@@ -488,4 +488,75 @@ def save_tiny_tokenizer(folder: Path | str, chat_template: str | None = None) ->
     return str(folder)
 
 
+def st_modules():
+    """sentence-transformers' Transformer, Pooling and Normalize (6.x's module, or 5.x's)."""
+    try:
+        from sentence_transformers.sentence_transformer import modules
+    except ImportError:
+        from sentence_transformers import models as modules
+    return modules
+
+
+def make_st_embedding_model(path: Path | str) -> str:
+    """A tiny random Qwen3Model (no LM head) + word-level tokenizer, saved by
+    sentence-transformers with last-token pooling and Normalize (Qwen3-Embedding's layout)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, Qwen3Config
+
+    path = str(path)
+    config = Qwen3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+        architectures=["Qwen3Model"], pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(path)
+    save_tiny_tokenizer(path)
+    modules = st_modules()
+    pipeline = [modules.Transformer(path), modules.Pooling(64, "lasttoken"), modules.Normalize()]
+    SentenceTransformer(modules=pipeline).save(path)
+    return path
+
+
+def make_bert_cross_encoder(path: Path | str, num_labels: int = 1) -> str:
+    """A tiny random BertForSequenceClassification (a reranker's layout) with a WordPiece
+    tokenizer; weights large enough that attention looks and token types matter."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = save_tiny_wordpiece(path)
+    config = BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128,
+                        max_position_embeddings=64, num_labels=num_labels)  # fmt: skip
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and "LayerNorm" not in name:
+                param.normal_(0, 0.15)
+        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1)
+    model.save_pretrained(path)
+    return path
+
+
+def close(ours, ref, atol: float = 2e-5) -> None:
+    """Two embeddings agree: cosine >= 0.99999 and every value within `atol`."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape
+    cosine = ours @ ref / np.linalg.norm(ours) / np.linalg.norm(ref)
+    assert cosine >= 0.99999
+    assert np.abs(ours - ref).max() <= atol
+
+
+def save_tiny_wordpiece(folder: Path | str) -> str:
+    """A BERT tokenizer (WordPiece; [PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4, then WORDS)
+    saved into `folder`: pairs come as [CLS] a [SEP] b [SEP] with token types 0 / 1."""
+    from transformers import BertTokenizerFast
+
+    vocab = Path(folder) / "vocab.txt"
+    vocab.parent.mkdir(parents=True, exist_ok=True)
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    BertTokenizerFast(str(vocab)).save_pretrained(str(folder))
+    return str(folder)
+
+
 WORDS = "user model hi hello the a cat sat on mat why is sky blue tell me story".split()

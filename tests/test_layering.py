@@ -5,8 +5,8 @@ below it, never above, at the top of the file or inside a function. From the bot
 
     base          utils, envs, logger, cpp_build, kv_cache_dtype, kv_cache_size, tracing,
                   sandbox and sandbox_worker; the data that crosses boundaries: outputs,
-                  sampling_params, structured_output/params, protocol (caller <-> core)
-                  and core/sched_output (scheduler -> runner)
+                  sampling_params, pooling_params, structured_output/params, protocol
+                  (caller <-> core) and core/sched_output (scheduler -> runner)
     config        config/: plain dataclasses (EngineConfig and its parts, HFConfigView)
     kernels       kernels/: Triton and C++ kernels with their Python wrappers, CPU GEMMs
     backends      attention/, distributed/, quantization/ (finds `Linear`s through a slot)
@@ -45,6 +45,7 @@ BASE = (
     "pagellm.sandbox_worker",
     "pagellm.outputs",
     "pagellm.sampling_params",
+    "pagellm.pooling_params",
     "pagellm.structured_output.params",
     "pagellm.protocol",
     "pagellm.core.sched_output",

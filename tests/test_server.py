@@ -301,6 +301,11 @@ def test_unknown_model_is_404(server, client):
     assert "gpt-5" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+    pooling = {"/v1/embeddings": {"input": "x"}, "/classify": {"input": "x"}}
+    pooling["/rerank"] = {"query": "q", "documents": ["d"]}
+    for path, body in pooling.items():
+        error = _error(_post(server, path, body), 404)  # a generative model serves no pooling
+        assert "is a generative model" in error["message"]
 
 
 def test_metrics_names(server):

@@ -54,6 +54,31 @@ class ModelSource:
     load_format: str = "auto"  # hf: "safetensors" or "pt" restrict the weight files read
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """A pooling model's pooling (`runner="pooling"`): read from its sentence-transformers
+    files as vLLM reads them (`pagellm/loader/pooler_config.py`), else vLLM's defaults."""
+
+    task: str = "embed"  # "embed" | "classify" (a *ForSequenceClassification head)
+    pooling_type: str = "LAST"  # LAST | MEAN | CLS: which hidden states make the vector
+    normalize: bool = True  # embeddings L2-normalized by default (a Normalize module)
+    matryoshka: bool = False  # `dimensions` may cut its embeddings
+    matryoshka_dimensions: list[int] | None = None  # the ones it was trained for (None: any)
+    num_labels: int = 0  # a classifier's outputs
+    encoder: bool = False  # attends both ways, no KV cache, each prompt in one step
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        if self.task not in ("embed", "classify"):
+            raise ValueError(f"a pooling model's task is embed or classify, got {self.task!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # what the user named (a path, a shipped config name or the default's file)
@@ -73,6 +98,8 @@ class ModelConfig:
     # a longrope model's original_max_position_embeddings: a request of more tokens is rotated
     # with the long factors throughout (pagellm/layers/rope.py); else None
     long_rope_switch: int | None = None
+    runner: str = "generate"  # "generate" | "pooling" (embedding and classification models)
+    pooler_config: PoolerConfig | None = None  # with runner "pooling"
 
     @property
     def architecture(self) -> str:
@@ -127,6 +154,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step (the token budget)
     max_model_len: int = 2048  # prompt + output tokens of one request
     policy: str = "fcfs"  # the waiting queue's order: fcfs | priority
+    # False (an encoder): a prompt is admitted only when all of it fits the step's budget
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -308,6 +337,7 @@ def _model_to_wire(mc: ModelConfig) -> dict[str, Any]:
         source=dataclasses.asdict(mc.source),
         hf_config=json.loads(mc.hf_config.to_json_string(use_diff=False)),
         dtype=str(mc.dtype).removeprefix("torch."),
+        pooler_config=None if mc.pooler_config is None else dataclasses.asdict(mc.pooler_config),
     )
     return model
 
@@ -319,4 +349,6 @@ def _model_from_wire(wire: dict[str, Any]) -> ModelConfig:
         hf_config=HFConfigView(**model["hf_config"]),
         dtype=getattr(torch, model["dtype"]),
     )
+    if model.get("pooler_config") is not None:
+        model["pooler_config"] = PoolerConfig(**model["pooler_config"])
     return ModelConfig(**model)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import EngineCoreRequest, FinishReason
 from pagellm.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class Request:
         "spec_token_ids",
         "num_draft_tokens",
         "num_accepted_tokens",
+        "pooling_params",
     )
 
     def __init__(
@@ -80,6 +82,7 @@ class Request:
         eos_token_ids: Sequence[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -112,6 +115,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # a pooling request: prefill-only, it finishes with its pooled state after its prompt
+        self.pooling_params = pooling_params
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -122,6 +127,7 @@ class Request:
             req.eos_token_ids,
             req.arrival_time,
             req.priority,
+            req.pooling_params,
         )
 
     @property

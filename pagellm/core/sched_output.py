@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
     eos_token_ids: tuple[int, ...] = ()  # the sampler bans them (and stop ids) before min_tokens
     long_rope: bool = False  # rotated with a longrope model's long factors (its second rows)
+    pooling_params: PoolingParams | None = None  # a pooling request (no sampling)
 
 
 @dataclass
@@ -71,3 +73,5 @@ class ModelRunnerOutput:
     )
     # speculative decoding: req_id -> drafts proposed for its next step (after these tokens)
     spec_token_ids: dict[str, list[int]] | None = None
+    # pooling requests whose prompt this step finished: req_id -> pooled values (float32 bytes)
+    pooler_output: dict[str, bytes] | None = None

@@ -52,7 +52,7 @@ from pagellm.core.sched_output import (
     SchedulerOutput,
 )
 from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step, take_proposal
-from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.chunked_prefill = scheduler_config.enable_chunked_prefill  # False: an encoder's
         self.kv_cache_manager = KVCacheManager(
             cache_config.block_size,
             num_kv_blocks,
@@ -337,6 +338,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         computed_blocks, num_computed = kv.get_computed_blocks(request)
         num_new = self._num_new_tokens(request, num_computed, step)
+        if not self.chunked_prefill and num_computed + num_new < request.num_tokens:
+            return False  # its prompt in one step (the budget holds max_model_len): wait
         lookahead = self._num_lookahead_slots(request, num_computed + num_new)
         if kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
             return False
@@ -353,6 +356,7 @@ class Scheduler:
             num_computed_tokens=num_computed,
             eos_token_ids=request.eos_token_ids,
             long_rope=request.long_rope,
+            pooling_params=request.pooling_params,
         )
         step.new_reqs.append(new_req)
         self._advance(request, num_new, step)
@@ -395,6 +399,8 @@ class Scheduler:
         outputs = self._report_finished_on_arrival()
         if mro.prompt_logprobs:
             gather_prompt_logprobs(self.requests, mro.prompt_logprobs)
+        if mro.pooler_output:
+            outputs += self._finish_pooled(mro.pooler_output)
         for i, (req_id, token_ids) in enumerate(zip(mro.req_ids, mro.sampled_token_ids)):
             request = self.requests.get(req_id)
             # no token: a partial prefill; no request: finished since it was scheduled.
@@ -418,6 +424,22 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         stats = self.make_stats() if self.log_stats else None
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
+
+    def _finish_pooled(self, pooled: dict[str, bytes]) -> list[EngineCoreOutput]:
+        """Pooling requests whose prompt is computed: finished with their vector, blocks freed."""
+        outputs = []
+        for req_id, values in pooled.items():
+            request = self.requests.get(req_id)
+            if request is None:  # aborted since it was scheduled
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._release(request)
+            outputs.append(
+                EngineCoreOutput(req_id, [], finish_reason=FinishReason.STOP,
+                                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                                 pooling_output=values)
+            )  # fmt: skip
+        return outputs
 
     def fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """Finish a request that raised while its tokens were processed; free its blocks."""

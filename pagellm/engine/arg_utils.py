@@ -95,6 +95,10 @@ class EngineArgs:
     # vLLM's keys (method, num_speculative_tokens, prompt_lookup_min/max, model, ...), as a
     # dict or its JSON text; None: no speculative decoding (pagellm/spec_decode/)
     speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
+    # auto | generate | pooling (LLM.embed, ...); auto: pooling for a classifier, an
+    # LM-head-less checkpoint or sentence-transformers files (loader/pooler_config.py)
+    runner: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None  # HF config attributes replaced (or JSON)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -147,6 +151,12 @@ class EngineArgs:
             max_model_len=max_len,
             policy=self.scheduling_policy,
         )
+        if model_config.runner == "pooling":
+            from pagellm.loader.pooler_config import pooling_configs
+
+            cache_config, scheduler_config = pooling_configs(
+                model_config, cache_config, scheduler_config, speculative_config
+            )
         parallel_config = self._parallel_config(model_config, device)
         return EngineConfig(
             model_config=model_config,
@@ -183,6 +193,8 @@ class EngineArgs:
         # imported here: the CLI builds its flags from EngineArgs without them
         from pagellm import loader
         from pagellm.layers.rope import long_rope
+        from pagellm.loader.hf_config import with_hf_overrides
+        from pagellm.loader.pooler_config import load_pooler_config, resolve_runner
         from pagellm.models.registry import check_architecture
 
         if source is None:
@@ -194,7 +206,7 @@ class EngineArgs:
                 download_dir=self.download_dir,
                 tokenizer_revision=self.tokenizer_revision,
             )
-        hf_config = loader.load_hf_config(source)
+        hf_config = with_hf_overrides(loader.load_hf_config(source), self.hf_overrides, source)
         hf_config = with_dummy_quantization(hf_config, self.quantization, source.kind)
         check_architecture(architecture_of(hf_config))
         generation = loader.load_generation_config(source, hf_config, self.generation_config)
@@ -204,6 +216,8 @@ class EngineArgs:
             self.quantization, hf_config, source.kind, device, self.tensor_parallel_size
         )
         rope = long_rope(hf_config)
+        folder = source.path if source.kind == "hf" else None
+        runner = resolve_runner(self.runner, folder, hf_config)
         return ModelConfig(
             model=source.name,
             source=source,
@@ -218,6 +232,8 @@ class EngineArgs:
             eos_token_ids=generation.eos_token_ids,
             quantization=quantization,
             long_rope_switch=None if rope is None else rope[0],
+            runner=runner,
+            pooler_config=load_pooler_config(folder, hf_config) if runner == "pooling" else None,
         )
 
     def create_draft_model_config(

@@ -25,7 +25,8 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.spare_core import SpareCore, resolve_spare
 from pagellm.engine.stat_logger import StatLogger
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import PoolingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
 from pagellm.tracing import CallerTracer, now_us
@@ -74,7 +75,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
@@ -93,8 +94,20 @@ class AsyncLLM:
             if not finished:  # cancelled, disconnected or failed: free the core's blocks
                 await self.abort(request_id)
 
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's request (vLLM's `AsyncLLM.encode`): one finished output, its
+        pooled vector."""
+        async for out in self.generate(prompt, pooling_params, request_id, priority):
+            yield out
+
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
     ) -> asyncio.Queue:
         self._check_alive()
         self.start()

@@ -18,11 +18,14 @@ import msgspec
 
 from pagellm.config import REASONING_TAGS, ModelConfig, StructuredOutputsConfig
 from pagellm.loader.source import TOKENIZER_FILES
+from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import EngineCoreRequest
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 # a prompt: text, or vLLM's TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}
 PromptType = str | dict[str, Any]
+# a pooling request's placeholder: its prompt is computed, one "token" ends it, none is sampled
+_PREFILL_ONLY = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class InputProcessor:
@@ -44,11 +47,14 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (None for token-id prompts) and the request for the core."""
+        pooling = self.model_config.pooler_config
+        if isinstance(params, PoolingParams) or pooling is not None:
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
@@ -75,6 +81,56 @@ class InputProcessor:
         )
         return text, request
 
+    def _process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """A pooling model's request (embed, classify, score): prefill-only, no sampling."""
+        mc = self.model_config
+        if mc.pooler_config is None:
+            raise ValueError(
+                f"{mc.model!r} is a generative model: embed, classify and score need a "
+                "pooling model (LLM(..., runner='pooling'))"
+            )
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"{mc.model!r} is a pooling model: it embeds, classifies or scores "
+                "(LLM.embed / classify / score), it does not generate"
+            )
+        pc = mc.pooler_config
+        params.verify_for_model(pc.task, mc.hf_config.hidden_size, pc.matryoshka,
+                                pc.matryoshka_dimensions, mc.model)  # fmt: skip
+        keep = params.truncate_prompt_tokens
+        keep = mc.max_model_len if keep == -1 else keep
+        if keep is not None and keep > mc.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is more than the maximum model length "
+                f"({mc.max_model_len}): pass at most that, or -1"
+            )
+        text, token_ids = self._tokenize(prompt, keep)
+        if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
+            token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
+        self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is not None:  # a pair's (LLM.score): as many as its ids, which it ends with
+            params = msgspec.structs.replace(
+                params, token_type_ids=_as_prompt_token_ids(types)[-len(token_ids) :]
+            )
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=_PREFILL_ONLY,
+            eos_token_ids=[],
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            pooling_params=params,
+        )
+        return text, request
+
     def _with_reasoning_tags(self, params: SamplingParams) -> SamplingParams:
         """A thinking budget gets the reasoning parser's tags as token ids (the engine forces
         the end tag's); without a budget, the tags are dropped."""
@@ -98,35 +154,41 @@ class InputProcessor:
             )
         return msgspec.structs.replace(params, reasoning_tag_ids=(start, end))
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: PromptType, max_length: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """Text or token ids; text over `max_length` tokens truncated by the tokenizer (its
+        special tokens kept, as sentence-transformers truncates)."""
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self._encode(prompt, max_length)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _as_prompt_token_ids(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], self._encode(prompt["prompt"])
+            return prompt["prompt"], self._encode(prompt["prompt"], max_length)
         raise ValueError(
             "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}"
         )
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, max_length: int | None = None) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(
                 f"this model has no tokenizer ({self.model_config.source.path} has none of "
                 f"{', '.join(TOKENIZER_FILES)}): pass tokenizer=..., or prompts as "
                 "{'prompt_token_ids': [...]}"
             )
+        if max_length is not None:
+            return self.tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return self.tokenizer.encode(text)
 
-    def _validate(self, token_ids: list[int]) -> None:
+    def _validate(self, token_ids: list[int], how_to_shorten: str | None = None) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty: it must have at least one token")
         max_len = self.model_config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(
                 f"The prompt (length {len(token_ids)}) is longer than the maximum model "
-                f"length of {max_len} tokens"
+                f"length of {max_len} tokens" + (f": {how_to_shorten}" if how_to_shorten else "")
             )
         check_in_vocab(token_ids, self.model_config.vocab_size)
 

@@ -17,6 +17,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.stat_logger import StatLogger
 from pagellm.outputs import RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import SchedulerStats
 from pagellm.sampling_params import SamplingParams
 from pagellm.tracing import CallerTracer, now_us
@@ -55,7 +56,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:

@@ -15,12 +15,15 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+import torch
 
 from pagellm.engine.core_client import EngineDeadError
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -104,7 +107,7 @@ class RequestState:
         self.params = params
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
-            if tokenizer is not None
+            if tokenizer is not None and request.pooling_params is None
             else None
         )
         self.token_ids: list[int] = []
@@ -222,7 +225,10 @@ class OutputProcessor:
 
     def _process_output(
         self, state: RequestState, out: EngineCoreOutput, now: float, reqs_to_abort: list[str]
-    ) -> RequestOutput | None:
+    ) -> RequestOutput | PoolingRequestOutput | None:
+        if out.pooling_output is not None:  # a pooling request: done in one output
+            del self.request_states[out.request_id]
+            return pooling_output(state.request_id, state.prompt, state.prompt_token_ids, out)
         finish_reason, stop_reason = self._update(state, out, now)
         if finish_reason is not None:
             del self.request_states[out.request_id]
@@ -368,6 +374,15 @@ class OutputProcessor:
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def pooling_output(
+    request_id: str, prompt: str | None, prompt_token_ids: list[int], out: EngineCoreOutput
+) -> PoolingRequestOutput:
+    """The core's float32 bytes as vLLM's `PoolingRequestOutput` (a tensor in `.outputs.data`)."""
+    data = torch.frombuffer(bytearray(out.pooling_output), dtype=torch.float32)
+    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids, True, prompt,
+                                out.num_cached_tokens)  # fmt: skip
 
 
 def _num_cached_tokens(state: RequestState) -> int:

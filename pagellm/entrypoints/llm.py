@@ -21,6 +21,7 @@ from pagellm.engine.chat_template import render_chat
 from pagellm.engine.input_processor import PromptType
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.chat_outputs import ChatParsing
+from pagellm.entrypoints.llm_pooling import PoolingMethods
 from pagellm.logger import ensure_library_logging
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -28,10 +29,11 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 ChatMessages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(PoolingMethods):
     """Offline batch generation. Takes vLLM's engine arguments by name (see EngineArgs), and
     the server's `tool_call_parser` (hermes, llama3_json, mistral, pythonic) for `chat()`;
-    `reasoning_parser` (qwen3, deepseek_r1) is an engine argument that `chat()` uses too."""
+    `reasoning_parser` (qwen3, deepseek_r1) is an engine argument that `chat()` uses too.
+    A pooling model (`runner="pooling"`) embeds, classifies and scores (`PoolingMethods`)."""
 
     def __init__(
         self, model: str | None = None, *, tool_call_parser: str | None = None, **kwargs: Any

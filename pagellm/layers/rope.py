@@ -64,8 +64,14 @@ def rotary_dim(config: Any, head_dim: int) -> int:
 
 def max_positions(config: Any) -> int:
     """The longest sequence the model serves: max_position_embeddings, times the factor for
-    yarn (of the original length) and dynamic NTK (as vLLM derives max_model_len)."""
+    yarn (of the original length) and dynamic NTK (as vLLM derives max_model_len); RoBERTa's
+    less the positions below its first (pad_token_id + 1)."""
     limit = getattr(config, "max_position_embeddings", None) or 2048
+    model_type = getattr(config, "model_type", None)
+    if model_type in ("roberta", "xlm-roberta"):
+        return limit - (getattr(config, "pad_token_id", None) or 0) - 1  # from padding_idx + 1
+    if model_type == "modernbert":  # a rotary base per layer kind, no scaling
+        return limit
     _, scaling = rope_parameters(config) if hasattr(config, "max_position_embeddings") else (0, {})
     kind = rope_type(scaling)
     if kind == "yarn" and scaling.get("factor"):

@@ -3,7 +3,9 @@ metadata."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
+import json
+from typing import TYPE_CHECKING, Any
 
 from pagellm.config import HFConfigView, ModelSource
 from pagellm.loader.gguf_file import read_gguf
@@ -36,3 +38,48 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 _TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+
+
+def with_hf_overrides(
+    config: Any, overrides: dict[str, Any] | str | None, source: ModelSource
+) -> Any:
+    """vLLM's `hf_overrides`: these attributes of the HF config replaced (a dict, or its
+    JSON text), e.g. {"architectures": ["Qwen3ForSequenceClassification"]}; classifier
+    tokens as ids (`with_classifier_tokens`, with the source's tokenizer)."""
+    if overrides is None:
+        return config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
+    config = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    if getattr(config, "classifier_from_token", None):
+        from pagellm.loader.tokenizer import load_tokenizer
+
+        config = with_classifier_tokens(config, load_tokenizer(source))
+    return config
+
+
+def with_classifier_tokens(config: Any, tokenizer: Any) -> Any:
+    """vLLM's `classifier_from_token` (a causal LM served as a classifier, Qwen3-Reranker):
+    the tokens' ids, whose LM-head rows become the score head (`models/pooling.py`); one
+    label (yes - no) with `is_original_qwen3_reranker`, else one a token."""
+    tokens = getattr(config, "classifier_from_token", None)
+    if not tokens:
+        return config
+    if tokenizer is None:
+        raise ValueError("classifier_from_token needs the model's tokenizer")
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    if None in ids or tokenizer.unk_token_id in ids:
+        raise ValueError(f"classifier_from_token: {tokens} are not all tokens of the vocabulary")
+    original = bool(getattr(config, "is_original_qwen3_reranker", False))
+    if original and len(ids) != 2:
+        raise ValueError("is_original_qwen3_reranker takes two tokens: [no, yes]")
+    config.classifier_from_token_ids = ids
+    config.id2label = {i: f"LABEL_{i}" for i in range(1 if original else len(ids))}
+    return config

@@ -70,7 +70,7 @@ def build_on_meta(
     given their quantization methods: what `load_model` fills, and what `pagellm plan`
     counts the bytes of."""
     dtype = model_config.dtype
-    model_cls = get_model_cls(model_config.architecture)
+    model_cls = get_model_cls(model_config.architecture, model_config.runner)
     checkpoint = None  # quantization="gguf" picks its layers by the file's tensor types
     if model_config.quantization == "gguf":
         checkpoint = gguf_tensors(read_gguf(model_config.source.path))

@@ -28,26 +28,67 @@ _MODELS = {
     # speculative decoding's heads, drafting for a target (speculative_config method eagle3)
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3LlamaForCausalLM"),
 }
+# pooling checkpoints of a decoder family -> its causal LM's architecture (models/pooling.py):
+# a bare decoder (AutoModel's) embeds, a *ForSequenceClassification classifies
+_POOLING_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+# encoders (models/bert.py): pooling only, bidirectional, no KV cache, never chunked
+_ENCODERS = {
+    "BertModel": "BertEmbeddingModel",
+    "BertForSequenceClassification": "BertForSequenceClassification",
+    "XLMRobertaModel": "XLMRobertaEmbeddingModel",
+    "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+    "ModernBertModel": "ModernBertEmbeddingModel",
+    "ModernBertForSequenceClassification": "ModernBertForSequenceClassification",
+}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_POOLING_MODELS, *_ENCODERS])
+
+
+def is_pooling_architecture(architecture: str) -> bool:
+    """A checkpoint without an LM head (an embedding model or a classifier): runner pooling."""
+    return architecture in _POOLING_MODELS or architecture in _ENCODERS
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """An encoder: attends both ways, keeps no KV cache, runs each prompt in one step."""
+    return architecture in _ENCODERS
 
 
 def check_architecture(architecture: str) -> None:
     """A ValueError naming `architecture` and the supported ones (nothing is imported)."""
-    if architecture not in _MODELS:
+    if not (architecture in _MODELS or is_pooling_architecture(architecture)):
         raise ValueError(
             f"model architecture {architecture!r} is not supported; "
             f"supported: {', '.join(supported_architectures())}"
         )
 
 
-def get_model_cls(architecture: str) -> type[nn.Module]:
+def get_model_cls(architecture: str, runner: str = "generate") -> type[nn.Module]:
+    """The class serving `architecture`; with runner "pooling" (or a pooling checkpoint) its
+    family's decoder without the LM head (`models/pooling.py`)."""
     check_architecture(architecture)
-    module_name, cls_name = _MODELS[architecture]
-    module = importlib.import_module(f"pagellm.models.{module_name}")
-    return getattr(module, cls_name)
+    if architecture in _ENCODERS:
+        module = "modernbert" if architecture.startswith("ModernBert") else "bert"
+        return getattr(importlib.import_module(f"pagellm.models.{module}"), _ENCODERS[architecture])
+    causal = _POOLING_MODELS.get(architecture, architecture)
+    module_name, cls_name = _MODELS[causal]
+    cls = getattr(importlib.import_module(f"pagellm.models.{module_name}"), cls_name)
+    if runner != "pooling" and causal == architecture:
+        return cls
+    from pagellm.models.pooling import as_pooling_model
+
+    return as_pooling_model(cls, classify=architecture.endswith("ForSequenceClassification"))
 
 
 def kv_sliding_window(architecture: str, hf_config: Any) -> int | None:

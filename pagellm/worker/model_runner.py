@@ -51,6 +51,7 @@ from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
 from pagellm.worker.input_batch import InputBatch
 from pagellm.worker.kv_cache import ProfiledMemory, profiled_kv_budget, zeros_kv
 from pagellm.worker.logprobs import attach_logprobs, prompt_logprobs
+from pagellm.worker.pooler import Pooler
 from pagellm.worker.spec_decode import SpecDecoder
 from pagellm.worker.step_batch import (
     StepBatch,
@@ -118,6 +119,11 @@ class ModelRunner:
         # speculative decoding: drafts verified in the step's forward, proposed after it
         spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoder(spec, self)
+        # a pooling model: requests finish with a pooled vector instead of sampling
+        mc = self.model_config
+        self.pooler = (
+            Pooler(mc.pooler_config, self.model, self.device) if mc.runner == "pooling" else None
+        )
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -139,6 +145,9 @@ class ModelRunner:
 
     def determine_num_kv_blocks(self) -> int:
         cc = self.config.cache_config
+        if self.is_encoder:  # blocks only count tokens: enough for every request at once
+            sc = self.config.scheduler_config
+            return sc.max_num_seqs * -(-self.model_config.max_model_len // self.block_size) + 1
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
         budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
@@ -176,11 +185,21 @@ class ModelRunner:
                     ones = np.ones(size, np.int32)
                     self._forward(*dummy_inputs(self.block_size, ones, ones * graph_seq_len), kv)
         hidden = self._forward(*dummy_inputs(self.block_size, query_lens, seq_lens), kv)
+        if self.pooler is not None:
+            return  # nothing samples
         rows = min(sc.max_num_seqs, int(query_lens.sum()))
         meta = _profile_sampling(rows, self.device, self.input_batch.logits_processor(Penalties))
         self.sampler(self.model.compute_logits(hidden[:rows]), meta)
 
+    @property
+    def is_encoder(self) -> bool:
+        """An encoder (`models/bert.py`) reads no cache: no KV tensors, no CUDA graphs."""
+        return getattr(self.model, "is_encoder", False)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.is_encoder:
+            logger.info("no KV cache: an encoder runs each prompt in one forward")
+            return
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
@@ -266,6 +285,8 @@ class ModelRunner:
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, block_table_rows(self.input_batch, forward, self.block_size))
         self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
+        if self.pooler is not None:  # an encoder's token types (a cross-encoder's pairs)
+            self.pooler.prepare_step(batch)
         if self.kv_scales_pending:  # this (eager, unpadded) step's K/V set the fp8 scales
             self._calculate_kv_scales_once()
         if size is None:
@@ -295,8 +316,12 @@ class ModelRunner:
             ib.remove_request(req_id)
             if self.spec is not None:
                 self.spec.remove_request(req_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new, self.long_rope_rows if new.long_rope else 0)
+            if self.pooler is not None:
+                self.pooler.add_request(new.req_id, new.pooling_params)
         cached = sched.scheduled_cached_reqs
         for req_id, block_ids, num_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_blocks, cached.num_computed_tokens
@@ -336,13 +361,17 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
         )
-        attn_metadata = self.attn_backend_cls.build_metadata(common)
         model = self.model if model is None else model
+        encoder = getattr(model, "is_encoder", False)  # it attends within each request itself
+        attn_metadata = common if encoder else self.attn_backend_cls.build_metadata(common)
         return model(dev["input_ids"], dev["positions"], kv_caches, attn_metadata)
 
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, grammar: GrammarBitmask | None = None
     ) -> AsyncModelRunnerOutput:
+        if self.pooler is not None:  # no sampling: the requests whose prompt ends get a vector
+            pooled = self.pooler.output(batch, hidden, self.input_batch.num_tokens[batch.rows])
+            return AsyncModelRunnerOutput(pooled)
         if self.spec is not None:
             self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
             if self.spec.verifies(batch):

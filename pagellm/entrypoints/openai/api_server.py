@@ -2,10 +2,10 @@
 
 `build_app()` makes the app; its lifespan starts the engine inside the running event loop and
 shuts it down (the EngineCore process with it) when the server stops. A `RequestGuard` checks the
-API key (`/v1/*`, `/tokenize`, `/detokenize`; `/health`, `/version` and `/metrics` stay open),
-the Content-Type and the body's size before a body is read. An `EngineSupervisor` decides what a
-dead EngineCore means: exit with status 1 (the default) or a new core in place
-(`--restart-engine`). The OpenAPI document declares the errors the server sends.
+API key (`/v1/*`, `/tokenize`, `/detokenize`, `/score`, `/rerank`, `/classify`; `/health`,
+`/version` and `/metrics` stay open), the Content-Type and the body's size before a body is read.
+An `EngineSupervisor` decides what a dead EngineCore means: exit with status 1 (the default) or
+a new core in place (`--restart-engine`). The OpenAPI document declares the errors the server sends.
 """
 
 from __future__ import annotations
@@ -28,9 +28,19 @@ from pagellm.entrypoints.openai import chat_page
 from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_template_lanes
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
-from pagellm.entrypoints.openai.errors import install_error_handlers
+from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.openapi import openapi_document
+from pagellm.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +63,7 @@ from pagellm.entrypoints.openai.server_options import ServerOptions
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_engine import Admission
+from pagellm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagellm.sandbox import Sandbox
@@ -70,6 +81,19 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 _GENERATE_ERRORS = _errors(400, 401, 404, 413, 415, 429, 500, 503)
 _STREAM = {200: {"content": {"text/event-stream": {}}}}
 
+
+def _generative(raw_request: Request, endpoint: str) -> None:
+    """A pooling model generates nothing: a 400 naming what it serves."""
+    model_config = raw_request.app.state.engine.config.model_config
+    if model_config.pooler_config is not None:
+        what = "/v1/embeddings" if model_config.pooler_config.task == "embed" else "/classify"
+        raise APIError(
+            f"{model_config.served_model_name!r} is a pooling model: it serves {what}, "
+            f"/score and /rerank, not {endpoint}",
+            400,
+        )
+
+
 v1 = APIRouter(prefix="/v1")
 open_routes = APIRouter()
 
@@ -80,6 +104,7 @@ open_routes = APIRouter()
     responses={**_GENERATE_ERRORS, **_STREAM},
 )
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/completions")
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
     return await serving.create_completion(request, raw_request)
 
@@ -90,18 +115,44 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     responses={**_GENERATE_ERRORS, **_STREAM},
 )
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/chat/completions")
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
 
 
 @v1.post("/responses", response_model=ResponseObject, responses={**_GENERATE_ERRORS, **_STREAM})
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    _generative(raw_request, "/v1/responses")
     return await raw_request.app.state.serving_responses.create_response(request, raw_request)
 
 
 @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=_errors(401, 404))
 async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     return raw_request.app.state.serving_responses.retrieve(response_id)
+
+
+_POOLING_ERRORS = _errors(400, 401, 404, 413, 415, 429, 500, 503)
+
+
+@v1.post("/embeddings", response_model=EmbeddingResponse, responses=_POOLING_ERRORS)
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    return await raw_request.app.state.serving_pooling.embeddings(request, raw_request)
+
+
+@open_routes.post("/classify", response_model=ClassificationResponse, responses=_POOLING_ERRORS)
+async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+    return await raw_request.app.state.serving_pooling.classify(request, raw_request)
+
+
+@open_routes.post("/score", response_model=ScoreResponse, responses=_POOLING_ERRORS)
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    return await raw_request.app.state.serving_pooling.score(request, raw_request)
+
+
+@open_routes.post("/rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
+@v1.post("/rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
+async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    return await raw_request.app.state.serving_pooling.rerank(request, raw_request)
 
 
 @v1.get("/models", response_model=ModelList, responses=_errors(401))
@@ -197,6 +248,7 @@ def init_app_state(
     state.serving_completion = OpenAIServingCompletion(*args)
     state.serving_chat = OpenAIServingChat(*args, templates=templates, **chat_options)
     state.serving_tokenization = OpenAIServingTokenization(*args, templates=templates)
+    state.serving_pooling = OpenAIServingPooling(*args)
     store = ResponseStore(options.responses_store_max, options.responses_store_ttl)
     state.serving_responses = OpenAIServingResponses(
         *args, templates=templates, store=store, **chat_options

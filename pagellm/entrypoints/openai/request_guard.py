@@ -2,10 +2,10 @@
 `add_cors`: the CORS layer in front of it.
 
 In order: the API key (`Authorization: Bearer KEY`, the scheme in any case, RFC 7235) on `/v1/*`,
-`/tokenize` and `/detokenize` (not on a CORS preflight, which browsers send without it); the
-Content-Type of a POST to a JSON endpoint; a body's size (`--max-request-body-bytes`: a
-Content-Length over it is refused before a byte is read, a chunked body as soon as it grows past
-it). A request refused here costs the server no parsing.
+`/tokenize`, `/detokenize`, `/score`, `/rerank` and `/classify` (not on a CORS preflight, which
+browsers send without it); the Content-Type of a POST to a JSON endpoint; a body's size
+(`--max-request-body-bytes`: a Content-Length over it is refused before a byte is read, a chunked
+body as soon as it grows past it). A request refused here costs the server no parsing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-PROTECTED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # the API key guards these
+PROTECTED_PATHS = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/score",
+    "/rerank",
+    "/classify",
+)  # the API key guards these
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 

@@ -1,0 +1,121 @@
+"""Pydantic models of the pooling endpoints' requests and answers: OpenAI's
+`/v1/embeddings`, vLLM's `/score`, `/classify` and its Jina / Cohere style `/rerank`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from pagellm.entrypoints.openai.protocol import IntIn, OpenAIModel, RequestModel, SamplingInt
+from pagellm.entrypoints.openai.response_models import UsageInfo
+from pagellm.sampling_params import INT32_MAX
+
+MAX_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
+TokenIds = list[IntIn(0, INT32_MAX)]
+Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
+Inputs = str | Texts | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+# keep the first n tokens of a text (the last n of token ids); -1: max_model_len
+Truncate = Literal[-1] | SamplingInt("truncate_prompt_tokens") | None
+
+
+class EmbeddingRequest(RequestModel):
+    model: str | None = None
+    input: Inputs | TokenIds  # a text, texts, token ids, or lists of token ids
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: IntIn(1, INT32_MAX) | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Truncate = None
+    normalize: bool | None = None
+
+
+class ClassificationRequest(RequestModel):
+    model: str | None = None
+    input: Inputs | TokenIds
+    truncate_prompt_tokens: Truncate = None
+    user: str | None = None
+
+
+class ScoreRequest(RequestModel):
+    """`text_1` against each of `text_2` (one to many, or N to N)."""
+
+    model: str | None = None
+    text_1: str | Texts
+    text_2: str | Texts
+    truncate_prompt_tokens: Truncate = None
+
+
+class RerankRequest(RequestModel):
+    model: str | None = None
+    query: str
+    documents: Texts
+    top_n: IntIn(0, INT32_MAX) | None = None  # None or 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: Truncate = None
+
+
+class EmbeddingData(OpenAIModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: float32 little-endian bytes
+
+
+class EmbeddingResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class ClassificationData(OpenAIModel):
+    index: int
+    label: str | None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class ScoreData(OpenAIModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(OpenAIModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(OpenAIModel):
+    text: str
+
+
+class RerankResult(OpenAIModel):
+    index: int
+    document: RerankDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIModel):
+    total_tokens: int
+
+
+class RerankResponse(OpenAIModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -1,0 +1,146 @@
+"""A pooling model's `PoolerConfig`, read from its folder as vLLM reads it.
+
+sentence-transformers stores the pipeline in `modules.json`: a `Pooling` module (its folder's
+`config.json` names the mode: `pooling_mode_lasttoken`, `pooling_mode_mean_tokens`,
+`pooling_mode_cls_token`) and, for unit vectors, a `Normalize` module. Matryoshka support is
+the HF config's `is_matryoshka` / `matryoshka_dimensions`. Without these files a decoder
+embeds with its last token, normalized (vLLM's default); a `*ForSequenceClassification`
+checkpoint classifies with the last token, an encoder's with its CLS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from pagellm.config import (
+    CacheConfig,
+    ModelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    architecture_of,
+)
+from pagellm.models.pooling import num_labels
+from pagellm.models.registry import is_encoder_architecture, is_pooling_architecture
+
+RUNNERS = ("auto", "generate", "pooling")
+# a module's "type" ends with its class: sentence_transformers.models.Pooling (up to 5.x),
+# sentence_transformers.sentence_transformer.modules.pooling.Pooling (6.x)
+_POOLING, _NORMALIZE = "Pooling", "Normalize"
+_MODES = {  # the ST Pooling mode -> vLLM's pooling type
+    "lasttoken": "LAST",
+    "mean": "MEAN",
+    "cls": "CLS",
+}
+# up to 5.x each mode is a bool key: pooling_mode_<mode> (mean as mean_tokens, cls as cls_token)
+_LEGACY_MODES = {"mean_tokens": "mean", "cls_token": "cls"}
+
+
+def is_classifier(architecture: str) -> bool:
+    return architecture.endswith("ForSequenceClassification")
+
+
+def resolve_runner(runner: str, folder: str | None, hf_config: Any) -> str:
+    """ "generate" or "pooling": `runner`, or for "auto" what the checkpoint is (a classifier,
+    an LM-head-less model, or sentence-transformers files: pooling)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    arch = architecture_of(hf_config)
+    if runner == "generate" and is_pooling_architecture(arch):
+        raise ValueError(f"{arch} has no LM head: it is served with runner='pooling'")
+    if runner != "auto":
+        return runner
+    if is_pooling_architecture(arch):
+        return "pooling"
+    return "pooling" if _st_modules(folder) else "generate"
+
+
+def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
+    arch = architecture_of(hf_config)
+    modules = _st_modules(folder)
+    pooling = next((m for m in modules if _kind(m) == _POOLING), None)
+    encoder = is_encoder_architecture(arch)
+    default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
+    if getattr(hf_config, "classifier_pooling", None) in ("cls", "mean"):  # ModernBERT's
+        default_type = hf_config.classifier_pooling.upper()
+    if is_classifier(arch):
+        return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
+                            num_labels=num_labels(hf_config), encoder=encoder)  # fmt: skip
+    pooling_type = default_type
+    if pooling is not None:
+        pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    return PoolerConfig(
+        task="embed",
+        pooling_type=pooling_type,
+        normalize=any(_kind(m) == _NORMALIZE for m in modules) if modules else True,
+        matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
+        matryoshka_dimensions=list(dims) if dims else None,
+        encoder=encoder,
+    )
+
+
+def pooling_configs(
+    model_config: ModelConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    spec: SpeculativeConfig | None,
+) -> tuple[CacheConfig, SchedulerConfig]:
+    """A pooling model's cache and scheduling: the prefix cache only for a decoder's LAST
+    pooling (MEAN and CLS pool every prompt token's state, which a cached prefix never
+    computes; an encoder caches nothing); an encoder's prompts never chunked, so its token
+    budget must hold a whole prompt; no drafts."""
+    if spec is not None:
+        raise ValueError("speculative_config: a pooling model (runner='pooling') samples nothing")
+    pooler = model_config.pooler_config
+    if pooler.encoder or pooler.pooling_type != "LAST":
+        cache = dataclasses.replace(cache, enable_prefix_caching=False)
+    if not pooler.encoder:
+        return cache, scheduler
+    budget, max_len = scheduler.max_num_batched_tokens, model_config.max_model_len
+    if budget < max_len:
+        raise ValueError(
+            f"an encoder runs each prompt in one step: max_num_batched_tokens ({budget}) must "
+            f"be at least max_model_len ({max_len}); raise it or lower max_model_len"
+        )
+    return cache, dataclasses.replace(scheduler, enable_chunked_prefill=False)
+
+
+def _st_modules(folder: str | None) -> list[dict[str, Any]]:
+    """modules.json's entries; [] without one (or without a folder: GGUF, dummy weights)."""
+    path = os.path.join(folder, "modules.json") if folder and os.path.isdir(folder) else None
+    if path is None or not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        modules = json.load(f)
+    if not isinstance(modules, list):
+        raise ValueError(f"{path}: expected a list of sentence-transformers modules")
+    return [m for m in modules if isinstance(m, dict)]
+
+
+def _kind(module: dict[str, Any]) -> str:
+    return str(module.get("type", "")).rpartition(".")[2]
+
+
+def _pooling_mode(path: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: modules.json names a Pooling module without its config")
+    with open(path) as f:
+        config = json.load(f)
+    modes = config.get("pooling_mode")
+    if modes is None:  # sentence-transformers up to 5.x
+        modes = [
+            _LEGACY_MODES.get(key[len("pooling_mode_") :], key[len("pooling_mode_") :])
+            for key, value in config.items()
+            if key.startswith("pooling_mode_") and value
+        ]
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in _MODES:
+        raise ValueError(
+            f"{path}: pooling mode {modes or 'none'}; pagellm pools with exactly one of "
+            f"{', '.join(_MODES)}"
+        )
+    return _MODES[modes[0]]

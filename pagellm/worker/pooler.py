@@ -1,0 +1,119 @@
+"""Pooler: a pooling model's step outputs, in place of sampling.
+
+A pooling request is prefill-only: its prompt may come in chunks over several steps, and the
+step that computes its last prompt token finishes it with one vector. LAST takes that token's
+final hidden state; MEAN sums every chunk's states (kept per request between steps; the
+prefix cache is off for it, so every token is computed) and divides by the prompt's length;
+CLS keeps the first token's. The model's `pool_head` (a classifier's score Linear) follows,
+then each request's own settings: an embedding cut to `dimensions` and L2-normalized, a
+classifier's logits through softmax (sigmoid for one label). All in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.config import PoolerConfig
+from pagellm.core.sched_output import ModelRunnerOutput
+from pagellm.pooling_params import PoolingParams
+from pagellm.utils import to_device
+from pagellm.worker.step_batch import StepBatch
+
+
+class Pooler:
+    def __init__(self, config: PoolerConfig, model: torch.nn.Module, device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.params: dict[str, PoolingParams] = {}
+        # MEAN: the sum of the states computed so far [hidden]; CLS: the first token's state
+        self.partial: dict[str, torch.Tensor] = {}
+
+    def add_request(self, req_id: str, params: PoolingParams | None) -> None:
+        self.params[req_id] = params if params is not None else PoolingParams()
+        self.partial.pop(req_id, None)  # a preempted request starts over
+
+    def remove_request(self, req_id: str) -> None:
+        self.params.pop(req_id, None)
+        self.partial.pop(req_id, None)
+
+    def prepare_step(self, batch: StepBatch) -> None:
+        """A model with token type embeddings gets the step's: [T] int64 (zeros where a
+        request has none)."""
+        if not hasattr(self.model, "token_type_ids"):
+            return
+        types = [self.params[r].token_type_ids for r in batch.req_ids]
+        if all(t is None for t in types):
+            self.model.token_type_ids = None
+            return
+        flat = np.zeros(int(batch.query_start_loc[-1]), np.int64)
+        starts = batch.seq_lens - batch.num_scheduled
+        for i, ids in enumerate(types):
+            if ids is not None:
+                n, start = int(batch.num_scheduled[i]), int(starts[i])
+                flat[batch.query_start_loc[i] : batch.query_start_loc[i] + n] = ids[
+                    start : start + n
+                ]
+        self.model.token_type_ids = to_device(flat, self.device)
+
+    def output(
+        self, batch: StepBatch, hidden: torch.Tensor, num_tokens: np.ndarray
+    ) -> ModelRunnerOutput:
+        """The step's answer to the scheduler: no tokens, the finished requests' vectors."""
+        output = ModelRunnerOutput(batch.req_ids, [[] for _ in batch.req_ids])
+        output.pooler_output = self.pool(batch, hidden, num_tokens)
+        return output
+
+    def pool(
+        self, batch: StepBatch, hidden: torch.Tensor, num_tokens: np.ndarray
+    ) -> dict[str, bytes]:
+        """hidden: [T, hidden] of the step; num_tokens: [R] each row's prompt length. The
+        finished requests' vectors, as float32 bytes."""
+        hidden = hidden[: int(batch.query_start_loc[-1])]  # a CUDA graph's padding rows off
+        done = np.flatnonzero(batch.seq_lens == num_tokens)  # [F] rows whose prompt ends here
+        kind = self.config.pooling_type
+        if kind == "MEAN":
+            self._add_sums(batch, hidden)
+        elif kind == "CLS":
+            self._keep_first(batch, hidden)
+        if len(done) == 0:
+            return {}
+        req_ids = [batch.req_ids[i] for i in done.tolist()]
+        if kind == "LAST":
+            last = to_device((batch.query_start_loc[1:][done] - 1).astype(np.int64), self.device)
+            pooled = hidden[last].float()  # [F, hidden]
+        else:
+            pooled = torch.stack([self.partial.pop(r) for r in req_ids])
+            if kind == "MEAN":
+                lens = torch.from_numpy(batch.seq_lens[done].astype(np.float32))
+                pooled = pooled / lens.to(self.device)[:, None]
+        out = self.model.pool_head(pooled)  # [F, out]
+        vectors = [self._finish(self.params[r], row) for r, row in zip(req_ids, out)]
+        return {r: v.cpu().numpy().tobytes() for r, v in zip(req_ids, vectors)}
+
+    def _add_sums(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """Each row's chunk summed into its request's running sum."""
+        counts = batch.num_scheduled
+        seg = to_device(np.repeat(np.arange(len(counts)), counts), self.device)
+        sums = torch.zeros(len(counts), hidden.shape[1], device=self.device)
+        sums.index_add_(0, seg, hidden.float())  # [R, hidden]
+        for i, req_id in enumerate(batch.req_ids):
+            before = self.partial.get(req_id)
+            self.partial[req_id] = sums[i] if before is None else before + sums[i]
+
+    def _keep_first(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        starts = batch.seq_lens - batch.num_scheduled  # [R] each chunk's first position
+        for i in np.flatnonzero(starts == 0).tolist():
+            self.partial[batch.req_ids[i]] = hidden[int(batch.query_start_loc[i])].float()
+
+    def _finish(self, params: PoolingParams, values: torch.Tensor) -> torch.Tensor:
+        if self.config.task == "embed":
+            if params.dimensions is not None:
+                values = values[: params.dimensions]
+            normalize = self.config.normalize if params.normalize is None else params.normalize
+            return F.normalize(values, dim=-1) if normalize else values
+        if params.use_activation is False:
+            return values
+        return torch.sigmoid(values) if values.numel() == 1 else torch.softmax(values, dim=-1)

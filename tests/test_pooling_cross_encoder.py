@@ -1,0 +1,68 @@
+"""A BERT cross-encoder (reranker): a tiny random BertForSequenceClassification with one
+label; LLM.score against HF's logits of the pair (token types 0 / 1), LLM.classify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import make_bert_cross_encoder
+
+from pagellm import LLM
+from pagellm.pooling_params import PoolingParams
+
+QUERY = "why is the sky blue"
+DOCS = ["the sky is blue", "the cat sat on the mat", "tell me a story", "hi"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return make_bert_cross_encoder(tmp_path_factory.mktemp("ce") / "bert-reranker")
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    engine = LLM(folder, dtype="float32", max_model_len=32, kv_cache_memory_bytes=1 << 24)
+    yield engine
+    engine.shutdown()
+
+
+def _logits(hf, tokenizer, *texts) -> torch.Tensor:
+    encoded = tokenizer(*texts, return_tensors="pt")
+    with torch.no_grad():
+        return hf(**encoded).logits[0]
+
+
+def test_score_equals_hf_cross_encoder(llm, hf):
+    tokenizer = llm.get_tokenizer()
+    scores = [s.outputs.score for s in llm.score(QUERY, DOCS, use_tqdm=False)]
+    logits = torch.stack([_logits(hf, tokenizer, QUERY, doc)[0] for doc in DOCS])
+    assert scores == pytest.approx(torch.sigmoid(logits).tolist(), abs=1e-5)
+    # the rerank order is HF's, and token types count: the swapped pair scores differently
+    assert sorted(range(4), key=lambda i: -scores[i]) == logits.argsort(descending=True).tolist()
+    encoded = tokenizer(QUERY, DOCS[0], return_tensors="pt")
+    encoded["token_type_ids"].zero_()
+    with torch.no_grad():
+        untyped = torch.sigmoid(hf(**encoded).logits[0, 0])
+    assert abs(float(untyped) - scores[0]) > 1e-3  # HF's score needs the token types
+
+
+def test_classify_and_truncated_pairs(llm, hf):
+    tokenizer = llm.get_tokenizer()
+    (raw,) = llm.classify(DOCS[1], PoolingParams(use_activation=False), use_tqdm=False)
+    assert raw.outputs.probs == pytest.approx(_logits(hf, tokenizer, DOCS[1]).tolist(), abs=1e-4)
+    long_doc = "the cat sat on the mat " * 6
+    with pytest.raises(ValueError, match="longer than the maximum model length"):
+        llm.score(QUERY, long_doc, use_tqdm=False)
+    (out,) = llm.score(QUERY, long_doc, truncate_prompt_tokens=-1, use_tqdm=False)
+    assert len(out.prompt_token_ids) == 32
+    encoded = tokenizer(QUERY, long_doc, truncation=True, max_length=32, return_tensors="pt")
+    with torch.no_grad():
+        expected = torch.sigmoid(hf(**encoded).logits[0, 0])
+    assert out.outputs.score == pytest.approx(float(expected), abs=1e-5)
