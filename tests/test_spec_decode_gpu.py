@@ -77,7 +77,14 @@ def test_batch1_timing_is_reported(engines, capsys):
     prompts = load("spec_decode_prompts").tokenize_sets(["grounded"], 3)["grounded"]
     params = SamplingParams(temperature=0.0, max_tokens=128)
     rates, outputs = [], []
-    for llm in engines:
+    # and with the drafts adaptive (the default): as many as the measured costs pay for
+    adaptive = LLM(
+        dtype="bfloat16",
+        max_model_len=2048,
+        kv_cache_memory_bytes=2 << 30,
+        speculative_config={**SPEC, "adaptive": True, "prompt_lookup_min": 2},
+    )
+    for llm in (*engines, adaptive):
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm
         start, tokens, outs = time.perf_counter(), 0, []
         for ids in prompts:
@@ -86,7 +93,10 @@ def test_batch1_timing_is_reported(engines, capsys):
             outs.append(out.outputs[0].token_ids)
         rates.append(tokens / (time.perf_counter() - start))
         outputs.append(outs)
+    adaptive.shutdown()
     with capsys.disabled():
         print(f"\nbatch 1, grounded: off {rates[0]:.1f} tok/s, ngram {rates[1]:.1f} tok/s "
-              f"({rates[1] / rates[0]:.2f}x)")  # fmt: skip
-    assert sum(a[:32] == b[:32] for a, b in zip(*outputs)) >= 2
+              f"({rates[1] / rates[0]:.2f}x), adaptive ngram {rates[2]:.1f} tok/s "
+              f"({rates[2] / rates[0]:.2f}x)")  # fmt: skip
+    for drafted in outputs[1:]:
+        assert sum(a[:32] == b[:32] for a, b in zip(outputs[0], drafted)) >= 2
