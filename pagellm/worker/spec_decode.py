@@ -147,7 +147,8 @@ class SpecDecoder:
         draft_ids[within == np.repeat(ks, ks + 1)] = -1  # a request's last row: no draft
         tokens, result = verify(logits, meta, to_device(draft_ids, device), layout)
         if meta.processors:  # the tokens kept, in the flat rows' order (-1: a row not kept)
-            meta.record(tokens[to_device(layout.valid, device)])
+            kept = to_device(np.flatnonzero(layout.valid.ravel()), device)  # no device sync
+            meta.record(tokens.reshape(-1)[kept])
         if get_tp_group().size > 1:
             broadcast_from_rank0(tokens)  # every rank appends the same tokens
         result.sampled = tokens  # [S, K + 1]: what the host reads back; logprobs per row
