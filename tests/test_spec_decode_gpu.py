@@ -50,6 +50,29 @@ def test_greedy_follows_speculation_off(engines):
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
 
 
+def test_penalties_and_a_grammar_hold_at_every_verify_position(engines):
+    """On the device too: penalties count the drafts before each verify row, a regex masks
+    every position; drafts flow, the output keeps the regex and follows speculation off."""
+    import re
+
+    from pagellm.structured_output.params import StructuredOutputsParams
+
+    off, spec = engines
+    pattern = r"[A-Za-z _(),:\n]{0,200}"
+    for settings in (
+        dict(repetition_penalty=1.05, frequency_penalty=0.1, min_tokens=40),
+        dict(structured_outputs=StructuredOutputsParams(regex=pattern)),
+    ):
+        params = SamplingParams(temperature=0.0, max_tokens=48, **settings)
+        want = [o.outputs[0].token_ids for o in _generate(off, params, 2)]
+        outs = _generate(spec, params, 2)
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, settings
+        agree = sum(a[:16] == b[:16] for a, b in zip(want, (o.outputs[0].token_ids for o in outs)))
+        assert agree >= 1, settings
+        if "structured_outputs" in settings:
+            assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
+
+
 def test_seeded_sampling_is_reproducible_and_logprobs_follow_tokens(engines):
     _, spec = engines
     params = SamplingParams(temperature=0.7, max_tokens=48, seed=11, logprobs=3)
