@@ -13,6 +13,7 @@ MTP layers is a start-up error naming the families served.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,10 @@ def test_the_target_alone_is_qwen2_its_mtp_layers_skipped(target, prompts, hf_id
     assert [o.outputs[0].token_ids for o in outs] == hf_ids
 
 
-def test_greedy_outputs_equal_speculation_off(target, prompts, hf_ids):
-    outs = _generate(target, prompts, speculative_config=SPEC)
+def test_greedy_outputs_equal_speculation_off(target, prompts, hf_ids, tmp_path):
+    copy = shutil.copytree(target, tmp_path / "mimo")  # `model`: the MTP layers of this one
+    spec = {**SPEC, "model": str(copy)}
+    outs = _generate(target, prompts, speculative_config=spec)
     assert [o.outputs[0].token_ids for o in outs] == hf_ids
     assert sum(o.metrics.num_draft_tokens for o in outs) > 50
 
@@ -126,8 +129,8 @@ def test_every_proposal_is_the_mtp_formula_over_the_checkpoint(target, hf_target
     reference = DenseMtp(target, hf_target)
     spec = {**SPEC, "method": "mimo_mtp", "adaptive": True}  # vLLM's alias
     args = EngineArgs(model=target, speculative_config=spec, async_scheduling=True, **SMALL)
-    checked, _ = check_every_proposal(args, prompts, reference.drafts)
-    assert checked > 10
+    checked, preemptions = check_every_proposal(args, prompts, reference.drafts)
+    assert checked > 10 and preemptions > 0
 
 
 def test_mtp_without_mtp_layers_is_a_start_up_error(tmp_path):

@@ -41,6 +41,12 @@ def mtp_head_config(target: ModelConfig, checkpoint: ModelConfig | None = None) 
             f"speculative_config method 'mtp': {checkpoint.model!r} carries no "
             "multi-token-prediction layers (num_nextn_predict_layers is 0 or missing)"
         )
+    hidden = checkpoint.hf_config.hidden_size
+    if hidden != target.hf_config.hidden_size:
+        raise ValueError(
+            f"speculative_config: the MTP layers of {checkpoint.model!r} read hidden states of "
+            f"size {hidden}, {target.model!r} has {target.hf_config.hidden_size}"
+        )
     hf_config = copy.copy(checkpoint.hf_config)
     hf_config.architectures = [MTP_HEAD]
     hf_config.num_hidden_layers = 1
