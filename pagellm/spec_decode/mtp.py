@@ -26,6 +26,6 @@ class MtpProposer(Eagle3Proposer):
         self.model.use_target_head(self.host.target_model.compute_logits)
 
     def step_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's output, copied: the next forward may reuse its buffer (the CPU
-        decoder's, a CUDA graph's) before this step's tokens are back."""
+        """The target's output, copied: the next forward may reuse its buffer (a CUDA
+        graph's replay) before this step's tokens are back."""
         return hidden.clone()  # [T, H]
