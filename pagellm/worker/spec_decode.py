@@ -41,12 +41,14 @@ def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixTreeProposer(config)
-    if config.method in ("draft_model", "eagle3"):
+    if config.method in ("draft_model", "eagle3", "mtp"):
         from pagellm.spec_decode.draft_model import DraftModelProposer
         from pagellm.spec_decode.eagle3 import Eagle3Proposer
+        from pagellm.spec_decode.mtp import MtpProposer
         from pagellm.worker.draft_host import DraftHost
 
-        cls = DraftModelProposer if config.method == "draft_model" else Eagle3Proposer
+        classes = {"draft_model": DraftModelProposer, "eagle3": Eagle3Proposer}
+        cls = classes.get(config.method, MtpProposer)
         return cls(config, runner.config.draft_model_config, DraftHost(runner))
     raise ValueError(f"speculative method {config.method!r} is not served yet")
 
