@@ -155,6 +155,23 @@ def test_every_sampling_feature_holds_with_drafts(llm, spec_llm, prompts, settin
         assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
 
 
+def test_grammar_and_penalties_with_async_scheduling(llm, prompts):
+    """Under async scheduling a verify step counts no placeholder for its request (its tokens
+    are counted once back): its grammar's masks and its penalties still apply at every
+    position."""
+    with LLM(dtype="float32", max_model_len=1024, speculative_config=SPEC,
+             async_scheduling=True) as spec:  # fmt: skip
+        for settings in (
+            dict(structured_outputs=StructuredOutputsParams(regex=r"[A-Za-z _(),:\n]{0,200}")),
+            dict(repetition_penalty=1.05, frequency_penalty=0.1, min_tokens=40),
+        ):
+            params = SamplingParams(temperature=0.0, max_tokens=40, **settings)
+            want, _ = _ids(llm, prompts[:2], params)
+            got, outs = _ids(spec, prompts[:2], params)
+            assert got == want, settings
+            assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
 def test_n_completions_seeds_and_priority(spec_llm, prompts):
     """Random sampling with drafts: a seeded request is reproducible; n > 1 completions each
     run their own drafts."""

@@ -194,7 +194,7 @@ class StructuredOutputManager:
                     and rid not in self.live
                     and self._samples(r, len(drafts.get(rid, ())))
                 ):
-                    unknown = r.num_output_placeholders - self.placeholder
+                    unknown = r.num_output_placeholders - self._own_placeholder(rid, drafts)
                     if span.must_see_last_token(r.output_token_ids, unknown):
                         waiting.append(r)
         return waiting
@@ -202,8 +202,14 @@ class StructuredOutputManager:
     def _samples(self, request: Request, num_drafts: int = 0) -> bool:
         """Whether the step just scheduled brings the request to the end of its tokens (and
         of the `num_drafts` drafts it verifies)."""
-        end = request.num_tokens + request.num_output_placeholders - self.placeholder
+        own = 0 if num_drafts else self.placeholder
+        end = request.num_tokens + request.num_output_placeholders - own
         return request.num_computed_tokens == end + num_drafts
+
+    def _own_placeholder(self, req_id: str, drafts: dict[str, list[int]]) -> int:
+        """The placeholder the step just scheduled counted for the request: one under async
+        scheduling, none for a verify step (its tokens are counted once they are back)."""
+        return 0 if drafts.get(req_id) else self.placeholder
 
     def grammar_bitmask(
         self, requests: list[Request], drafts: dict[str, list[int]] | None = None
