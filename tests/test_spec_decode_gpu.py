@@ -76,11 +76,14 @@ def test_penalties_and_a_grammar_hold_at_every_verify_position(engines):
 def test_seeded_sampling_is_reproducible_and_logprobs_follow_tokens(engines):
     _, spec = engines
     params = SamplingParams(temperature=0.7, max_tokens=48, seed=11, logprobs=3)
-    # the same steps both times: bf16 rounds a prefix-cache hit's shorter forward otherwise
-    spec.reset_prefix_cache()
-    first = _generate(spec, params)
-    spec.reset_prefix_cache()
-    again = _generate(spec, params)
+
+    def one_at_a_time():
+        # the same steps both times: bf16 rounds a prefix-cache hit's shorter forward, and a
+        # batch whose requests arrived over different steps, otherwise
+        spec.reset_prefix_cache()
+        return [spec.generate(text, params, use_tqdm=False)[0] for text in TEXTS]
+
+    first, again = one_at_a_time(), one_at_a_time()
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     for out in first:
         completion = out.outputs[0]
