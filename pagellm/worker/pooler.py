@@ -97,10 +97,10 @@ class Pooler:
 
     def _add_sums(self, batch: StepBatch, hidden: torch.Tensor) -> None:
         """Each row's chunk summed into its request's running sum."""
-        counts = batch.num_scheduled
-        seg = to_device(np.repeat(np.arange(len(counts)), counts), self.device)
-        sums = torch.zeros(len(counts), hidden.shape[1], device=self.device)
-        sums.index_add_(0, seg, hidden.float())  # [R, hidden]
+        # segment_reduce, not index_add_: the CPU's index_add_ runs serially (45 ms for
+        # [2048, 384], a tenth of a MiniLM step); the same sums, in the same order
+        counts = to_device(batch.num_scheduled.astype(np.int64), self.device)
+        sums = torch.segment_reduce(hidden.float(), "sum", lengths=counts)  # [R, hidden]
         for i, req_id in enumerate(batch.req_ids):
             before = self.partial.get(req_id)
             self.partial[req_id] = sums[i] if before is None else before + sums[i]
