@@ -160,9 +160,11 @@ class RequestSlices:
         """q, k, v: [T, H * D] (views of a fused GEMM's columns are fine) -> [T, H * D]."""
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for a, b in self.bounds:
-            heads = [t[a:b].view(b - a, num_heads, -1).transpose(0, 1) for t in (q, k, v)]
-            attended = F.scaled_dot_product_attention(*heads)  # [H, L, D]
-            out[a:b] = attended.transpose(0, 1).reshape(b - a, -1)
+            # [1, H, L, D]: SDPA's CPU flash kernel takes 4-D inputs only (3-D ones go to the
+            # math path, 15x slower at L = 300)
+            heads = [t[a:b].view(1, b - a, num_heads, -1).transpose(1, 2) for t in (q, k, v)]
+            attended = F.scaled_dot_product_attention(*heads)  # [1, H, L, D]
+            out[a:b] = attended[0].transpose(0, 1).reshape(b - a, -1)
         return out
 
 
