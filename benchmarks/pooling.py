@@ -19,6 +19,10 @@ AutoModel in length-sorted batches (mean pooling, normalize).
     python benchmarks/pooling.py --num-passages 200 --rounds 2 # quicker
     python benchmarks/pooling.py --device cuda --num-passages 10000
 
+On a shared machine, `--threads 1` keeps other tenants' load from stalling the threads of
+one parallel region on another's (pagellm's smaller steps run more regions than ST's batches
+and suffered more from it here: 2-5x swings with 2 threads, steady with 1).
+
 The last line is one JSON object with every number.
 """
 
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     torch_dtype = getattr(torch, args.dtype)
+    if args.threads:  # both sides: this process (the peer) and the engine core's, spawned
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model or save_model(Path(tmp) / args.shape, args.shape)
         passages, lengths = make_passages(
@@ -253,6 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads of each side (0: all)")
     return p.parse_args(argv)
 
 
