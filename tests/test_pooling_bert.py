@@ -67,3 +67,20 @@ def test_too_long_is_refused_or_truncated(llm, folder):
 def test_an_encoder_budget_must_hold_a_prompt(folder):
     with pytest.raises(ValueError, match="max_num_batched_tokens \\(8\\) must be at least"):
         LLM(folder, dtype="float32", max_model_len=16, max_num_batched_tokens=8)
+
+
+def test_attention_per_request_equals_the_padded_batch():
+    """The CPU's per-request attention (a few requests a step) and the padded batch (many,
+    and CUDA) give each token the same output: its own request's keys only."""
+    from pagellm.models.bert import PaddedLayout, RequestSlices
+
+    qsl = np.array([0, 5, 6, 19, 27])  # 4 requests of 5, 1, 13, 8 tokens
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(27, 4 * 8, generator=gen) for _ in range(3))
+    padded = PaddedLayout(qsl, 27, torch.device("cpu")).attend(q, k, v, 4)
+    sliced = RequestSlices(qsl).attend(q, k, v, 4)
+    torch.testing.assert_close(sliced, padded, atol=1e-5, rtol=1e-5)
+    alone = RequestSlices(qsl[:2]).attend(q[:5], k[:5], v[:5], 4)  # the first request alone
+    torch.testing.assert_close(sliced[:5], alone)
+    assert RequestSlices.use_slices(qsl, torch.device("cpu"))
+    assert not RequestSlices.use_slices(np.arange(40), torch.device("cpu"))

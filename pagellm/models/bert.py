@@ -54,12 +54,25 @@ class SelfAttention(nn.Module):
         self.query = Linear(hidden, hidden)
         self.key = Linear(hidden, hidden)
         self.value = Linear(hidden, hidden)
+        self.qkv: Linear | None = None  # query | key | value in one GEMM (`fuse_qkv`)
 
-    def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    def fuse_qkv(self) -> None:
+        """One [3 * hidden, hidden] Linear in place of three: one pass over x (the CPU's
+        packed GEMMs; the checkpoint's names are loaded by then)."""
+        parts = (self.query, self.key, self.value)
+        fused = Linear(self.query.in_features, 3 * self.query.out_features, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        self.qkv = fused
+        del self.query, self.key, self.value
+
+    def forward(self, x: torch.Tensor, layout: PaddedLayout | RequestSlices) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden], each token attending to its request's tokens
-        q, k, v = (layout.pad(p(x), self.num_heads) for p in (self.query, self.key, self.value))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask)  # [R, H, L, D]
-        return layout.unpad(out)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)  # each [T, hidden], a view
+        else:
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        return layout.attend(q, k, v, self.num_heads)
 
 
 class EncoderLayer(nn.Module):
@@ -74,7 +87,7 @@ class EncoderLayer(nn.Module):
         self.output = DenseNorm(config.intermediate_size, config.hidden_size, eps)
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: PaddedLayout | RequestSlices) -> torch.Tensor:
         attn = self.attention.output(self.attention.self(x, layout), x)
         return self.output(self.act(self.intermediate.dense(attn)), attn)
 
@@ -122,6 +135,38 @@ class PaddedLayout:
         r, _, length, _ = out.shape
         return out.transpose(1, 2).reshape(r * length, -1)[self.valid]
 
+    def attend(self, q, k, v, num_heads: int) -> torch.Tensor:
+        """q, k, v: [T, H * D] -> [T, H * D], one SDPA over the padded batch."""
+        q, k, v = (self.pad(t, num_heads) for t in (q, k, v))
+        return self.unpad(F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask))
+
+
+class RequestSlices:
+    """A step's requests as slices of the flat batch, attended one at a time: no padding
+    gathers, no mask (SDPA's flash kernel on each exact length). The CPU's choice for a few
+    requests a step (an encoder's long prompts fill the token budget with a handful); many
+    short ones go padded (`use_slices`), where one call beats one per request."""
+
+    MAX_REQUESTS = 32
+
+    def __init__(self, query_start_loc: np.ndarray) -> None:
+        self.bounds = list(zip(query_start_loc[:-1].tolist(), query_start_loc[1:].tolist()))
+
+    @classmethod
+    def use_slices(cls, query_start_loc: np.ndarray, device: torch.device) -> bool:
+        return device.type == "cpu" and len(query_start_loc) - 1 <= cls.MAX_REQUESTS
+
+    def attend(self, q, k, v, num_heads: int) -> torch.Tensor:
+        """q, k, v: [T, H * D] (views of a fused GEMM's columns are fine) -> [T, H * D]."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for a, b in self.bounds:
+            # [1, H, L, D]: SDPA's CPU flash kernel takes 4-D inputs only (3-D ones go to the
+            # math path, 15x slower at L = 300)
+            heads = [t[a:b].view(1, b - a, num_heads, -1).transpose(1, 2) for t in (q, k, v)]
+            attended = F.scaled_dot_product_attention(*heads)  # [1, H, L, D]
+            out[a:b] = attended[0].transpose(0, 1).reshape(b - a, -1)
+        return out
+
 
 class BertEmbeddingModel(nn.Module):
     """`BertModel`: the last layer's states, pooled by the runner (CLS or mean)."""
@@ -154,7 +199,9 @@ class BertEmbeddingModel(nn.Module):
         types = self.token_type_ids
         types = torch.zeros_like(ids) if types is None or len(types) != n else types
         x = self.embeddings(ids, positions, types)  # [T, hidden]
-        layout = PaddedLayout(attn_metadata.query_start_loc_cpu, n, x.device)
+        qsl = attn_metadata.query_start_loc_cpu
+        use_slices = RequestSlices.use_slices(qsl, x.device)
+        layout = RequestSlices(qsl) if use_slices else PaddedLayout(qsl, n, x.device)
         for layer in self.encoder.layer:
             x = layer(x, layout)
         return x
@@ -166,8 +213,11 @@ class BertEmbeddingModel(nn.Module):
         raise RuntimeError("an encoder has no LM head: it does not sample")
 
     def prepack_cpu_weights(self, batch_hint: int) -> None:
-        """The layers' Linears packed for our CPU GEMMs (x86); the heads stay plain (they
-        see only the pooled rows)."""
+        """The layers' Linears packed for our CPU GEMMs (x86), query | key | value fused
+        first; the heads stay plain (they see only the pooled rows)."""
+        for module in self.encoder.modules():
+            if isinstance(module, SelfAttention):
+                module.fuse_qkv()
         for module in self.encoder.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_hint)
