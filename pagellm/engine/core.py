@@ -75,6 +75,7 @@ class EngineCore:
             sliding_window=window,
             long_rope_switch=config.model_config.long_rope_switch,
             speculative=config.speculative_config,
+            max_loras=0 if config.lora_config is None else config.lora_config.max_loras,
         )
         self.async_scheduling = config.async_scheduling
         # speculative decoding: whether the last step reported came with drafts; while they

@@ -206,6 +206,7 @@ class LlamaModel(nn.Module):
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
         self._cpu_decoder_built = False
+        self.cpu_decoder_allowed = True  # False: the layers' own forward (LoRA adds deltas there)
         # an EAGLE-3 head's inputs (pagellm/spec_decode/eagle3.py): the residual stream entering
         # these layers, kept by each forward as `aux_hidden_states` [T, len * hidden]
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -226,7 +227,8 @@ class LlamaModel(nn.Module):
             # the weights are packed by now
             self.cpu_decoder = CpuDecoder.build(self, LlamaDecoderLayer)
             self._cpu_decoder_built = True
-        decoder = None if self.aux_hidden_layers else self.cpu_decoder  # one call: no aux
+        one_call = self.cpu_decoder_allowed and not self.aux_hidden_layers  # one call: no aux
+        decoder = self.cpu_decoder if one_call else None
         if decoder is not None and decoder.runs(hidden, kv_caches, attn_metadata):
             hidden, residual = decoder(hidden, cos_sin, kv_caches, attn_metadata)
         else:
