@@ -47,16 +47,17 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    inter = hf_config.intermediate_size
-    return {
+    shapes = {
         "q_proj": (hidden, heads * head_dim),
         "k_proj": (hidden, kv_heads * head_dim),
         "v_proj": (hidden, kv_heads * head_dim),
         "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
     }
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        return shapes  # an MoE block's experts take no adapters (yet)
+    inter = hf_config.intermediate_size
+    shapes.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+    return shapes
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
@@ -91,6 +92,8 @@ def load_adapter(path: str, hf_config: Any, max_lora_rank: int) -> LoRAAdapter:
     pairs = _pair_tensors(path, _read_tensors(path), hf_config.num_hidden_layers)
     shapes = module_shapes(hf_config)
     for (layer, module), (a, b) in pairs.items():
+        if module not in shapes:
+            raise ValueError(f"LoRA adapter {path!r}: the base model has no dense {module}")
         fan_in, fan_out = shapes[module]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(
