@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from torch import nn
 
 from pagellm.config.lora import LoRAConfig
@@ -101,19 +100,12 @@ class LoRASlotManager:
         ids = [self.requests.get(r, 0) for r in req_ids]
         used = set(ids) - {0}
         row_slots = np.array([self._slot(i, used) if i else -1 for i in ids], dtype=np.int64)
+        scales, ranks = [0.0] * self.config.max_loras, [0] * self.config.max_loras
+        for adapter_id, slot in self.resident.items():
+            scales[slot] = self.adapters[adapter_id].scaling
+            ranks[slot] = self.adapters[adapter_id].rank
         token_slots = np.repeat(row_slots, num_scheduled)
-        groups = []
-        for slot in np.unique(token_slots):
-            if slot < 0:
-                continue
-            adapter = self.adapters[self._id_in(int(slot))]
-            mask = token_slots == slot
-            rows = None if mask.all() else torch.from_numpy(np.nonzero(mask)[0]).to(self.device)
-            groups.append((int(slot), rows, adapter.rank, adapter.scaling))
-        self.step.groups = groups
-
-    def _id_in(self, slot: int) -> int:
-        return next(i for i, s in self.resident.items() if s == slot)
+        self.step.set_rows(token_slots, scales, ranks, self.device)
 
     def _slot(self, adapter_id: int, used: set[int]) -> int:
         slot = self.resident.get(adapter_id)
