@@ -91,6 +91,7 @@ def test_mixed_adapters_equal_hf_peft(served):
     for prompt, name, out in zip(prompts, ASSIGNED, outputs):
         expected = _expected(refs, prompt, name)
         assert out.outputs[0].token_ids == expected, (len(prompt), name)
+        assert out.lora_request == (None if name is None else loras[name])
         if name is not None:  # the adapter changes the output
             assert expected != _expected(refs, prompt, None), name
 
