@@ -67,8 +67,8 @@ def test_shrink_expand_equal_torch(t, k, r, n, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lora_slots_on_cuda_and_in_a_cuda_graph():
     """A q | k | v layer's delta from `LoRASlots` (the kernels) equals its CPU path (grouped
-    torch matmuls), float32 weights (TF32 dots) at Llama-8B widths; then captured in a CUDA graph and replayed with
-    another slot per row."""
+    torch matmuls), float32 weights (TF32 dots) at Llama-8B widths; then captured in a CUDA
+    graph and replayed with another slot per row."""
     from pagellm.lora.layers import LoRASlots, LoRAStep
 
     parts = {"q_proj": (0, 4096), "k_proj": (4096, 5120), "v_proj": (5120, 6144)}
