@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# models whose decoder layers hold the q|k|v, o, gate|up and down projections adapters target
+LORA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
 
 @dataclass(frozen=True)
 class LoRAConfig:

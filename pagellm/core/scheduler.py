@@ -330,14 +330,17 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
 
     def _schedule_waiting(self, step: _Step) -> None:
+        skipped: list[Request] = []  # their adapter needs a slot no running adapter frees yet
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if not fits_lora_slots(request.lora_request, self.running, self.max_loras):
-                return  # FIFO: it waits for a running adapter's slot to free
+                skipped.append(self.waiting.popleft())  # others may go first, as in vLLM
+                continue
             if not self._try_admit(request, step):
-                return  # FIFO: nobody overtakes a request waiting for blocks
+                break  # FIFO: nobody overtakes a request waiting for blocks
             self.waiting.popleft()
             self.running.append(request)
+        self.waiting.extendleft(reversed(skipped))  # back in their places, at the front
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager

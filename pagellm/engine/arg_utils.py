@@ -32,7 +32,7 @@ from pagellm.config import (
     StructuredOutputsConfig,
     architecture_of,
 )
-from pagellm.config.lora import LoRAConfig
+from pagellm.config.lora import LORA_ARCHITECTURES, LoRAConfig
 from pagellm.quantization import resolve_quantization, with_dummy_quantization
 from pagellm.utils import cpu_bf16_units
 
@@ -112,8 +112,13 @@ class EngineArgs:
             return None
         if parallel_config.tensor_parallel_size > 1:
             raise ValueError("enable_lora works with tensor_parallel_size=1 only (for now)")
-        if model_config.quantization is not None or model_config.runner == "pooling":
-            raise ValueError("enable_lora needs an unquantized generative model")
+        if model_config.runner == "pooling":
+            raise ValueError("enable_lora needs a generative model (runner='generate')")
+        if model_config.architecture not in LORA_ARCHITECTURES:
+            raise ValueError(
+                f"enable_lora serves {', '.join(LORA_ARCHITECTURES)} models; "
+                f"{model_config.architecture} is not one of them (yet)"
+            )
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     @classmethod
