@@ -46,6 +46,11 @@ class LoRASlotManager:
         self.dtype = dtype
         self.targets: dict[tuple[int, str], LoRASlots] = {}  # (layer, PEFT module) -> slots
         self._attach(model)
+        logger.info(
+            "LoRA: %d slots of rank up to %d on %d projections, a host cache of %d adapters",
+            config.max_loras, config.max_lora_rank, len(set(self.targets.values())),
+            config.host_cache_size,
+        )  # fmt: skip
         self.requests: dict[str, int] = {}  # request id -> adapter id
         self.paths: dict[int, str] = {}  # adapter id -> its folder
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
