@@ -157,6 +157,23 @@ def test_bad_adapter_fails_alone(served, tmp_path, edit, words):
     assert out[1].outputs[0].token_ids == _expected(refs, prompt, None)
 
 
+def test_core_fails_a_bad_adapter_alone(served, tmp_path, monkeypatch):
+    """The caller's check skipped: the engine core's read of the adapter (before queueing)
+    fails that request alone, and the engine serves the next."""
+    llm, loras, refs, _ = served
+    monkeypatch.setattr(llm.llm_engine.input_processor, "check_lora", lambda lora: None)
+    bad = LoRARequest(
+        "bad", 22, _broken_copy(loras["all"].lora_path, tmp_path / "b", _add_embedding)
+    )
+    prompt = _prompts()[1]
+    with pytest.raises(ValueError, match="embed_tokens"):
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=bad)
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=loras["attn"]
+    )
+    assert out[0].outputs[0].token_ids == _expected(refs, prompt, "attn")
+
+
 def test_rank_over_max_and_lora_off(served, tmp_path):
     llm, loras, _, _ = served
     big = tmp_path / "big"

@@ -84,9 +84,17 @@ class LoRASlotManager:
             self.requests.pop(req_id, None)
             return
         self.requests[req_id] = lora_request.lora_int_id
+        self._set_path(lora_request)
+
+    def _set_path(self, lora_request: LoRARequest) -> None:
         if self.paths.get(lora_request.lora_int_id) != lora_request.lora_path:
             self.forget(lora_request.lora_int_id)  # another folder under this id
             self.paths[lora_request.lora_int_id] = lora_request.lora_path
+
+    def add_adapter(self, lora_request: LoRARequest) -> None:
+        """Read an adapter into the host cache now, off the step (ValueError: it does not fit)."""
+        self._set_path(lora_request)
+        self._host_adapter(lora_request.lora_int_id)
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
