@@ -49,6 +49,7 @@ CASES = {  # (family, packing): int weights kept where the block kernel runs (4-
         "qwen2", Packing("compressed-tensors", 4, 32, False, True), True),
     "llama-ct-w4a16-sym-channel": ("llama", Packing("compressed-tensors", 4, -1), True),
     "qwen3-ct-w8a16-sym-g64": ("qwen3", Packing("compressed-tensors", 8, 64), True),
+    "starcoder2-gptq-sym-g64": ("starcoder2", Packing("gptq", 4, 64), True),  # biased c_fc
 }  # fmt: skip
 
 

@@ -50,6 +50,29 @@ def test_greedy_follows_speculation_off(engines):
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
 
 
+def test_penalties_and_a_grammar_hold_at_every_verify_position(engines):
+    """On the device too: penalties count the drafts before each verify row, a regex masks
+    every position; drafts flow, the output keeps the regex and follows speculation off."""
+    import re
+
+    from pagellm.structured_output.params import StructuredOutputsParams
+
+    off, spec = engines
+    pattern = r"[A-Za-z _(),:\n]{0,200}"
+    for settings in (
+        dict(repetition_penalty=1.05, frequency_penalty=0.1, min_tokens=40),
+        dict(structured_outputs=StructuredOutputsParams(regex=pattern)),
+    ):
+        params = SamplingParams(temperature=0.0, max_tokens=48, **settings)
+        want = [o.outputs[0].token_ids for o in _generate(off, params, 2)]
+        outs = _generate(spec, params, 2)
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > 0, settings
+        agree = sum(a[:16] == b[:16] for a, b in zip(want, (o.outputs[0].token_ids for o in outs)))
+        assert agree >= 1, settings
+        if "structured_outputs" in settings:
+            assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs)
+
+
 def test_seeded_sampling_is_reproducible_and_logprobs_follow_tokens(engines):
     _, spec = engines
     params = SamplingParams(temperature=0.7, max_tokens=48, seed=11, logprobs=3)
@@ -77,7 +100,14 @@ def test_batch1_timing_is_reported(engines, capsys):
     prompts = load("spec_decode_prompts").tokenize_sets(["grounded"], 3)["grounded"]
     params = SamplingParams(temperature=0.0, max_tokens=128)
     rates, outputs = [], []
-    for llm in engines:
+    # and with the drafts adaptive (the default): as many as the measured costs pay for
+    adaptive = LLM(
+        dtype="bfloat16",
+        max_model_len=2048,
+        kv_cache_memory_bytes=2 << 30,
+        speculative_config={**SPEC, "adaptive": True, "prompt_lookup_min": 2},
+    )
+    for llm in (*engines, adaptive):
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm
         start, tokens, outs = time.perf_counter(), 0, []
         for ids in prompts:
@@ -86,7 +116,10 @@ def test_batch1_timing_is_reported(engines, capsys):
             outs.append(out.outputs[0].token_ids)
         rates.append(tokens / (time.perf_counter() - start))
         outputs.append(outs)
+    adaptive.shutdown()
     with capsys.disabled():
         print(f"\nbatch 1, grounded: off {rates[0]:.1f} tok/s, ngram {rates[1]:.1f} tok/s "
-              f"({rates[1] / rates[0]:.2f}x)")  # fmt: skip
-    assert sum(a[:32] == b[:32] for a, b in zip(*outputs)) >= 2
+              f"({rates[1] / rates[0]:.2f}x), adaptive ngram {rates[2]:.1f} tok/s "
+              f"({rates[2] / rates[0]:.2f}x)")  # fmt: skip
+    for drafted in outputs[1:]:
+        assert sum(a[:32] == b[:32] for a, b in zip(outputs[0], drafted)) >= 2

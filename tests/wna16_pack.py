@@ -40,7 +40,9 @@ PROJECTIONS = (
     "w1",
     "w2",
     "w3",
-)  # fmt: skip (w*: Mixtral's experts)
+    "c_fc",
+    "c_proj",
+)  # fmt: skip (w*: Mixtral's experts; c_*: StarCoder2's MLP)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of an int32 holds column this
 
 

@@ -8,8 +8,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-# a draft model's or heads' own folder: needed by these methods
-_SPEC_NEEDS_MODEL = ("draft_model", "eagle3", "mtp")
+# a draft model's or heads' own folder: needed by these methods (mtp: the target's by default)
+_SPEC_NEEDS_MODEL = ("draft_model", "eagle3")
+# methods that draft with a model of their own, writing its K/V past the scheduled tokens
+_SPEC_HAS_MODEL = ("draft_model", "eagle3", "mtp")
+# vLLM's model-specific names of "mtp" (a checkpoint's own multi-token-prediction layers)
+MTP_ALIASES = (
+    "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp",
+    "longcat_flash_mtp", "pangu_ultra_moe_mtp",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -23,7 +30,8 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    model: str | None = None  # the draft model (draft_model) or the heads (eagle3, mtp)
+    # the draft model (draft_model) or the heads (eagle3; mtp: None, the target's own folder)
+    model: str | None = None
     prompt_lookup_min: int | None = None  # ngram: the shortest suffix looked up
     prompt_lookup_max: int | None = None  # ngram: the longest
     suffix_decoding_max_tree_depth: int = 24
@@ -35,6 +43,8 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if self.method in MTP_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {', '.join(SPEC_METHODS)}, got "
@@ -65,14 +75,14 @@ class SpeculativeConfig:
         if self.method in _SPEC_NEEDS_MODEL and not self.model:
             raise ValueError(f"speculative_config method {self.method!r} needs 'model': the "
                              "draft model's (or heads') folder")  # fmt: skip
-        if self.method not in _SPEC_NEEDS_MODEL and self.model is not None:
+        if self.method not in _SPEC_HAS_MODEL and self.model is not None:
             raise ValueError(f"speculative_config method {self.method!r} takes no 'model'")
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a running request holds past its scheduled tokens: a draft model writes
         its drafts' K/V there (the first k - 1 of them; one more: slack for a full accept)."""
-        return self.num_speculative_tokens if self.method in _SPEC_NEEDS_MODEL else 0
+        return self.num_speculative_tokens if self.method in _SPEC_HAS_MODEL else 0
 
     @classmethod
     def of(cls, value: dict[str, Any] | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -97,6 +107,8 @@ class SpeculativeConfig:
             )
         value = dict(value)
         method = value.setdefault("method", "draft_model" if value.get("model") else None)
+        if method in MTP_ALIASES:
+            method = value["method"] = "mtp"
         if method is None:
             raise ValueError(
                 f"speculative_config needs a 'method' ({', '.join(SPEC_METHODS)}) or a draft "

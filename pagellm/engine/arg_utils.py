@@ -10,7 +10,6 @@ engine core.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -33,6 +32,13 @@ from pagellm.config import (
     architecture_of,
 )
 from pagellm.config.lora import LORA_ARCHITECTURES, LoRAConfig
+from pagellm.engine.draft_config import (
+    EAGLE3_HEAD,
+    MTP_HEAD,
+    check_draft_model,
+    eagle3_head_config,
+    mtp_head_config,
+)
 from pagellm.quantization import resolve_quantization, with_dummy_quantization
 from pagellm.utils import cpu_bf16_units
 
@@ -47,7 +53,6 @@ _DTYPES = {
     "half": torch.float16,
 }
 logger = logging.getLogger(__name__)
-EAGLE3_HEAD = "LlamaForCausalLMEagle3"  # the architecture of EAGLE-3 heads' checkpoints
 
 
 @dataclass
@@ -162,6 +167,8 @@ class EngineArgs:
                 f"{model_config.model!r} is an EAGLE-3 head: serve its target model with "
                 "speculative_config={'method': 'eagle3', 'model': <this head>}"
             )
+        if model_config.architecture == MTP_HEAD:
+            raise ValueError(f"{MTP_HEAD} is an MTP head: serve its checkpoint's own model")
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )
@@ -266,8 +273,9 @@ class EngineArgs:
         """speculative_config method draft_model (eagle3): the draft's (head's) config,
         resolved as the target's is (its own folder, tokenizer and quantization; the target's
         dtype, device and seed), checked against the target (`check_draft_model`,
-        `eagle3_head_config`); None for other methods."""
-        if spec is None or spec.method not in ("draft_model", "eagle3"):
+        `eagle3_head_config`); mtp: the target's own MTP head (`mtp_head_config`; another
+        folder's if `model` names one); None for other methods."""
+        if spec is None or spec.method not in ("draft_model", "eagle3", "mtp"):
             return None
         if self.tensor_parallel_size > 1:
             raise ValueError(
@@ -280,7 +288,12 @@ class EngineArgs:
             served_model_name=None, dtype=str(target.dtype).removeprefix("torch."),
             load_format="dummy" if self.load_format == "dummy" else "auto",
         )  # fmt: skip
+        if spec.method == "mtp" and spec.model in (None, self.model):
+            return mtp_head_config(target)
         draft = args.create_model_config(device)
+        if spec.method == "mtp":
+            check_draft_model(target, draft)
+            return mtp_head_config(target, draft)
         if spec.method == "eagle3":
             draft = eagle3_head_config(target, draft)
         check_draft_model(target, draft)
@@ -369,57 +382,4 @@ def check_heads(hf_config: Any, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} and the model's num_key_value_heads ({kv_heads}) must "
             "divide one another (KV heads are split, or replicated when fewer than ranks)"
-        )
-
-
-def eagle3_head_config(target: ModelConfig, head: ModelConfig) -> ModelConfig:
-    """An EAGLE-3 head's config for `target`: its architecture and the target's hidden size
-    checked; its rotary table stretched to the target's max_model_len (heads are trained on
-    short sequences; their config's length caps nothing)."""
-    if head.architecture != EAGLE3_HEAD:
-        raise ValueError(
-            f"speculative_config method 'eagle3' needs an EAGLE-3 head (architecture "
-            f"LlamaForCausalLMEagle3); {head.model!r} is {head.architecture}"
-        )
-    hidden = getattr(head.hf_config, "target_hidden_size", None) or head.hf_config.hidden_size
-    if hidden != target.hf_config.hidden_size:
-        raise ValueError(
-            f"speculative_config: the EAGLE-3 head {head.model!r} reads hidden states of size "
-            f"{hidden}, {target.model!r} has {target.hf_config.hidden_size}"
-        )
-    hf_config = copy.copy(head.hf_config)
-    hf_config.max_position_embeddings = max(head.max_model_len, target.max_model_len)
-    return dataclasses.replace(head, hf_config=hf_config, max_model_len=target.max_model_len)
-
-
-def check_draft_model(target: ModelConfig, draft: ModelConfig) -> None:
-    """A draft the target cannot verify is a start-up error: another vocabulary (the
-    tokenizers' token -> id maps where both have one, else the configs' vocabulary sizes:
-    equal tokenizers may pad their embeddings apart, drafts then stay in the shared ids), or
-    fewer positions than max_model_len (lower max_model_len to use it)."""
-    from pagellm import loader
-
-    name, draft_name = repr(target.model), repr(draft.model)
-    if draft.max_model_len < target.max_model_len:
-        raise ValueError(
-            f"speculative_config: the draft model {draft_name} holds {draft.max_model_len} "
-            f"positions, fewer than max_model_len={target.max_model_len} of {name}; pass "
-            f"max_model_len={draft.max_model_len} (or less) to use it"
-        )
-    ours, theirs = loader.load_tokenizer(target.source), loader.load_tokenizer(draft.source)
-    if ours is not None and theirs is not None:
-        mine, its = ours.get_vocab(), theirs.get_vocab()
-        if mine != its:
-            token = min(t for t in mine.keys() | its.keys() if mine.get(t) != its.get(t))
-            raise ValueError(
-                f"speculative_config: the draft model {draft_name}'s tokenizer differs from "
-                f"{name}'s ({len(its)} vs {len(mine)} tokens; {token!r} is id "
-                f"{its.get(token)} vs {mine.get(token)}): a draft must share the target's "
-                "tokenizer"
-            )
-    elif draft.vocab_size != target.vocab_size:
-        raise ValueError(
-            f"speculative_config: the draft model {draft_name} has a vocabulary of "
-            f"{draft.vocab_size} tokens, {name} of {target.vocab_size}: a draft must share "
-            "the target's tokenizer"
         )

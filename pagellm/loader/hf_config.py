@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from pagellm.config import HFConfigView, ModelSource
@@ -22,7 +23,24 @@ def load_hf_config(source: ModelSource) -> PretrainedConfig | HFConfigView:
     # config from the caller and never imports it (several seconds on some machines)
     from transformers import AutoConfig
 
+    data = _config_json(source.path)
+    if data.get("model_type") in _MODEL_TYPE_OF:  # its own config class: remote code
+        fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+        return AutoConfig.for_model(_MODEL_TYPE_OF[data["model_type"]], **fields)
     return language_model_config(AutoConfig.from_pretrained(source.path))
+
+
+# checkpoints whose config.json names a model type of their own (a config class in remote
+# code) that is another's with extra fields: Xiaomi MiMo is Qwen2's, `num_nextn_predict_layers`
+_MODEL_TYPE_OF = {"mimo": "qwen2"}
+
+
+def _config_json(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:

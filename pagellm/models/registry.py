@@ -14,6 +14,7 @@ _MODELS = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "MiMoForCausalLM": ("mimo", "MiMoForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
@@ -25,8 +26,10 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
-    # speculative decoding's heads, drafting for a target (speculative_config method eagle3)
+    # speculative decoding's heads, drafting for a target (speculative_config method eagle3,
+    # mtp: a MiMo checkpoint's own MTP layers, built under this name by `mtp_head_config`)
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3LlamaForCausalLM"),
+    "MiMoMTPModel": ("mimo", "MiMoMTPHead"),
 }
 # pooling checkpoints of a decoder family -> its causal LM's architecture (models/pooling.py):
 # a bare decoder (AutoModel's) embeds, a *ForSequenceClassification classifies

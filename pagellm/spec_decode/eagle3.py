@@ -36,25 +36,37 @@ from pagellm.utils import to_device
 
 
 class Eagle3Proposer(DraftModelProposer):
+    method = "eagle3"
+
     def __init__(self, config: SpeculativeConfig, model_config: ModelConfig, host: Any) -> None:
         super().__init__(config, model_config, host)  # the head, its cache
         target = getattr(host.target_model, "model", None)
         if not isinstance(target, LlamaModel):
             raise ValueError(
-                "speculative_config method 'eagle3' drafts for a Llama-family decoder (Llama, "
-                f"Mistral, Qwen2, Qwen3, ...), not {type(host.target_model).__name__}"
+                f"speculative_config method {self.method!r} drafts for a Llama-family decoder "
+                f"(Llama, Mistral, Qwen2, Qwen3, ...), not {type(host.target_model).__name__}"
             )
         self.model.use_target_embedding(target.embed_tokens)
-        target.aux_hidden_layers = aux_hidden_layers(model_config.hf_config, len(target.layers))
         self.target = target
+        self.attach(model_config)
         # forwards whose sampled tokens are not back yet, oldest first (async scheduling: two):
         # each one's batch, features [T, 3 H] and its rows' positions fed so far
         self.steps: deque[tuple[Any, torch.Tensor, np.ndarray]] = deque()
 
-    def after_forward(self, batch: Any) -> None:
+    def attach(self, model_config: ModelConfig) -> None:
+        """Have the target keep what the head reads: the residual stream entering 3 layers."""
+        target = self.target
+        target.aux_hidden_layers = aux_hidden_layers(model_config.hf_config, len(target.layers))
+
+    def step_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's inputs of this step's positions, [T, 3 H] (`hidden`: the target's
+        output)."""
+        return self.target.aux_hidden_states
+
+    def after_forward(self, batch: Any, hidden: torch.Tensor) -> None:
         """Feed the positions whose next token is known (prompt chunks); keep the features of
         the rest (the rows that sample) until the step's tokens are back."""
-        features = self.target.aux_hidden_states  # [T, 3 H]
+        features = self.step_features(hidden)  # [T, 3 H]
         first = (batch.seq_lens - batch.num_scheduled).astype(np.int64)  # [R]
         known = self.host.input_batch.num_tokens[batch.rows] - 1  # positions with a next token
         ends = np.minimum(batch.seq_lens, known)

@@ -33,9 +33,10 @@ class Proposer:
     def remove_request(self, req_id: str) -> None:
         """The request left the runner (finished or preempted)."""
 
-    def after_forward(self, batch: Any) -> None:
-        """The step's forward is done (`batch`: its `StepBatch`), its tokens not yet sampled:
-        a head that reads the target's hidden states takes this step's here."""
+    def after_forward(self, batch: Any, hidden: Any) -> None:
+        """The step's forward is done (`batch`: its `StepBatch`; `hidden` [T, hidden]: the
+        target's output), its tokens not yet sampled: a head that reads the target's hidden
+        states takes this step's here."""
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one block of the proposer's own KV cache (a draft model's): the runner's

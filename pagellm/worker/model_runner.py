@@ -385,7 +385,7 @@ class ModelRunner:
             pooled = self.pooler.output(batch, hidden, self.input_batch.num_tokens[batch.rows])
             return AsyncModelRunnerOutput(pooled)
         if self.spec is not None:
-            self.spec.proposer.after_forward(batch)  # an EAGLE-3 head takes the hidden states
+            self.spec.proposer.after_forward(batch, hidden)  # a head takes the hidden states
             if self.spec.verifies(batch):
                 return self.spec.sample(batch, hidden, grammar)
         ib = self.input_batch

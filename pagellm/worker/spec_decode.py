@@ -41,12 +41,14 @@ def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixTreeProposer(config)
-    if config.method in ("draft_model", "eagle3"):
+    if config.method in ("draft_model", "eagle3", "mtp"):
         from pagellm.spec_decode.draft_model import DraftModelProposer
         from pagellm.spec_decode.eagle3 import Eagle3Proposer
+        from pagellm.spec_decode.mtp import MtpProposer
         from pagellm.worker.draft_host import DraftHost
 
-        cls = DraftModelProposer if config.method == "draft_model" else Eagle3Proposer
+        classes = {"draft_model": DraftModelProposer, "eagle3": Eagle3Proposer}
+        cls = classes.get(config.method, MtpProposer)
         return cls(config, runner.config.draft_model_config, DraftHost(runner))
     raise ValueError(f"speculative method {config.method!r} is not served yet")
 
@@ -147,7 +149,8 @@ class SpecDecoder:
         draft_ids[within == np.repeat(ks, ks + 1)] = -1  # a request's last row: no draft
         tokens, result = verify(logits, meta, to_device(draft_ids, device), layout)
         if meta.processors:  # the tokens kept, in the flat rows' order (-1: a row not kept)
-            meta.record(tokens[to_device(layout.valid, device)])
+            kept = to_device(np.flatnonzero(layout.valid.ravel()), device)  # no device sync
+            meta.record(tokens.reshape(-1)[kept])
         if get_tp_group().size > 1:
             broadcast_from_rank0(tokens)  # every rank appends the same tokens
         result.sampled = tokens  # [S, K + 1]: what the host reads back; logprobs per row
