@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import (
     ClassificationRequestOutput,
     CompletionOutput,
@@ -34,6 +35,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "ClassificationRequestOutput",
     "ScoringRequestOutput",
+    "LoRARequest",
 ]
 
 

@@ -223,7 +223,8 @@ def _server_options(p: argparse.ArgumentParser) -> None:
         else:
             parse = f.metadata["parse"]
             p.add_argument(flag, type=_arg_type(parse) if parse else kind, default=f.default,
-                           help=f.metadata["help"], choices=f.metadata["choices"])  # fmt: skip
+                           help=f.metadata["help"], choices=f.metadata["choices"],
+                           nargs=f.metadata["nargs"])  # fmt: skip
 
 
 def _arg_type(parse: typing.Callable[[str], typing.Any]) -> typing.Callable[[str], typing.Any]:

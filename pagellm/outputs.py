@@ -64,7 +64,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
-    lora_request: None = None
+    lora_request: Any = None  # the LoRARequest it ran with (None: the base model)
     kv_transfer_params: dict | None = field(default=None)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0  # lower is scheduled first, with scheduling_policy="priority"
     # a pooling model's request (prefill-only: no sampling; `sampling_params` is a placeholder)
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

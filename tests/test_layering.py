@@ -6,15 +6,17 @@ below it, never above, at the top of the file or inside a function. From the bot
     base          utils, envs, logger, cpp_build, kv_cache_dtype, kv_cache_size, tracing,
                   sandbox and sandbox_worker; the data that crosses boundaries: outputs,
                   sampling_params, pooling_params, structured_output/params, protocol
-                  (caller <-> core) and core/sched_output (scheduler -> runner)
+                  (caller <-> core), core/sched_output (scheduler -> runner), lora/request
     config        config/: plain dataclasses (EngineConfig and its parts, HFConfigView)
     kernels       kernels/: Triton and C++ kernels with their Python wrappers, CPU GEMMs
     backends      attention/, distributed/, quantization/ (finds `Linear`s through a slot)
-    layers        layers/: linear, norms, rotary, embeddings, the attention layer, MoE
+    layers        layers/: linear, norms, rotary, embeddings, the attention layer, MoE;
+                  lora/layers (a Linear's LoRA delta)
     models        models/: one file a family, the registry, checkpoint names
-    loader        loader/: checkpoint files, configs and tokenizers, `load_model()`
+    loader        loader/: checkpoint files, configs and tokenizers, `load_model()`;
+                  lora/peft (adapter folders)
     sampling      sample/, structured_output/, spec_decode/ (draft proposers)
-    worker        worker/: the model runner
+    worker        worker/: the model runner; lora/slots (its adapter slots)
     executor      executor/
     core          core/: the scheduler, KV blocks, requests
     engine        engine/: EngineArgs (arg_utils), the EngineCore, its clients, I/O
@@ -49,17 +51,19 @@ BASE = (
     "pagellm.structured_output.params",
     "pagellm.protocol",
     "pagellm.core.sched_output",
+    "pagellm.lora",
+    "pagellm.lora.request",
 )
 FLOORS = (
     BASE,
     ("pagellm.config",),
     ("pagellm.kernels",),
     ("pagellm.attention", "pagellm.distributed", "pagellm.quantization"),
-    ("pagellm.layers",),
+    ("pagellm.layers", "pagellm.lora.layers"),
     ("pagellm.models",),
-    ("pagellm.loader",),
+    ("pagellm.loader", "pagellm.lora.peft"),
     ("pagellm.sample", "pagellm.structured_output", "pagellm.spec_decode"),
-    ("pagellm.worker",),
+    ("pagellm.worker", "pagellm.lora.slots"),
     ("pagellm.executor",),
     ("pagellm.core",),
     ("pagellm.engine",),

@@ -177,6 +177,20 @@ def compile_fused_moe_quant() -> None:
                      num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
 
 
+def compile_lora() -> None:
+    """The multi-LoRA shrink and expand on bf16 activations and slots, as `lora_shrink` /
+    `lora_expand` launch them (rank 16)."""
+    from pagellm.kernels.lora import _expand_kernel, _shrink_kernel
+
+    types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*fp32", "slots_ptr": "*i32",
+             "scale_ptr": "*fp32"}  # fmt: skip
+    _compile(_shrink_kernel, types, dict(BLOCK_M=16, BLOCK_K=32, BLOCK_R=16),
+             ("K", "stride_xt", "stride_al", "stride_ar"))  # fmt: skip
+    types = {"h_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "slots_ptr": "*i32"}
+    _compile(_expand_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16),
+             ("N", "stride_bl", "stride_ot"))  # fmt: skip
+
+
 def _in_fresh_process(function: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
@@ -203,3 +217,7 @@ def test_wna16_gemm_compiles_for_hopper():
 
 def test_fused_moe_quant_compiles_for_hopper():
     _in_fresh_process("compile_fused_moe_quant")
+
+
+def test_lora_kernels_compile_for_hopper():
+    _in_fresh_process("compile_lora")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagellm.config.lora import LoRAConfig
 from pagellm.config.speculative import SpeculativeConfig
 from pagellm.kv_cache_dtype import check_kv_cache_dtype
 
@@ -281,6 +282,7 @@ class EngineConfig:
     )
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     draft_model_config: ModelConfig | None = None  # speculative method draft_model: the draft
+    lora_config: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """This config with a settled max_model_len (what max_model_len="auto" became)."""
@@ -309,6 +311,7 @@ class EngineConfig:
                 if self.speculative_config is None
                 else dataclasses.asdict(self.speculative_config)
             ),
+            lora_config=None if self.lora_config is None else dataclasses.asdict(self.lora_config),
         )
         return wire
 
@@ -327,8 +330,13 @@ class EngineConfig:
                     **wire["structured_outputs_config"]
                 ),
                 "speculative_config": SpeculativeConfig.of(wire.get("speculative_config")),
+                "lora_config": _lora_from_wire(wire.get("lora_config")),
             }
         )
+
+
+def _lora_from_wire(wire: dict[str, Any] | None) -> LoRAConfig | None:
+    return None if wire is None else LoRAConfig(**wire)
 
 
 def _model_to_wire(mc: ModelConfig) -> dict[str, Any]:

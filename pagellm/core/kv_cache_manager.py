@@ -261,6 +261,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         size = self.block_size
         root = LONG_ROPE_ROOT_HASH if request.long_rope else ROOT_BLOCK_HASH
+        if request.lora_request is not None:  # an adapter's K/V are its own
+            root = hash((root, "lora", request.lora_request.lora_int_id))
         parent = hashes[-1] if hashes else root
         for start in range(len(hashes) * size, num_tokens - size + 1, size):
             parent = hash_block_tokens(parent, tuple(tokens[start : start + size]))

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import EngineCoreRequest, FinishReason
 from pagellm.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ class Request:
         "num_draft_tokens",
         "num_accepted_tokens",
         "pooling_params",
+        "lora_request",
     )
 
     def __init__(
@@ -83,6 +85,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -117,6 +120,7 @@ class Request:
         self.num_accepted_tokens = 0
         # a pooling request: prefill-only, it finishes with its pooled state after its prompt
         self.pooling_params = pooling_params
+        self.lora_request = lora_request  # its adapter (None: the base model)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -128,6 +132,7 @@ class Request:
             req.arrival_time,
             req.priority,
             req.pooling_params,
+            req.lora_request,
         )
 
     @property

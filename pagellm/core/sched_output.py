@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...] = ()  # the sampler bans them (and stop ids) before min_tokens
     long_rope: bool = False  # rotated with a longrope model's long factors (its second rows)
     pooling_params: PoolingParams | None = None  # a pooling request (no sampling)
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from pagellm.core.sched_output import (
     SchedulerOutput,
 )
 from pagellm.core.spec_decode import SpecDecodeStats, drafts_in_step, take_proposal
+from pagellm.lora.request import fits_lora_slots
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,9 @@ class Scheduler:
         policy: str = "fcfs",
         long_rope_switch: int | None = None,  # longrope: past this many tokens, long factors
         speculative: SpeculativeConfig | None = None,  # drafts come with the runner's outputs
+        max_loras: int = 0,  # distinct adapters among running requests (0: no LoRA)
     ) -> None:
+        self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -327,12 +330,17 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)  # the runner drops its state
 
     def _schedule_waiting(self, step: _Step) -> None:
+        skipped: list[Request] = []  # their adapter needs a slot no running adapter frees yet
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not fits_lora_slots(request.lora_request, self.running, self.max_loras):
+                skipped.append(self.waiting.popleft())  # others may go first, as in vLLM
+                continue
             if not self._try_admit(request, step):
-                return  # FIFO: nobody overtakes a request waiting for blocks
+                break  # FIFO: nobody overtakes a request waiting for blocks
             self.waiting.popleft()
             self.running.append(request)
+        self.waiting.extendleft(reversed(skipped))  # back in their places, at the front
 
     def _try_admit(self, request: Request, step: _Step) -> bool:
         kv = self.kv_cache_manager
@@ -357,6 +365,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             long_rope=request.long_rope,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
         step.new_reqs.append(new_req)
         self._advance(request, num_new, step)

@@ -31,6 +31,7 @@ from pagellm.config import (
     StructuredOutputsConfig,
     architecture_of,
 )
+from pagellm.config.lora import LORA_ARCHITECTURES, LoRAConfig
 from pagellm.engine.draft_config import (
     EAGLE3_HEAD,
     MTP_HEAD,
@@ -104,6 +105,26 @@ class EngineArgs:
     # LM-head-less checkpoint or sentence-transformers files (loader/pooler_config.py)
     runner: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None  # HF config attributes replaced (or JSON)
+    # LoRA adapters (pagellm/lora/): slots for distinct adapters a step, their largest rank,
+    # adapters kept on the host (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def _lora_config(self, model_config: Any, parallel_config: Any) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if parallel_config.tensor_parallel_size > 1:
+            raise ValueError("enable_lora works with tensor_parallel_size=1 only (for now)")
+        if model_config.runner == "pooling":
+            raise ValueError("enable_lora needs a generative model (runner='generate')")
+        if model_config.architecture not in LORA_ARCHITECTURES:
+            raise ValueError(
+                f"enable_lora serves {', '.join(LORA_ARCHITECTURES)} models; "
+                f"{model_config.architecture} is not one of them (yet)"
+            )
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -172,8 +193,10 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep
+            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep; the
+            # LoRA delta runs eagerly (its rows grouped on the host)
             enforce_eager=self.enforce_eager
+            or self.enable_lora
             or (speculative_config is not None and speculative_config.method == "eagle3"),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
@@ -185,6 +208,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
+            lora_config=self._lora_config(model_config, parallel_config),
             draft_model_config=draft_model_config,
         )
 

@@ -25,6 +25,7 @@ from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.spare_core import SpareCore, resolve_spare
 from pagellm.engine.stat_logger import StatLogger
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import PoolingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import SchedulerStats
@@ -47,6 +48,7 @@ class AsyncLLM:
             tokenizer,
             config.structured_outputs_config,
             config.reasoning_parser,
+            config.lora_config,
         )
         self.tracer = CallerTracer() if config.trace else None
         self.output_processor = OutputProcessor(tokenizer, self.tracer)
@@ -78,10 +80,11 @@ class AsyncLLM:
         sampling_params: SamplingParams | PoolingParams,
         request_id: str,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs as its `output_kind` asks; the last one is finished.
         A request the engine fails (a grammar that does not compile) raises ValueError."""
-        queue = await self.add_request(request_id, prompt, sampling_params, priority)
+        queue = await self.add_request(request_id, prompt, sampling_params, priority, lora_request)
         finished = False
         try:
             while not finished:
@@ -108,6 +111,7 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams | PoolingParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue:
         self._check_alive()
         self.start()
@@ -116,11 +120,13 @@ class AsyncLLM:
         process = self.input_processor.process_inputs
         if _needs_tokenizing(prompt):  # off the event loop
             prompt_text, request = await asyncio.to_thread(
-                process, request_id, prompt, params, priority=priority
+                process, request_id, prompt, params, priority=priority, lora_request=lora_request
             )
             self._check_alive()
         else:
-            prompt_text, request = process(request_id, prompt, params, priority=priority)
+            prompt_text, request = process(
+                request_id, prompt, params, priority=priority, lora_request=lora_request
+            )
         if tracer is not None:
             tracer.input_processing(start, request)
         queue: asyncio.Queue = asyncio.Queue()

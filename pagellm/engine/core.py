@@ -39,6 +39,7 @@ from pagellm.core.sched_output import SchedulerOutput
 from pagellm.core.scheduler import Scheduler
 from pagellm.executor import executor_class
 from pagellm.kv_cache_size import kv_capacity_tokens, max_request_len
+from pagellm.lora.request import LoRARequest
 from pagellm.models.registry import kv_sliding_window
 from pagellm.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from pagellm.structured_output.manager import StructuredOutputManager
@@ -61,6 +62,7 @@ class EngineCore:
         if envs.warm_grammar_backend(config.device):
             self.structured_output.warm_up()  # in a compile thread, beside the model's loading
         self.model_executor = executor_class(config)(config)
+        self.loras_added: dict[int, str] = {}  # LoRA adapter id -> the folder its ranks read
         self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(self.num_kv_blocks)
         window = kv_sliding_window(config.model_config.architecture, config.model_config.hf_config)
@@ -75,6 +77,7 @@ class EngineCore:
             sliding_window=window,
             long_rope_switch=config.model_config.long_rope_switch,
             speculative=config.speculative_config,
+            max_loras=0 if config.lora_config is None else config.lora_config.max_loras,
         )
         self.async_scheduling = config.async_scheduling
         # speculative decoding: whether the last step reported came with drafts; while they
@@ -92,6 +95,8 @@ class EngineCore:
         on."""
         start = now_us() if self.tracer is not None else 0.0
         try:
+            if request.lora_request is not None:
+                self._add_lora(request.lora_request)
             req = Request.from_engine_core_request(request)
             self.structured_output.add_request(req)  # a grammar starts compiling in a thread
             self.scheduler.add_request(req)
@@ -100,6 +105,17 @@ class EngineCore:
             self.failed.append(error_output(request.request_id, e))
         if self.tracer is not None:
             self.tracer.add_request(start, request.request_id)
+
+    def _add_lora(self, lora: LoRARequest) -> None:
+        """A request's adapter read on every rank before it is queued (once per id and path):
+        one that cannot be read fails its request alone, never a step."""
+        if self.loras_added.get(lora.lora_int_id) == lora.lora_path:
+            return
+        args = (lora.lora_name, lora.lora_int_id, lora.lora_path)
+        errors = [e for e in self.model_executor.collective_rpc("add_lora", args) if e]
+        if errors:
+            raise ValueError(errors[0])
+        self.loras_added[lora.lora_int_id] = lora.lora_path
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

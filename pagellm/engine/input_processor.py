@@ -17,7 +17,10 @@ from typing import Any
 import msgspec
 
 from pagellm.config import REASONING_TAGS, ModelConfig, StructuredOutputsConfig
+from pagellm.config.lora import LoRAConfig
+from pagellm.engine.lora_check import LoRACheck
 from pagellm.loader.source import TOKENIZER_FILES
+from pagellm.lora.request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import EngineCoreRequest
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -35,8 +38,10 @@ class InputProcessor:
         tokenizer: Any | None,
         structured_outputs_config: StructuredOutputsConfig | None = None,
         reasoning_parser: str | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.check_lora = LoRACheck(model_config, lora_config)
         self.tokenizer = tokenizer
         self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
@@ -50,8 +55,10 @@ class InputProcessor:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (None for token-id prompts) and the request for the core."""
+        self.check_lora(lora_request)
         pooling = self.model_config.pooler_config
         if isinstance(params, PoolingParams) or pooling is not None:
             return self._process_pooling(request_id, prompt, params, arrival_time, priority)
@@ -78,6 +85,7 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            lora_request=lora_request,
         )
         return text, request
 

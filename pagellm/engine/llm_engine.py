@@ -16,6 +16,7 @@ from pagellm.engine.core_client import EngineCoreClient, start_engine
 from pagellm.engine.input_processor import InputProcessor, PromptType
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.stat_logger import StatLogger
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.protocol import SchedulerStats
@@ -36,6 +37,7 @@ class LLMEngine:
             tokenizer,
             config.structured_outputs_config,
             config.reasoning_parser,
+            config.lora_config,
         )
         self.tracer = CallerTracer() if config.trace else None
         self.output_processor = OutputProcessor(tokenizer, self.tracer)
@@ -59,12 +61,13 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and submits a request; raises ValueError before anything is queued."""
         tracer = self.tracer
         start = now_us() if tracer is not None else 0.0
         prompt_text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
+            request_id, prompt, params, arrival_time, priority, lora_request
         )
         if tracer is not None:
             tracer.input_processing(start, request)

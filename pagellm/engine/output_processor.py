@@ -84,6 +84,7 @@ class RequestState:
         "parent",
         "prompt",
         "prompt_token_ids",
+        "lora_request",
         "params",
         "detokenizer",
         "token_ids",
@@ -104,6 +105,7 @@ class RequestState:
         self.parent: ParentRequest | None = None
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.lora_request = request.lora_request
         self.params = params
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
@@ -373,6 +375,7 @@ class OutputProcessor:
             num_cached_tokens=_num_cached_tokens(state),
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=state.lora_request,
         )
 
 

@@ -23,6 +23,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.chat_outputs import ChatParsing
 from pagellm.entrypoints.llm_pooling import PoolingMethods
 from pagellm.logger import ensure_library_logging
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -60,28 +61,35 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`sampling_params.structured_outputs` constrains outputs (StructuredOutputsParams);
         `priority`, one per prompt, orders waiting requests with scheduling_policy="priority"
-        (lower first)."""
+        (lower first); `lora_request`, one for all prompts or one each (None: the base
+        model), the adapter each runs with (`enable_lora=True`)."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
-        request_ids = self._add_requests(prompt_list, params_list, priority)
+        loras = _loras_for(prompt_list, lora_request)
+        request_ids = self._add_requests(prompt_list, params_list, priority, loras=loras)
         return self._run_engine(request_ids, use_tqdm)
 
     def generate_stream(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields RequestOutputs as the engine produces them, each as its `output_kind` asks
         (CUMULATIVE, DELTA, FINAL_ONLY: then one per request, in completion order).
         Leaving the loop early aborts the requests not yet finished and frees their KV blocks."""
         prompt_list = _as_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        request_ids = self._add_requests(prompt_list, params_list, keep_output_kind=True)
+        loras = _loras_for(prompt_list, lora_request)
+        request_ids = self._add_requests(
+            prompt_list, params_list, keep_output_kind=True, loras=loras
+        )
         return self._stream(request_ids)
 
     def chat(
@@ -93,6 +101,7 @@ class LLM(PoolingMethods):
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Each conversation through the chat template (`tools`: OpenAI tool definitions the
         template shows the model; `chat_template_kwargs`, e.g. {"enable_thinking": False}).
@@ -102,7 +111,9 @@ class LLM(PoolingMethods):
         prompts = self._chat_prompts(
             messages, chat_template, add_generation_prompt, tools, chat_template_kwargs
         )
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
         return self.chat_parsing.final(outputs, tools)
 
     def chat_stream(
@@ -113,6 +124,7 @@ class LLM(PoolingMethods):
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[RequestOutput]:
         """`chat()` as `generate_stream()` with DELTA outputs (whatever `output_kind` says):
         each output carries the reply since the last one, its content in `text` and, with
@@ -126,7 +138,8 @@ class LLM(PoolingMethods):
             params = params.clone()
             params.output_kind = RequestOutputKind.DELTA
             params_list.append(params)
-        request_ids = self._add_requests(prompts, params_list, keep_output_kind=True)
+        loras = _loras_for(prompts, lora_request)
+        request_ids = self._add_requests(prompts, params_list, keep_output_kind=True, loras=loras)
         return self.chat_parsing.deltas(self._stream(request_ids), tools)
 
     def _chat_prompts(
@@ -166,6 +179,7 @@ class LLM(PoolingMethods):
         params: list[SamplingParams],
         priority: Sequence[int] | None = None,
         keep_output_kind: bool = False,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         added: list[str] = []
         try:
@@ -175,7 +189,10 @@ class LLM(PoolingMethods):
                     p = p.clone()
                     p.output_kind = RequestOutputKind.FINAL_ONLY
                 level = 0 if priority is None else priority[i]
-                self.llm_engine.add_request(request_id, prompt, p, priority=level)
+                lora = None if loras is None else loras[i]
+                self.llm_engine.add_request(
+                    request_id, prompt, p, priority=level, lora_request=lora
+                )
                 added.append(request_id)
         except Exception:
             self.llm_engine.abort_request(added)  # all or nothing: the engine stays clean
@@ -219,6 +236,19 @@ class LLM(PoolingMethods):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def _loras_for(
+    prompts: list[Any], lora: LoRARequest | Sequence[LoRARequest | None] | None
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: the one given for all, or one each."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * len(prompts)
+    if len(lora) != len(prompts):
+        raise ValueError(
+            f"got {len(lora)} LoRA requests for {len(prompts)} prompts: pass one, or one per prompt"
+        )
+    return list(lora)
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -42,6 +42,8 @@ class Linear(nn.Linear):
     quant_method: LinearMethod | None = None  # set before loading; builds packed_weight after
     quantizable = True  # False: no quantization method is attached (MoE routers, as vLLM's)
     per_part_params: tuple[str, ...] = ()  # a quantized fused layer's: one row a part
+    # LoRA adapters' slots (`pagellm.lora.layers.LoRASlots`): lora(x, out) adds each row's delta
+    lora = None
 
     def reset_parameters(self) -> None:
         """No random init: weights come from a checkpoint or the dummy loader. (On `meta`,
@@ -57,8 +59,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return self.packed_weight(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = self.packed_weight(x, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 def quantized_slice(layer: Linear, param_name: str, part: TensorSlice) -> TensorSlice | None:
@@ -227,4 +231,6 @@ class RowParallelLinear(Linear):
             out = self.packed_weight(x, bias)
         else:
             out = F.linear(x, self.weight, bias)
+        if self.lora is not None:  # one rank (enable_lora refuses tensor parallelism)
+            out = self.lora(x, out)
         return all_reduce(out) if self.reduce else out

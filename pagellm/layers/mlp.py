@@ -30,7 +30,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         # x: [T, hidden] (or quantized for gate_up by the norm before) -> [T, hidden]
         weight = self.gate_up_proj.packed_weight
-        if isinstance(self.act_fn, SiluAndMul) and isinstance(weight, QuantizedWeight):
+        lora = self.gate_up_proj.lora is not None or self.down_proj.lora is not None
+        if isinstance(self.act_fn, SiluAndMul) and isinstance(weight, QuantizedWeight) and not lora:
             # a quantized gate | up may fuse the activation into its GEMM (fp8 at batch 1)
             h = weight.silu_and_mul(x, self.gate_up_proj.bias)
             if h is not None:

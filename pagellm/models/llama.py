@@ -133,6 +133,8 @@ class LlamaAttention(nn.Module):
         weight = self.qkv_proj.packed_weight
         if self.qk_norm or not self.rotary or not isinstance(weight, QuantizedWeight):
             return None
+        if self.qkv_proj.lora is not None:  # LoRA adds to the projection's output first
+            return None
         slots = self.attn.cache_slots(attn_metadata)
         if slots is None or cos_sin.shape[-1] != self.head_dim:  # partial rotary: apart
             return None
@@ -173,15 +175,23 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm's kernel may quantize its output for the fp8 GEMM after it (w8a8)
-        qkv_weight = self.self_attn.qkv_proj.packed_weight
+        # each norm's kernel may quantize its output for the fp8 GEMM after it (w8a8), not
+        # for a LoRA-wrapped projection (its adapters read the plain activations)
+        qkv_weight = _quantizing_weight(self.self_attn.qkv_proj)
         hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, qkv_weight)
         hidden = self.self_attn(cos_sin, hidden, kv_cache, attn_metadata)
         gate_up = getattr(self.mlp, "gate_up_proj", None)  # a GatedMLP's (not an MoE block's)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(
-            hidden, residual, getattr(gate_up, "packed_weight", None)
+            hidden, residual, _quantizing_weight(gate_up)
         )
         return self.mlp(hidden), residual
+
+
+def _quantizing_weight(linear: nn.Module | None) -> Any:
+    """The packed weight a norm may quantize its output for (None: plain activations)."""
+    if linear is None or getattr(linear, "lora", None) is not None:
+        return None
+    return linear.packed_weight
 
 
 class LlamaModel(nn.Module):
@@ -206,6 +216,7 @@ class LlamaModel(nn.Module):
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
         self._cpu_decoder_built = False
+        self.cpu_decoder_allowed = True  # False: the layers' own forward (LoRA adds deltas there)
         # an EAGLE-3 head's inputs (pagellm/spec_decode/eagle3.py): the residual stream entering
         # these layers, kept by each forward as `aux_hidden_states` [T, len * hidden]
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -226,7 +237,8 @@ class LlamaModel(nn.Module):
             # the weights are packed by now
             self.cpu_decoder = CpuDecoder.build(self, LlamaDecoderLayer)
             self._cpu_decoder_built = True
-        decoder = None if self.aux_hidden_layers else self.cpu_decoder  # one call: no aux
+        one_call = self.cpu_decoder_allowed and not self.aux_hidden_layers  # one call: no aux
+        decoder = self.cpu_decoder if one_call else None
         if decoder is not None and decoder.runs(hidden, kv_caches, attn_metadata):
             hidden, residual = decoder(hidden, cos_sin, kv_caches, attn_metadata)
         else:

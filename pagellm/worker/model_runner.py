@@ -40,6 +40,7 @@ from pagellm.kv_cache_size import kv_block_bytes, num_kv_blocks
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import heads_per_rank
 from pagellm.layers.rope import long_rope
+from pagellm.lora.slots import LoRASlotManager
 from pagellm.sample.logits_processor.penalties import Penalties
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rank0_sampler import Rank0Sampler
@@ -119,6 +120,11 @@ class ModelRunner:
         # speculative decoding: drafts verified in the step's forward, proposed after it
         spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoder(spec, self)
+        # LoRA adapters: slots on every target projection, filled between steps
+        self.lora = None if config.lora_config is None else LoRASlotManager(
+            self.model, config.lora_config, self.model_config.hf_config, self.device,
+            self.model_config.dtype,
+        )  # fmt: skip
         # a pooling model: requests finish with a pooled vector instead of sampling
         mc = self.model_config
         self.pooler = (
@@ -278,6 +284,8 @@ class ModelRunner:
         if self.spec is not None:  # its drafts' cost timed; verify rows as one-token rows
             self.spec.step_started(batch)
             forward = self.spec.as_decode_rows(batch)
+        if self.lora is not None:  # the step's adapters in their slots, its tokens grouped
+            self.lora.prepare_step(batch.req_ids, batch.num_scheduled)
         arrays = host_arrays(self.input_batch, forward, self.block_size)
         if self.trace_paging is not None:
             self.trace_paging(forward, arrays)
@@ -314,12 +322,16 @@ class ModelRunner:
             if row is not None:
                 self.pending.drop_row(row)
             ib.remove_request(req_id)
+            if self.lora is not None:
+                self.lora.remove_request(req_id)
             if self.spec is not None:
                 self.spec.remove_request(req_id)
             if self.pooler is not None:
                 self.pooler.remove_request(req_id)
         for new in sched.scheduled_new_reqs:
             ib.add_request(new, self.long_rope_rows if new.long_rope else 0)
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
             if self.pooler is not None:
                 self.pooler.add_request(new.req_id, new.pooling_params)
         cached = sched.scheduled_cached_reqs

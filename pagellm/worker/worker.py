@@ -26,6 +26,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagellm.lora.request import LoRARequest
 from pagellm.structured_output.bitmask import GrammarBitmask, GrammarBitmaskWire
 from pagellm.worker.async_output import AsyncModelRunnerOutput
 
@@ -101,6 +102,17 @@ class Worker:
             return None
         output = queued.get_output()  # every rank reads its sampled ids back
         return output if self.rank == 0 else None
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> str | None:
+        """Read an adapter into the runner's host cache before its first request runs;
+        its error's text (the request fails alone), or None."""
+        if self.model_runner.lora is None:
+            return "LoRA is off: start the engine with enable_lora=True"
+        try:
+            self.model_runner.lora.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path))
+        except (ValueError, OSError) as e:
+            return str(e)
+        return None
 
     def describe(self) -> dict:
         """This rank's process, device and shard sizes (for logs, tests and the planner's

@@ -29,6 +29,7 @@ from pagellm.entrypoints.openai.chat_templates import ChatTemplates, chat_templa
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.engine_supervisor import EngineSupervisor
 from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagellm.entrypoints.openai.lora_adapters import LoRAAdapters, lora_routes
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.openapi import openapi_document
 from pagellm.entrypoints.openai.pooling_protocol import (
@@ -162,6 +163,7 @@ async def show_models(raw_request: Request) -> JSONResponse:
         ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len)
         for name in state.model_names
     ]
+    cards += state.lora_adapters.cards(state.max_model_len)
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -258,6 +260,12 @@ def init_app_state(
     )
     for serving in (state.serving_completion, state.serving_chat, state.serving_responses):
         serving.constraints = state.constraints
+    state.lora_adapters = LoRAAdapters(engine, names)
+    for name, path in options.lora_modules:  # a bad one stops the start: its error says why
+        state.lora_adapters.load(name, path)
+    for serving in (state.serving_completion, state.serving_chat, state.serving_responses,
+                    state.serving_tokenization, state.serving_pooling):  # fmt: skip
+        serving.loras = state.lora_adapters
     state.supervisor = EngineSupervisor(
         engine,
         getattr(state, "request_exit", _no_exit),
@@ -340,9 +348,11 @@ def build_app(
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(v1)
+    app.include_router(lora_routes)  # behind the API key, as all of /v1
     app.include_router(open_routes)
     app.include_router(chat_page.router)  # GET /: the chat page, public
-    json_paths = {r.path for r in (*v1.routes, *open_routes.routes) if "POST" in r.methods}
+    routes = (*v1.routes, *open_routes.routes, *lora_routes.routes)
+    json_paths = {r.path for r in routes if "POST" in r.methods}
     app.add_middleware(
         RequestGuard,
         api_key=options.api_key,

@@ -18,6 +18,7 @@ from fastapi import Request
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.metrics import ServerMetrics
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -38,10 +39,12 @@ class Generation:
         request_id: str,
         metrics: ServerMetrics,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.peeked: tuple[int, Any] | None = None
         self.priority = priority
+        self.lora_request = lora_request  # the adapter every prompt runs with
         self.tasks: list[asyncio.Task] = []
         self.num_running = len(prompts)
         self.starter = asyncio.create_task(
@@ -74,7 +77,8 @@ class Generation:
     ) -> None:
         timer = metrics.timer()
         try:
-            async for out in engine.generate(prompt, params, request_id, self.priority):
+            lora = self.lora_request
+            async for out in engine.generate(prompt, params, request_id, self.priority, lora):
                 timer.on_output(out)
                 self.queue.put_nowait((index, out))
         except Exception as e:

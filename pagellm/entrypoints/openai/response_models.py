@@ -115,6 +115,7 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagellm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

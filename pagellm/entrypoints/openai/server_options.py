@@ -14,9 +14,12 @@ def _flag(
     help: str,
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], object] | None = None,
+    nargs: str | None = None,
 ) -> object:
-    """`parse`: how the CLI reads the flag's text (default: the field's scalar type)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+    """`parse`: how the CLI reads the flag's text (default: the field's scalar type); `nargs`:
+    argparse's, for a flag that takes several values (each parsed)."""
+    metadata = {"help": help, "choices": choices, "parse": parse, "nargs": nargs}
+    return field(default=default, metadata=metadata)
 
 
 def parse_list(text: str) -> tuple[str, ...]:
@@ -33,6 +36,25 @@ def parse_list(text: str) -> tuple[str, ...]:
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
         raise ValueError(f"{text!r} is not a list of strings")
     return tuple(item.strip() for item in items if item.strip())
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` value as vLLM takes it: `name=path`, or JSON
+    `{"name": ..., "path": ...}`."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{text!r} is not JSON ({e})") from None
+        if not isinstance(item, dict):
+            raise ValueError(f"a LoRA module's JSON must be an object, got {text!r}")
+        name, path = item.get("name"), item.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(f'a LoRA module is NAME=PATH or {{"name": ..., "path": ...}}: {text!r}')
+    return name.strip(), path.strip()
 
 
 # --engine-spare: a core loaded ahead, one that has only imported, by device, or none
@@ -115,12 +137,23 @@ class ServerOptions:
         "finished /v1/responses kept in memory for previous_response_id and GET "
         "/v1/responses/{id}, the oldest dropped first; 0: none",
     )
+    lora_modules: tuple[tuple[str, str], ...] = _flag(
+        (),
+        "LoRA adapters served from the start (with --enable-lora): NAME=PATH ... (or JSON "
+        '{"name": ..., "path": ...}); a request\'s `model` names one',
+        parse=parse_lora_module,
+        nargs="+",
+    )
     responses_store_ttl: float = _flag(
         3600.0, "seconds a finished /v1/responses response is kept for previous_response_id"
     )
 
     def __post_init__(self) -> None:
         self._normalize_lists()
+        modules = tuple(
+            parse_lora_module(m) if isinstance(m, str) else tuple(m) for m in self.lora_modules
+        )
+        object.__setattr__(self, "lora_modules", modules)
         if self.engine_spare not in ENGINE_SPARES:
             raise ValueError(f"engine_spare must be one of {ENGINE_SPARES}: {self.engine_spare!r}")
         for name in ("max_request_body_bytes", "max_waiting_requests", "max_engine_restarts",

@@ -90,6 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             [params],
             request_id,
             request.priority,
+            model=model,
         )
         if request.stream:
             events = self._stream_events(request, model, request_id, len(prompt_ids), generation)

@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         await self.check(request, params)
         request_id = random_id("cmpl")
-        generation = self.start(prompts, params, request_id, request.priority)
+        generation = self.start(prompts, params, request_id, request.priority, model=model)
         if request.stream:
             events = self._stream_events(request, model, request_id, prompts, generation)
             return await self.stream(raw_request, generation, events, release)

@@ -20,6 +20,7 @@ from pagellm.engine.input_processor import check_structured_outputs, truncate_pr
 from pagellm.entrypoints.openai.constraint_checks import ConstraintChecks
 from pagellm.entrypoints.openai.errors import APIError, from_exception, too_busy, unavailable
 from pagellm.entrypoints.openai.generation import Generation, until_disconnect
+from pagellm.entrypoints.openai.lora_adapters import LoRAAdapters
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import SamplingRequest
 from pagellm.entrypoints.openai.response_models import PromptTokensDetails, UsageInfo
@@ -139,6 +140,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.admission = admission or Admission(1 << 30)
         self.constraints: ConstraintChecks | None = None  # set by the server
+        self.loras: LoRAAdapters | None = None  # the server's LoRA adapters by name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.model_config.max_model_len
         self._token_bytes: dict[int, list[int]] = {}
@@ -175,7 +177,7 @@ class OpenAIServing:
         return response
 
     def model_name(self, requested: str | None) -> str:
-        if requested is None or requested in self.model_names:
+        if requested is None or requested in self.model_names or requested in (self.loras or ()):
             return requested or self.model_names[0]
         raise APIError(f"The model `{requested}` does not exist.", 404, "model")
 
@@ -266,8 +268,11 @@ class OpenAIServing:
         params: list[SamplingParams],
         request_id: str,
         priority: int = 0,
+        model: str | None = None,
     ) -> Generation:
-        return Generation(self.engine, prompts, params, request_id, self.metrics, priority)
+        """`model`: the request's model name (a LoRA adapter's: its requests run with it)."""
+        lora = None if self.loras is None else self.loras.request_for(model)
+        return Generation(self.engine, prompts, params, request_id, self.metrics, priority, lora)
 
     async def collect(
         self, raw_request: Request, generation: Generation

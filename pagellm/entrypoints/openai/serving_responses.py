@@ -76,7 +76,7 @@ class OpenAIServingResponses(OpenAIServingChat):
         response_id = f"resp_{uuid.uuid4().hex}"
         generation = self.start(
             [{"prompt": prompt, "prompt_token_ids": prompt_ids}], [params], response_id,
-            chat.priority,
+            chat.priority, model=model,
         )  # fmt: skip
         skeleton = {"id": response_id, "model": model, **request.echo()}
         run = ResponseRun(skeleton, self._reply(chat), len(prompt_ids), request.stream)

@@ -1,0 +1,34 @@
+"""`LoRAConfig`: how many adapters a step may use, their largest rank, the host cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# models whose decoder layers hold the q|k|v, o, gate|up and down projections adapters target
+LORA_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1  # adapter slots on the device: distinct adapters in one step
+    max_lora_rank: int = 16  # the largest rank an adapter may have
+    max_cpu_loras: int | None = None  # adapters kept on the host (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras

@@ -1,0 +1,90 @@
+"""The server's LoRA adapters by name (vLLM's `--lora-modules` and runtime loading).
+
+A request's `model` field names the base model or an adapter (`LoRAAdapters.request_for`);
+`/v1/models` lists each adapter with its `parent`; `POST /v1/load_lora_adapter` and
+`POST /v1/unload_lora_adapter` (behind the API key, with `--enable-lora`) add and remove
+them at run time. An adapter is checked against the base model when it is added (its
+folder read: a bad one is a 400 naming its module); an unknown name is a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.response_models import ErrorResponse, ModelCard
+from pagellm.lora.request import LoRARequest
+
+lora_routes = APIRouter(prefix="/v1")
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415)}
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name alone picks the adapter here
+
+
+class LoRAAdapters:
+    def __init__(self, engine: AsyncLLM, base_names: list[str]) -> None:
+        self.engine = engine
+        self.base_names = base_names
+        self.enabled = engine.config.lora_config is not None
+        self.adapters: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.adapters
+
+    def request_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.adapters.get(model) if model is not None else None
+
+    def load(self, name: str, path: str) -> LoRARequest:
+        """Check and add an adapter (ValueError: a 400 in the server's words)."""
+        if not self.enabled:
+            raise ValueError("LoRA adapters need the server started with --enable-lora")
+        if not name or name in self.base_names:
+            raise ValueError(f"{name!r} cannot name a LoRA adapter: it is the base model's name")
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first")
+        request = LoRARequest(name, next(self._ids), path)
+        self.engine.input_processor.check_lora(request)
+        self.adapters[name] = request
+        return request
+
+    def unload(self, name: str) -> None:
+        request = self.adapters.pop(name, None)
+        if request is None:
+            raise APIError(f"The LoRA adapter `{name}` does not exist.", 404, "lora_name")
+        self.engine.input_processor.check_lora.forget(request.lora_int_id)
+
+    def cards(self, max_model_len: int) -> list[ModelCard]:
+        return [
+            ModelCard(id=name, root=r.lora_path, parent=self.base_names[0],
+                      max_model_len=max_model_len)
+            for name, r in self.adapters.items()
+        ]  # fmt: skip
+
+
+@lora_routes.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request) -> str:
+    adapters: LoRAAdapters = raw_request.app.state.lora_adapters
+    await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
+    return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+
+@lora_routes.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw_request: Request) -> str:
+    raw_request.app.state.lora_adapters.unload(body.lora_name)
+    return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -1,0 +1,137 @@
+"""The delta a LoRA-wrapped Linear adds to its output: each row's adapter, from stacked slots.
+
+A Linear with `lora` set (a `LoRASlots`) computes `out = base(x)` and then, for each adapter
+slot a row of the step uses, `out[rows, part] += (x[rows] @ A[slot]^T) @ B[slot]^T * scale`,
+PEFT's order of operations (`lora_B(lora_A(x)) * scaling`), in float32 on the CPU. A fused
+projection (q | k | v, gate | up) has one (A, B) pair a part, each adding into its own output
+columns (the parts' adapters applied per slice).
+
+Adapters live in `max_loras` slots of stacked tensors, so a GPU kernel can index them by
+slot: A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; an adapter of
+rank r < R uses the first r of them (the rest are zeros). `LoRAStep` is the one object the
+slot manager sets before each forward, shared by every wrapped layer: on the CPU the step's
+rows grouped by slot; on CUDA each row's slot and each slot's scale in device buffers that
+the Triton shrink / expand kernels read (`pagellm/kernels/lora.py`: no host sync, the same
+memory every step, so a CUDA graph may replay them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class LoRAStep:
+    """The current step's rows by adapter. CPU: `groups`, (slot, rows [n] int64 or None for
+    every row, rank, scale), empty when no row has an adapter. CUDA: `token_slots` [T] int32
+    (-1: none) and `scales` [max_loras] float32, views of buffers kept across steps."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor | None, int, float]] = []
+        self.token_slots: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self._slots_buf: torch.Tensor | None = None
+
+    def set_rows(
+        self,
+        token_slots: np.ndarray,  # [T] int, -1: the base model
+        scales: Sequence[float],  # per slot
+        ranks: Sequence[int],  # per slot
+        device: torch.device,
+    ) -> None:
+        if device.type == "cuda":
+            self._set_device_rows(token_slots, scales, device)
+            return
+        groups = []
+        for slot in np.unique(token_slots):
+            if slot < 0:
+                continue
+            mask = token_slots == slot
+            rows = None if mask.all() else torch.from_numpy(np.nonzero(mask)[0]).to(device)
+            groups.append((int(slot), rows, ranks[slot], scales[slot]))
+        self.groups = groups
+
+    def _set_device_rows(self, token_slots: np.ndarray, scales, device) -> None:
+        t = len(token_slots)
+        if self._slots_buf is None or self._slots_buf.shape[0] < t:
+            self._slots_buf = torch.full((max(t, 256),), -1, dtype=torch.int32, device=device)
+            self.scales = torch.zeros(len(scales), dtype=torch.float32, device=device)
+        host = torch.from_numpy(np.asarray(token_slots, dtype=np.int32))
+        self._slots_buf[:t].copy_(host, non_blocking=False)
+        self.scales.copy_(torch.tensor(list(scales), dtype=torch.float32))
+        self.token_slots = self._slots_buf[:t]
+
+
+class LoRASlots:
+    """One Linear's adapter slots: a stacked (A, B) pair for each output part (`parts`:
+    name -> (first, last) output column), and which parts each slot's adapter has."""
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, tuple[int, int]],
+        max_loras: int,
+        max_rank: int,
+        step: LoRAStep,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.parts = dict(parts)
+        self.step = step
+        self.a = {
+            name: torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
+            for name in parts
+        }
+        self.b = {
+            name: torch.zeros(max_loras, end - start, max_rank, device=device, dtype=dtype)
+            for name, (start, end) in parts.items()
+        }
+        self.present: list[set[str]] = [set() for _ in range(max_loras)]
+
+    def set_part(self, slot: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write a part's pair into a slot: a [r, in], b [out_part, r] (PEFT's layout)."""
+        r = a.shape[0]
+        self.a[name][slot].zero_()
+        self.b[name][slot].zero_()
+        self.a[name][slot, :r].copy_(a)
+        self.b[name][slot, :, :r].copy_(b)
+        self.present[slot].add(name)
+
+    def clear_slot(self, slot: int) -> None:
+        self.present[slot].clear()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # x: [T, in], out: [T, out] -> out with each row's adapter delta added
+        if x.is_cuda:
+            return self._on_cuda(x, out)
+        for slot, rows, rank, scale in self.step.groups:
+            names = self.present[slot]
+            if not names:
+                continue
+            xs = x if rows is None else x.index_select(0, rows)
+            for name in names:
+                start, end = self.parts[name]
+                a = self.a[name][slot, :rank]  # [r, in]
+                b = self.b[name][slot, :, :rank]  # [out_part, r]
+                delta = F.linear(F.linear(xs, a), b) * scale  # [n, out_part]
+                if rows is None:
+                    out[:, start:end] += delta
+                else:
+                    out[rows, start:end] += delta
+        return out
+
+    def _on_cuda(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every part's shrink and expand over all rows, each row by its slot's program."""
+        from pagellm.kernels.lora import lora_expand, lora_shrink
+
+        step = self.step
+        if step.token_slots is None or step.token_slots.shape[0] != x.shape[0]:
+            return out  # no adapter was ever set up for rows of this step (profiling)
+        x = x.contiguous()
+        for name, (start, _) in self.parts.items():
+            h = lora_shrink(x, self.a[name], step.token_slots, step.scales)
+            lora_expand(h, self.b[name], step.token_slots, out, start)
+        return out

@@ -1,0 +1,162 @@
+"""The runner's LoRA slot manager: adapters into `max_loras` slots between steps.
+
+At start-up every q | k | v, o, gate | up and down projection of the decoder layers gets a
+`LoRASlots` (`pagellm.lora.layers`), all sharing one `LoRAStep`. Before each forward,
+`prepare_step` makes each adapter of the step's rows resident (from the host cache of
+`max_cpu_loras` adapters, or read from its folder), evicting the least recently used slot
+that this step does not use (the scheduler admits at most `max_loras` adapters at once), and
+groups the step's token rows by slot. The C++ one-call CPU decoder is off: the deltas are
+added in the layers' own forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+from torch import nn
+
+from pagellm.config.lora import LoRAConfig
+from pagellm.lora.layers import LoRASlots, LoRAStep
+from pagellm.lora.peft import LoRAAdapter, load_adapter
+from pagellm.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# PEFT module -> (the decoder sublayer, our Linear that holds it)
+_TARGETS = {
+    "q_proj": ("self_attn", "qkv_proj"),
+    "k_proj": ("self_attn", "qkv_proj"),
+    "v_proj": ("self_attn", "qkv_proj"),
+    "o_proj": ("self_attn", "o_proj"),
+    "gate_proj": ("mlp", "gate_up_proj"),
+    "up_proj": ("mlp", "gate_up_proj"),
+    "down_proj": ("mlp", "down_proj"),
+}
+
+
+class LoRASlotManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device, dtype) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.step = LoRAStep()
+        self.device = device
+        self.dtype = dtype
+        self.targets: dict[tuple[int, str], LoRASlots] = {}  # (layer, PEFT module) -> slots
+        self._attach(model)
+        logger.info(
+            "LoRA: %d slots of rank up to %d on %d projections, a host cache of %d adapters",
+            config.max_loras, config.max_lora_rank, len(set(self.targets.values())),
+            config.host_cache_size,
+        )  # fmt: skip
+        self.requests: dict[str, int] = {}  # request id -> adapter id
+        self.paths: dict[int, str] = {}  # adapter id -> its folder
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self.adapters: dict[int, LoRAAdapter] = {}  # adapter id -> the one in its slot
+
+    def _attach(self, model: nn.Module) -> None:
+        decoder = model.model
+        decoder.cpu_decoder_allowed = False
+        for i, layer in enumerate(decoder.layers):
+            held: dict[str, LoRASlots] = {}
+            for module, (sub, name) in _TARGETS.items():
+                linear = getattr(getattr(layer, sub, None), name, None)
+                if linear is None:
+                    continue
+                if name not in held:
+                    held[name] = linear.lora = self._slots_for(linear)
+                self.targets[i, module] = held[name]
+
+    def _slots_for(self, linear: nn.Module) -> LoRASlots:
+        rows = getattr(linear, "shard_rows", None)  # a fused layer's parts
+        parts = rows if rows is not None else {"": (0, linear.out_features)}
+        c = self.config
+        return LoRASlots(
+            linear.in_features, parts, c.max_loras, c.max_lora_rank, self.step, self.device,
+            self.dtype,
+        )  # fmt: skip
+
+    def add_request(self, req_id: str, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            self.requests.pop(req_id, None)
+            return
+        self.requests[req_id] = lora_request.lora_int_id
+        self._set_path(lora_request)
+
+    def _set_path(self, lora_request: LoRARequest) -> None:
+        if self.paths.get(lora_request.lora_int_id) != lora_request.lora_path:
+            self.forget(lora_request.lora_int_id)  # another folder under this id
+            self.paths[lora_request.lora_int_id] = lora_request.lora_path
+
+    def add_adapter(self, lora_request: LoRARequest) -> None:
+        """Read an adapter into the host cache now, off the step (ValueError: it does not fit)."""
+        self._set_path(lora_request)
+        self._host_adapter(lora_request.lora_int_id)
+
+    def remove_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def forget(self, adapter_id: int) -> None:
+        """Drop an adapter from the host cache and its slot (unloaded, or its folder changed)."""
+        self.host.pop(adapter_id, None)
+        self.adapters.pop(adapter_id, None)
+        slot = self.resident.pop(adapter_id, None)
+        if slot is not None:
+            for slots in set(self.targets.values()):
+                slots.clear_slot(slot)
+
+    def prepare_step(self, req_ids: Sequence[str], num_scheduled: np.ndarray) -> None:
+        """Make the step's adapters resident and group its token rows by slot."""
+        ids = [self.requests.get(r, 0) for r in req_ids]
+        used = set(ids) - {0}
+        row_slots = np.array([self._slot(i, used) if i else -1 for i in ids], dtype=np.int64)
+        scales, ranks = [0.0] * self.config.max_loras, [0] * self.config.max_loras
+        for adapter_id, slot in self.resident.items():
+            scales[slot] = self.adapters[adapter_id].scaling
+            ranks[slot] = self.adapters[adapter_id].rank
+        token_slots = np.repeat(row_slots, num_scheduled)
+        self.step.set_rows(token_slots, scales, ranks, self.device)
+
+    def _slot(self, adapter_id: int, used: set[int]) -> int:
+        slot = self.resident.get(adapter_id)
+        if slot is not None:
+            self.resident.move_to_end(adapter_id)
+            return slot
+        taken = set(self.resident.values())
+        free = [s for s in range(self.config.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:  # the least recently used adapter this step does not need
+            victim = next(i for i in self.resident if i not in used)
+            slot = self.resident.pop(victim)
+            self.adapters.pop(victim, None)
+            logger.debug("LoRA adapter %d evicted from slot %d", victim, slot)
+        self._load_into(adapter_id, slot)
+        self.resident[adapter_id] = slot
+        return slot
+
+    def _load_into(self, adapter_id: int, slot: int) -> None:
+        adapter = self._host_adapter(adapter_id)
+        for slots in set(self.targets.values()):
+            slots.clear_slot(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            slots = self.targets[layer, module]
+            part = module if module in slots.parts else ""
+            slots.set_part(slot, part, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        self.adapters[adapter_id] = adapter
+
+    def _host_adapter(self, adapter_id: int) -> LoRAAdapter:
+        adapter = self.host.get(adapter_id)
+        if adapter is not None:
+            self.host.move_to_end(adapter_id)
+            return adapter
+        path = self.paths[adapter_id]
+        adapter = load_adapter(path, self.hf_config, self.config.max_lora_rank)
+        logger.info("LoRA adapter %d loaded from %s (rank %d)", adapter_id, path, adapter.rank)
+        self.host[adapter_id] = adapter
+        while len(self.host) > self.config.host_cache_size:
+            self.host.popitem(last=False)
+        return adapter
