@@ -14,6 +14,7 @@ words, min_tokens, a thinking budget and a grammar's masks hold at every positio
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ from pagellm.worker.step_batch import StepBatch
 
 if TYPE_CHECKING:
     from pagellm.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
 
 
 def make_proposer(config: SpeculativeConfig, runner: Any) -> Proposer:
@@ -61,6 +64,7 @@ class SpecDecoder:
         self.adaptive = AdaptiveDrafts(config.num_speculative_tokens, enabled=config.adaptive)
         self.costs = StepCosts(config.num_speculative_tokens, self.adaptive.draft_cost)
         self.last_step: tuple[float, int, int] | None = None  # (start, requests, drafts)
+        self.logged_costs = (0.0, self.adaptive.draft_cost)
         max_reqs = runner.input_batch.num_tokens.shape[0]
         self.num_drafts = np.zeros(max_reqs, np.int64)  # drafts in each row this step
         self.drafted_rows: list[int] = []
@@ -104,8 +108,15 @@ class SpecDecoder:
         if self.last_step is not None:
             start, num_reqs, num_drafts = self.last_step
             self.costs.record(num_reqs, num_drafts, now - start)
-            self.adaptive.draft_cost = self.costs.draft_cost
-            self.adaptive.step_cost = self.costs.step_cost
+            fitted = (self.costs.step_cost, self.costs.draft_cost)
+            if max(abs(a - b) for a, b in zip(fitted, self.logged_costs)) > 0.2:
+                logger.info(
+                    "speculative decoding: a step with k drafts a request costs 1 + %.2f + "
+                    "%.2f k steps without (measured)",
+                    *fitted,
+                )
+                self.logged_costs = fitted
+            self.adaptive.step_cost, self.adaptive.draft_cost = fitted
         num_drafts = int(self.num_drafts[batch.rows].sum()) if self.drafted_rows else 0
         decode = int(batch.num_scheduled.sum()) == len(batch.rows) + num_drafts
         self.last_step = (now, len(batch.rows), num_drafts) if decode else None
