@@ -172,7 +172,8 @@ class EngineCore:
             if not waiting:
                 queued = self.model_executor.execute_model_async(scheduler_output)
             else:  # their masks need the previous step's tokens: the sampling waits for them
-                queued, outputs = self._queue_constrained(scheduler_output, waiting, previous)
+                queued, reported = self._queue_constrained(scheduler_output, waiting, previous)
+                outputs = reported or outputs  # drafting: the previous step is reported above
                 previous = None
             if self.tracer is not None:
                 self.tracer.execute_model(start, scheduler_output)
