@@ -8,12 +8,13 @@ per unit of cost: no drafts once they keep failing, so speculation never costs m
 saves. A request held at 0 is given one draft every `PROBE_EVERY` steps, to notice when its
 text turns repetitive.
 
-s and c are measured (`StepCosts`): the time from one step's start to the next, of steps
-with and without drafts. c is what one more query row costs: on a GPU little (decode reads
-the weights; the extra rows ride along), on a CPU a third to a half of a one-row step (the
-weights are read once, but every row's products are computed). s is what drafting costs
-beyond the rows: a step's drafts come from its tokens, so the host waits for them before it
-schedules the next step, where without drafts it overlaps them (async scheduling).
+s and c are measured on the CPU (`StepCosts`): the time from one step's start to the next,
+of steps with and without drafts (on a GPU under async scheduling those periods misled: the
+defaults, s = 0 and c = 0.1, stay there). c is what one more query row costs: on a GPU
+little (decode reads the weights; the extra rows ride along), on a CPU a third to a half of
+a one-row step (the weights are read once, but every row's products are computed). s is
+what drafting costs beyond the rows: a step's drafts come from its tokens, so the host waits
+for them before it schedules the next step, where without drafts it may overlap them.
 """
 
 from __future__ import annotations

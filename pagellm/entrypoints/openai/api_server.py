@@ -348,10 +348,13 @@ def build_app(
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(v1)
-    app.include_router(lora_routes)  # behind the API key, as all of /v1
+    # with --enable-lora only (vLLM's runtime loading): behind the API key, as all of /v1
+    lora = lora_routes.routes if engine_args.enable_lora else []
+    if lora:
+        app.include_router(lora_routes)
     app.include_router(open_routes)
     app.include_router(chat_page.router)  # GET /: the chat page, public
-    routes = (*v1.routes, *open_routes.routes, *lora_routes.routes)
+    routes = (*v1.routes, *open_routes.routes, *lora)
     json_paths = {r.path for r in routes if "POST" in r.methods}
     app.add_middleware(
         RequestGuard,

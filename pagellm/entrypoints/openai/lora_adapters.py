@@ -18,11 +18,17 @@ from pydantic import BaseModel
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.response_models import ErrorResponse, ModelCard
+from pagellm.entrypoints.openai.response_models import ModelCard
 from pagellm.lora.request import LoRARequest
 
 lora_routes = APIRouter(prefix="/v1")
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415)}
+# errors are JSON where the success is text: documented so, with the shared error schema
+_ERRORS = {
+    code: {
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    }
+    for code in (400, 401, 404, 413, 415)
+}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
