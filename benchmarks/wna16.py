@@ -3,7 +3,7 @@ torch's bf16 matmul (cuBLAS), and against the int4 weight-streaming bound (CUDA)
 
     python benchmarks/wna16.py                        # M = 1 (GEMV), 8 ... 256 (GEMM)
     python benchmarks/wna16.py --rows 1 4 --hbm-tb-s 4.8          # an H200
-    python benchmarks/wna16.py --sweep --rows 1                   # GEMV tiles: the best
+    python benchmarks/wna16.py --sweep --rows 1 16 64             # tiles: the best
     TRITON_INTERPRET=1 python benchmarks/wna16.py --tiny          # CPU: the same code path on
                                                                   # tiny shapes, checked only
 
@@ -16,7 +16,7 @@ CUDA graph over enough distinct weights (>= 2 GB) that none stays in L2:
   rows: the tensor-core GEMM, tiles unpacked and scaled in registers);
 - `bf16_ms`: `F.linear` on the bf16 weight of the same shape;
 - `int4_gb_s`: bytes the int4 kernel must move (weight, scales, zeros, x, y) per second, and
-  `of_bound`: that as a fraction of HBM bandwidth (`--hbm-tb-s`, default 3.35: H100 SXM),
+  `of_bound`: that as a fraction of HBM bandwidth (`--hbm-tb-s`; 4.8 on an H200, else 3.35),
   the ceiling of a weight-streaming kernel (the issue's goal at batch 1: >= 0.70);
 - `speedup`: bf16_ms / int4_ms (the ideal at batch 1 is ~3.6x: 4.25 bits a weight vs 16).
 
@@ -151,11 +151,22 @@ def _print(r: dict, hbm: float) -> None:
 
 
 GEMV_TILES = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
-              for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (2, 4)]  # fmt: skip
+              for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (2, 4, 8)
+              if bn * bk <= 32768 and bn * bk >= 256 * w * 4]  # fmt: skip
 
 
-def time_gemv(x: torch.Tensor, ints: list, config: dict) -> float:
-    """ms of one GEMV with tiles `config`, over the rotated weights `ints`."""
+def gemm_tiles(m: int) -> list[dict]:
+    """Tensor-core GEMM candidates for M rows."""
+    if m <= 16:
+        return [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
+                for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 4)]  # fmt: skip
+    block_ms = [bm for bm in (32, 64, 128) if bm <= max(32, m)][-2:]
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 3}
+            for bm in block_ms for bn in (64, 128) for w in (4, 8)]  # fmt: skip
+
+
+def time_config(x: torch.Tensor, ints: list, config: dict) -> float:
+    """ms of one product with tiles `config`, over the rotated weights `ints`."""
     from cuda_timing import graph_median_ms
 
     from pagellm.kernels.wna16_gemm import wna16_gemm
@@ -167,41 +178,62 @@ def time_gemv(x: torch.Tensor, ints: list, config: dict) -> float:
     return graph_median_ms(run, 5) / len(ints)
 
 
-def sweep_gemv(m: int, hbm: float) -> dict:
-    """Every candidate GEMV tile at each projection (M rows, weights past L2): the default's
-    and the best's GB/s per projection, and the tile with the least time over the layer."""
-    from pagellm.kernels.wna16_gemm import gemv_config
+def sweep(m: int, hbm: float) -> dict:
+    """Every candidate tile of the kernel M selects (GEMV or GEMM) at each projection, weights
+    past L2: the default's and the best's GB/s per projection, and the best over the layer."""
+    from pagellm.kernels.wna16_gemm import GEMV_MAX_ROWS, gemm_config, gemv_config
 
-    totals = [0.0] * len(GEMV_TILES)
+    tiles = GEMV_TILES if m <= GEMV_MAX_ROWS else gemm_tiles(m)
+    totals, per_proj = [0.0] * len(tiles), {}
     for name, (n, k) in SHAPES["llama-3.1-8b"].items():
         ints = [random_int4(n, k, "cuda") for _ in range(max(1, int(2e9 // (n * k // 2))))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        default = gemv_config(k, 4, GROUP)
-        default_ms = time_gemv(x, ints, default)
-        times = [time_gemv(x, ints, cfg) for cfg in GEMV_TILES]
+        default = gemv_config(n, k, 4, GROUP) if m <= GEMV_MAX_ROWS else gemm_config(m, n, k)
+        check(m, n, k, "cuda", torch.bfloat16, default)
+        default_ms = time_config(x, ints, default)
+        times = []
+        for cfg in tiles:
+            try:
+                check(m, n, k, "cuda", torch.bfloat16, cfg)
+                times.append(time_config(x, ints, cfg))
+            except Exception as exc:  # a tile too large for the SM's registers / shared memory
+                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:80]}")
+                times.append(float("inf"))
         totals = [a + b for a, b in zip(totals, times)]
         best = min(range(len(times)), key=times.__getitem__)
         gb_s = [moved_bytes(m, n, k) / t / 1e6 for t in (default_ms, times[best])]
-        print(
-            f"{name:8s} M={m}: default {default} {gb_s[0]:.0f} GB/s; best "
-            f"{GEMV_TILES[best]} {gb_s[1]:.0f} GB/s ({gb_s[1] / (hbm * 1e3):.0%})",
-            flush=True,
-        )
+        per_proj[name] = {"best": tiles[best], "best_ms": round(times[best], 4),
+                          "default_ms": round(default_ms, 4)}  # fmt: skip
+        print(f"{name:8s} M={m}: default {default} {default_ms:.4f} ms {gb_s[0]:.0f} GB/s; best "
+              f"{tiles[best]} {times[best]:.4f} ms {gb_s[1]:.0f} GB/s "
+              f"({gb_s[1] / (hbm * 1e3):.0%})", flush=True)  # fmt: skip
+        ranked = sorted(range(len(times)), key=times.__getitem__)[:5]
+        print("  top: " + "; ".join(f"{tiles[i]} {times[i]:.4f}" for i in ranked), flush=True)
         torch.cuda.empty_cache()
     best = min(range(len(totals)), key=totals.__getitem__)
-    print(f"best over the layer: {GEMV_TILES[best]} (for gemv_config)")
-    return {"rows": m, "layer_best": GEMV_TILES[best], "layer_best_ms": round(totals[best], 4)}
+    print(f"best over the layer at M={m}: {tiles[best]} {totals[best]:.4f} ms", flush=True)
+    return {"rows": m, "layer_best": tiles[best], "layer_best_ms": round(totals[best], 4),
+            "projections": per_proj}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
-    ap.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth (H100 SXM)")
+    ap.add_argument(
+        "--hbm-tb-s",
+        type=float,
+        default=None,
+        help="HBM bandwidth in TB/s (default: 4.8 on an H200, else 3.35: H100 SXM)",
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny shapes")
-    ap.add_argument("--sweep", action="store_true", help="GEMV tiles at M = --rows[0] (CUDA)")
+    ap.add_argument("--sweep", action="store_true", help="tiles at each M of --rows (CUDA)")
     args = ap.parse_args()
+    if args.hbm_tb_s is None:
+        h200 = torch.cuda.is_available() and "H200" in torch.cuda.get_device_name()
+        args.hbm_tb_s = 4.8 if h200 else 3.35
     if args.sweep:
-        print(json.dumps({"bench": "wna16-gemv-sweep", **sweep_gemv(args.rows[0], args.hbm_tb_s)}))
+        for m in args.rows:
+            print(json.dumps({"bench": "wna16-sweep", **sweep(m, args.hbm_tb_s)}))
         return
     if args.tiny:
         results = run_tiny(args.rows)

@@ -139,20 +139,18 @@ def compile_wna16_gemm() -> None:
     """The int4 / int8 weight-only GEMV and tensor-core GEMM, as `wna16_gemm` launches them."""
     from pagellm.kernels.wna16_gemm import _wna16_gemm_kernel, _wna16_gemv_kernel
 
-    types = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8",
+    types = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
              "bias_ptr": "*bf16", "y_ptr": "*bf16"}  # fmt: skip
     for bits, group in ((4, 128), (8, 128), (4, 32)):
-        block = 256 if bits == 4 else 128
-        constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16,
-                          BLOCK_K=min(block, group))  # fmt: skip
-        _compile(_wna16_gemv_kernel, types, constexprs | {"STEP_GROUPS": 1},
-                 ("N", "K", "stride_qn"))  # fmt: skip
-        wide = dict(constexprs, BLOCK_N=8, BLOCK_K=group * 4, STEP_GROUPS=4)  # whole groups
-        _compile(_wna16_gemv_kernel, types, wide, ("N", "K", "stride_qn"), num_warps=2)
+        for sub, steps, warps in ((group, 8, 4), (min(group, 64), 1, 2)):  # groups; a part
+            constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16, SUB=sub,
+                              STEPS=steps)  # fmt: skip
+            _compile(_wna16_gemv_kernel, types, constexprs, ("N", "K", "KW", "stride_qn"),
+                     num_warps=warps)  # fmt: skip
         for block_m in (16, 64):
             constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=False, BLOCK_M=block_m,
-                              BLOCK_N=64, BLOCK_K=min(64, group))  # fmt: skip
-            _compile(_wna16_gemm_kernel, types, constexprs, ("N", "K", "stride_qn"),
+                              BLOCK_N=64, BLOCK_K=min(128, group))  # fmt: skip
+            _compile(_wna16_gemm_kernel, types, constexprs, ("N", "K", "KW", "stride_qn"),
                      num_warps=4, num_stages=3)  # fmt: skip
 
 

@@ -4,19 +4,27 @@ w[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = k // GROUP, never written to
 The weight is `pagellm/quantization/wna16_formats.py`'s canonical layout: q uint8 [N, K / 2]
 (4-bit; byte j holds k = 2j in its low nibble, 2j + 1 in its high one) or [N, K] (8-bit),
 scales float32 [N, G], zeros uint8 [N, G]; an act-order layer's columns were sorted by group
-at load (its caller gathers x).
+at load (its caller gathers x). The kernels read it as int32 words (a free view): word w of a
+row holds columns 8w ... 8w + 7 (4-bit) or 4w ... 4w + 3 (8-bit), value i in bits
+BITS * i ... BITS * i + BITS - 1.
 
     _wna16_gemv_kernel  M rows (decode, M <= GEMV_MAX_ROWS), one program per BLOCK_N outputs
-                        and row: the packed bytes streamed once, low and high nibbles dotted
-                        with x's even and odd columns in float32 on the CUDA cores; a group's
-                        zero applied once a group (scale * (q . x - zero * sum x)); a K step
-                        lies in one group or holds whole groups (`gemv_config`)
+                        and row: each K step loads [BLOCK_N, STEPS, SUB / values a word]
+                        words at once (STEPS sub-blocks of SUB columns, each inside one
+                        group), dots them with x on the CUDA cores in float32, and applies a
+                        group's scale and zero once (scale * (q . x - zero * sum x))
     _wna16_gemm_kernel  more rows: [BLOCK_M, BLOCK_K] x tiles against [BLOCK_K, BLOCK_N]
                         weight tiles unpacked and scaled in registers into x's dtype
                         (bf16 / fp16), then tl.dot on the tensor cores, float32 accumulation
 
-The GEMM's BLOCK_K divides GROUP (a K step stays in one group), so each step reads one scale
-and zero a column. Both are CUDA-graph safe (no host syncs, shapes fixed by the launch).
+Unpacking never converts an integer to a float (I2F runs at a quarter of the FMA rate, which
+bounded the first kernels at M = 1): a value's bits are OR-ed into the mantissa of 2^23
+(0x4B000000), whose float is then 2^23 + value exactly (`_unpack`). The GEMV goes further:
+values 0-3 of a word's low half (and of its high half, shifted down once) are masked in
+place, so value i reads as q * 2^(BITS * (i % half)); x's column is scaled by the inverse
+power of two (exact) and the dot is unchanged. Per int4 weight: one LOP3, an eighth of a
+shift, one FADD and one FFMA. Both kernels are CUDA-graph safe (no host syncs, shapes fixed
+by the launch).
 """
 
 from __future__ import annotations
@@ -26,104 +34,100 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_ROWS = 4  # above: the tensor-core GEMM
+MAGIC = tl.constexpr(8388608.0)  # 2^23: the float whose mantissa holds an unpacked value's bits
+
+
+@triton.jit
+def _unpack(words, col, BITS: tl.constexpr, PLACED: tl.constexpr):
+    """[..., W] int32 words -> [..., W * 32 / BITS] float32: 2^23 + the value of column
+    `col` (its index within the unpacked row, [W * 32 / BITS]). PLACED: value i of each
+    16-bit half is left at its bit position (2^23 + q * 2^(BITS * (i % half)), no shift
+    within the half) for a caller that scales x's columns to match."""
+    v = tl.interleave(words, words)  # each word repeated in-thread, once per value
+    v = tl.interleave(v, v)
+    if BITS == 4:
+        v = tl.interleave(v, v)
+    per: tl.constexpr = 32 // BITS
+    half: tl.constexpr = per // 2
+    i = col % per
+    if PLACED:
+        bits = (v >> ((i // half) * 16)) & (((1 << BITS) - 1) << (BITS * (i % half)))
+    else:
+        bits = (v >> (BITS * i)) & ((1 << BITS) - 1)
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _wna16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    N, K, G, stride_xm, stride_qn, stride_ym,
+    N, K, KW, G, stride_xm, stride_qn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     pid_n, row = tl.program_id(0), tl.program_id(1)
+    per: tl.constexpr = 32 // BITS
+    step: tl.constexpr = STEPS * SUB
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    offs_w = tl.arange(0, step // per)
+    offs_c = tl.arange(0, step)
+    offs_s = tl.arange(0, STEPS)
+    # x's column c scaled by 2^-(BITS * place): matches the PLACED unpack (exact)
+    x_place = tl.exp2(-(BITS * (offs_c % per % (per // 2))).to(tl.float32))
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_row = x_ptr + row * stride_xm
-    for k0 in range(0, K, BLOCK_K):
-        if BITS == 4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # bytes: two columns each
-            b_mask = offs_b < K // 2
-            qb = tl.load(
-                q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :],
-                mask=n_mask[:, None] & b_mask[None, :],
-                other=0,
-            ).to(tl.int32)
-            xe = tl.load(x_row + 2 * offs_b, mask=b_mask, other=0.0).to(tl.float32)
-            xo = tl.load(x_row + 2 * offs_b + 1, mask=b_mask, other=0.0).to(tl.float32)
-            lo, hi = (qb & 15).to(tl.float32), (qb >> 4).to(tl.float32)
-            prod = lo * xe[None, :] + hi * xo[None, :]  # [BLOCK_N, BLOCK_K / 2]
-            xs = xe + xo
+    for k0 in range(0, K, step):
+        words = k0 // per + offs_w
+        qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
+                     mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
+        v = _unpack(qw, offs_c, BITS, True) - MAGIC  # [BLOCK_N, step]
+        cols = k0 + offs_c
+        xv = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        prod = v * (xv * x_place)[None, :]
+        if STEPS == 1:
+            dots = tl.sum(prod, axis=1)[:, None]  # [BLOCK_N, 1]
+            xsum = tl.sum(xv, axis=0)
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            qv = tl.load(
-                q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :],
-                other=0,
-            ).to(tl.float32)
-            xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            prod = qv * xv[None, :]
-            xs = xv
-        acc += _grouped_sum(prod, xs, s_ptr, z_ptr, offs_n, n_mask, k0, G, GROUP, BLOCK_N,
-                            STEP_GROUPS)  # fmt: skip
+            dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEPS, SUB)), axis=2)  # [BLOCK_N, STEPS]
+            xsum = tl.sum(tl.reshape(xv, (STEPS, SUB)), axis=1)[None, :]
+        gs = (k0 + offs_s * SUB) // GROUP
+        mask = n_mask[:, None] & (gs < G)[None, :]
+        offs = offs_n[:, None] * G + gs[None, :]
+        scale = tl.load(s_ptr + offs, mask=mask, other=0.0)
+        zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
+        acc += tl.sum(scale * (dots - zero * xsum), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
-def _grouped_sum(prod, xs, s_ptr, z_ptr, offs_n, n_mask, k0, G, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, STEP_GROUPS: tl.constexpr):  # fmt: skip
-    """One K step's [BLOCK_N] contribution: per group g of the step, scale * (q . x - zero *
-    sum x), from the products q * x [BLOCK_N, W] and x's sums xs [W] (W columns, or bytes of
-    two columns, in STEP_GROUPS groups of equal width)."""
-    g = k0 // GROUP
-    if STEP_GROUPS == 1:
-        scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
-        zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
-        return scale * (tl.sum(prod, axis=1) - zero * tl.sum(xs, axis=0))
-    width: tl.constexpr = prod.shape[1] // STEP_GROUPS
-    dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEP_GROUPS, width)), axis=2)  # [BLOCK_N, S]
-    sums = tl.sum(tl.reshape(xs, (STEP_GROUPS, width)), axis=1)  # [S]
-    gs = g + tl.arange(0, STEP_GROUPS)
-    mask = n_mask[:, None] & (gs < G)[None, :]
-    offs = offs_n[:, None] * G + gs[None, :]
-    scale = tl.load(s_ptr + offs, mask=mask, other=0.0)
-    zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
-    return tl.sum(scale * (dots - zero * sums[None, :]), axis=1)
-
-
-@triton.jit
 def _wna16_gemm_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
-    M, N, K, G, stride_xm, stride_qn, stride_ym,
+    M, N, K, KW, G, stride_xm, stride_qn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    per: tl.constexpr = 32 // BITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // per)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        if BITS == 4:  # [BLOCK_K, BLOCK_N]: each byte read for its two columns (cached)
-            qb = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] // 2,
-                         mask=w_mask, other=0).to(tl.int32)  # fmt: skip
-            q = (qb >> ((offs_k[:, None] & 1) * 4)) & 15
-        else:
-            q = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None],
-                        mask=w_mask, other=0).to(tl.int32)  # fmt: skip
+        cols = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
+        words = k0 // per + offs_w
+        qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
+                     mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
         g = k0 // GROUP
         scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
         zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
-        w = ((q.to(tl.float32) - zero[None, :]) * scale[None, :]).to(x.dtype)
-        acc = tl.dot(x, w, acc)
+        w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # w: [BLOCK_N, BLOCK_K]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -140,12 +144,18 @@ def block_k(group: int, wanted: int) -> int:
     return step
 
 
-def gemv_config(k: int, bits: int, group: int) -> dict:
-    """The GEMV's tiles (decode rows): 16 output rows a program, a K step of 256 columns
-    (4-bit) or 128 (8-bit) within one group, 4 warps. `config=` overrides them, and a K step
-    may then hold several whole groups (BLOCK_K a multiple of GROUP):
+def gemv_config(n: int, k: int, bits: int, group: int) -> dict:
+    """The GEMV's tiles (decode rows): BLOCK_N outputs a program, a K step of BLOCK_K columns
+    (sub-blocks of whole groups, or one group's part), num_warps. `config=` overrides them:
     `benchmarks/wna16.py --sweep` times the candidates."""
-    return {"BLOCK_N": 16, "BLOCK_K": block_k(group, 256 if bits == 4 else 128), "num_warps": 4}
+    return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4}
+
+
+def gemm_config(m: int, n: int, k: int) -> dict:
+    """The tensor-core GEMM's tiles for M rows (BLOCK_K is cut to divide the group)."""
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
 def wna16_gemm(
@@ -156,49 +166,51 @@ def wna16_gemm(
     bits: int,
     group: int,  # inputs a group (K for one group)
     bias: torch.Tensor | None = None,  # [N]
-    config: dict | None = None,  # the GEMV's tiles (M <= GEMV_MAX_ROWS): see gemv_config
+    config: dict | None = None,  # the tiles of the kernel M selects: gemv_config, gemm_config
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x @ w^T (+ bias) for an int weight in the canonical layout (see the module doc)."""
     m, k = x.shape
     n, g = scales.shape
     if (qweight.dtype != torch.uint8 or qweight.shape != (n, k * bits // 8)
             or zeros.shape != (n, g) or scales.dtype != torch.float32 or g != -(-k // group)
-            or x.stride(1) != 1 or qweight.stride(1) != 1):  # fmt: skip
+            or x.stride(1) != 1 or qweight.stride(1) != 1 or k % (32 // bits)):  # fmt: skip
         raise ValueError(
             f"wna16_gemm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, "
             f"scales {tuple(scales.shape)} {scales.dtype}, zeros {tuple(zeros.shape)}, "
-            f"{bits}-bit groups of {group}"
+            f"{bits}-bit groups of {group} (K a multiple of {32 // bits})"
         )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bias_arg = bias if bias is not None else y
-    common = (x, qweight, scales, zeros, bias_arg, y)
+    words = qweight.view(torch.int32)  # [N, K * bits / 32]
+    common = (x, words, scales, zeros, bias if bias is not None else y, y)
     if m <= GEMV_MAX_ROWS:
-        cfg = dict(config or gemv_config(k, bits, group))
-        steps = _step_groups(cfg["BLOCK_K"], group)
+        cfg = dict(config or gemv_config(n, k, bits, group))
+        sub, steps = _sub_blocks(cfg.pop("BLOCK_K"), group, bits)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
         _wna16_gemv_kernel[grid](
-            *common, n, k, g, x.stride(0), qweight.stride(0), y.stride(0),
-            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, STEP_GROUPS=steps, **cfg,
+            *common, n, k, k * bits // 32, g, x.stride(0), words.stride(0), y.stride(0),
+            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, SUB=sub, STEPS=steps, **cfg,
         )  # fmt: skip
         return y
-    block_m = 16 if m <= 16 else 64
-    step = block_k(group, 64)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    cfg = dict(config or gemm_config(m, n, k))
+    cfg["BLOCK_K"] = block_k(group, cfg["BLOCK_K"])
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     _wna16_gemm_kernel[grid](
-        *common, m, n, k, g, x.stride(0), qweight.stride(0), y.stride(0),
-        BITS=bits, GROUP=group, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_K=step, num_warps=4, num_stages=3,
+        *common, m, n, k, k * bits // 32, g, x.stride(0), words.stride(0), y.stride(0),
+        BITS=bits, GROUP=group, HAS_BIAS=bias is not None, **cfg,
     )  # fmt: skip
     return y
 
 
-def _step_groups(step: int, group: int) -> int:
-    """Whole groups in a GEMV K step of `step` columns (1: the step lies inside one group)."""
-    if group % step == 0:
-        return 1
-    if step % group or (step // group) & (step // group - 1):
-        raise ValueError(f"wna16_gemm: a K step of {step} neither divides the group size "
-                         f"{group} nor holds a power of two of whole groups")  # fmt: skip
-    return step // group
+def _sub_blocks(step: int, group: int, bits: int) -> tuple[int, int]:
+    """A GEMV K step of `step` columns (a power of two) as (SUB, STEPS): STEPS sub-blocks of
+    SUB columns, SUB the largest power of two that divides the group (so a sub-block never
+    straddles two groups), at most the step."""
+    if step & (step - 1) or step < 32 // bits:
+        raise ValueError(f"wna16_gemm: a K step of {step} is not a power of two of whole "
+                         f"int32 words")  # fmt: skip
+    sub = min(step, group & -group)
+    if sub < 32 // bits:
+        raise ValueError(f"wna16_gemm: groups of {group} do not hold whole int32 words")
+    return sub, step // sub
