@@ -162,7 +162,7 @@ def compile_fused_moe_quant() -> None:
     from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
 
     for bits, group in ((4, 128), (8, 64), (0, 0), (0, 128)):
-        w_type = "*fp8e4nv" if bits == 0 else "*u8"
+        w_type = "*fp8e4nv" if bits == 0 else "*i32"
         types = {"a_ptr": "*bf16", "w_ptr": w_type, "s_ptr": "*fp32", "z_ptr": "*u8",
                  "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
                  "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}  # fmt: skip
@@ -171,7 +171,7 @@ def compile_fused_moe_quant() -> None:
                               BITS=bits, GROUP=group, PTX_CVT=True, BLOCK_M=c.block_m,
                               BLOCK_N=c.block_n, BLOCK_K=min(c.block_k, 64),
                               GROUP_M=c.group_m)  # fmt: skip
-            _compile(_moe_quant_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
+            _compile(_moe_quant_gemm_kernel, types, constexprs, ("k_dim", "stride_am", "stride_wn"),
                      num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
 
 

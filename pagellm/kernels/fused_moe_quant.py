@@ -4,7 +4,8 @@ and dequantized in registers into x's dtype before the tensor-core dot (weights 
 written back to memory in bf16).
 
     int (W4A16 / W8A16)  q [E, N, K * bits / 8] uint8 (`wna16_formats.py`'s canonical rows:
-                         4-bit, byte j holds column 2j low, 2j + 1 high), scales float32
+                         4-bit, byte j holds column 2j low, 2j + 1 high; read as int32
+                         words, unpacked as `wna16_gemm._unpack` does), scales float32
                          [E, N, G], zeros uint8 [E, N, G]: w = (q - zero) * scale, groups of
                          GROUP inputs (BLOCK_K divides it: a K step reads one scale a row)
     fp8                  q [E, N, K] float8_e4m3fn, read as int16 pairs (`fp8_convert`), scales
@@ -34,6 +35,7 @@ from pagellm.kernels.fused_moe import (
     align_by_expert,
     choose_config,
 )
+from pagellm.kernels.wna16_gemm import MAGIC, _unpack
 
 FP8_BLOCK = 128  # the fp8 block scales' rows and columns
 
@@ -85,19 +87,15 @@ def _fp8_tile(w_ptr, s_ptr, offs_n, n_ok, k0, stride_wn, stride_sn, dtype, GROUP
 @triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, offs_k, stride_qn, stride_sn, dtype,
               BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """int rows' columns k0 + offs_k (in group k0 // GROUP), (q - zero) * scale."""
-    cols = k0 + offs_k
-    if BITS == 4:
-        qb = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None] // 2,
-                     mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
-        q = (qb >> ((cols[:, None] & 1) * 4)) & 15
-    else:
-        q = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None],
-                    mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
+    """int rows' columns k0 + offs_k (in group k0 // GROUP), (q - zero) * scale, read as int32
+    words and unpacked as `wna16_gemm` unpacks them (no integer-to-float conversion)."""
+    words = k0 // (32 // BITS) + tl.arange(0, offs_k.shape[0] // (32 // BITS))
+    qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :], mask=n_ok[:, None], other=0)
     s_off = offs_n * stride_sn + k0 // GROUP
     scale = tl.load(s_ptr + s_off, mask=n_ok, other=0.0)
     zero = tl.load(z_ptr + s_off, mask=n_ok, other=0).to(tl.float32)
-    return ((q.to(tl.float32) - zero[None, :]) * scale[None, :]).to(dtype)
+    w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+    return tl.trans(w.to(dtype))  # [BLOCK_K, BLOCK_N]
 
 
 @triton.jit
@@ -187,12 +185,13 @@ def moe_gemm_quant(
     c = dataclasses.replace(config, block_k=_block_k(config, w, k_dim))
     num_blocks = layout.expert_ids.numel()
     scales = w.scales
+    q = w.q.view(torch.int32) if w.bits else w.q  # int: [E, N_W, K * bits / 32] words
     grid = (num_blocks * triton.cdiv(out.shape[1], c.block_n),)
     _moe_quant_gemm_kernel[grid](
-        a, w.q, scales, w.zeros if w.zeros is not None else scales, out, layout.sorted_ids,
+        a, q, scales, w.zeros if w.zeros is not None else scales, out, layout.sorted_ids,
         layout.expert_ids, layout.num_padded,
         routing_weights if routing_weights is not None else out,
-        out.shape[0], e, out.shape[1], k_dim, a.stride(0), w.q.stride(0), w.q.stride(1),
+        out.shape[0], e, out.shape[1], k_dim, a.stride(0), q.stride(0), q.stride(1),
         scales.stride(0), scales.stride(1) if scales.dim() > 2 else 0, num_blocks,
         ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHTS=routing_weights is not None,
         BITS=w.bits, GROUP=w.group, PTX_CVT=a.device.type == "cuda",
