@@ -181,14 +181,16 @@ def time_config(x: torch.Tensor, ints: list, config: dict) -> float:
 def sweep(m: int, hbm: float) -> dict:
     """Every candidate tile of the kernel M selects (GEMV or GEMM) at each projection, weights
     past L2: the default's and the best's GB/s per projection, and the best over the layer."""
-    from pagellm.kernels.wna16_gemm import GEMV_MAX_ROWS, gemm_config, gemv_config
+    from pagellm.kernels import wna16_gemm
+    from pagellm.kernels.wna16_gemm import gemm_config, gemv_config
 
-    tiles = GEMV_TILES if m <= GEMV_MAX_ROWS else gemm_tiles(m)
+    gemv = m <= wna16_gemm.GEMV_MAX_ROWS
+    tiles = GEMV_TILES if gemv else gemm_tiles(m)
     totals, per_proj = [0.0] * len(tiles), {}
     for name, (n, k) in SHAPES["llama-3.1-8b"].items():
         ints = [random_int4(n, k, "cuda") for _ in range(max(1, int(2e9 // (n * k // 2))))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        default = gemv_config(n, k, 4, GROUP) if m <= GEMV_MAX_ROWS else gemm_config(m, n, k)
+        default = gemv_config(n, k, 4, GROUP) if gemv else gemm_config(m, n, k)
         check(m, n, k, "cuda", torch.bfloat16, default)
         default_ms = time_config(x, ints, default)
         times = []
@@ -227,10 +229,20 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny shapes")
     ap.add_argument("--sweep", action="store_true", help="tiles at each M of --rows (CUDA)")
+    ap.add_argument(
+        "--gemv-max-rows",
+        type=int,
+        default=None,
+        help="rows up to which the GEMV runs (the kernel module's GEMV_MAX_ROWS)",
+    )
     args = ap.parse_args()
     if args.hbm_tb_s is None:
         h200 = torch.cuda.is_available() and "H200" in torch.cuda.get_device_name()
         args.hbm_tb_s = 4.8 if h200 else 3.35
+    if args.gemv_max_rows is not None:
+        from pagellm.kernels import wna16_gemm
+
+        wna16_gemm.GEMV_MAX_ROWS = args.gemv_max_rows
     if args.sweep:
         for m in args.rows:
             print(json.dumps({"bench": "wna16-sweep", **sweep(m, args.hbm_tb_s)}))

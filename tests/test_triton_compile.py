@@ -144,7 +144,7 @@ def compile_wna16_gemm() -> None:
     for bits, group in ((4, 128), (8, 128), (4, 32)):
         for sub, steps, warps in ((group, 8, 4), (min(group, 64), 1, 2)):  # groups; a part
             constexprs = dict(BITS=bits, GROUP=group, HAS_BIAS=True, BLOCK_N=16, SUB=sub,
-                              STEPS=steps)  # fmt: skip
+                              STEPS=steps, ROWS=steps // 2 + 1, ROWS_PAD=steps)  # fmt: skip
             _compile(_wna16_gemv_kernel, types, constexprs, ("N", "K", "KW", "stride_qn"),
                      num_warps=warps)  # fmt: skip
         for block_m in (16, 64):

@@ -9,10 +9,11 @@ row holds columns 8w ... 8w + 7 (4-bit) or 4w ... 4w + 3 (8-bit), value i in bit
 BITS * i ... BITS * i + BITS - 1.
 
     _wna16_gemv_kernel  M rows (decode, M <= GEMV_MAX_ROWS), one program per BLOCK_N outputs
-                        and row: each K step loads [BLOCK_N, STEPS, SUB / values a word]
+                        for all rows: each K step loads [BLOCK_N, STEPS * SUB / values a word]
                         words at once (STEPS sub-blocks of SUB columns, each inside one
-                        group), dots them with x on the CUDA cores in float32, and applies a
-                        group's scale and zero once (scale * (q . x - zero * sum x))
+                        group), unpacks them once, dots them with each row of x on the CUDA
+                        cores in float32, and applies a group's scale and zero once a row
+                        (scale * (q . x - zero * sum x))
     _wna16_gemm_kernel  more rows: [BLOCK_M, BLOCK_K] x tiles against [BLOCK_K, BLOCK_N]
                         weight tiles unpacked and scaled in registers into x's dtype
                         (bf16 / fp16), then tl.dot on the tensor cores, float32 accumulation
@@ -61,10 +62,10 @@ def _unpack(words, col, BITS: tl.constexpr, PLACED: tl.constexpr):
 def _wna16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_qn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    ROWS_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
-    pid_n, row = tl.program_id(0), tl.program_id(1)
+    pid_n = tl.program_id(0)
     per: tl.constexpr = 32 // BITS
     step: tl.constexpr = STEPS * SUB
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,33 +73,36 @@ def _wna16_gemv_kernel(
     offs_w = tl.arange(0, step // per)
     offs_c = tl.arange(0, step)
     offs_s = tl.arange(0, STEPS)
+    offs_r = tl.arange(0, ROWS_PAD)
     # x's column c scaled by 2^-(BITS * place): matches the PLACED unpack (exact)
     x_place = tl.exp2(-(BITS * (offs_c % per % (per // 2))).to(tl.float32))
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, step):
         words = k0 // per + offs_w
         qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
                      mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
-        v = _unpack(qw, offs_c, BITS, True) - MAGIC  # [BLOCK_N, step]
-        cols = k0 + offs_c
-        xv = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        prod = v * (xv * x_place)[None, :]
-        if STEPS == 1:
-            dots = tl.sum(prod, axis=1)[:, None]  # [BLOCK_N, 1]
-            xsum = tl.sum(xv, axis=0)
-        else:
-            dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEPS, SUB)), axis=2)  # [BLOCK_N, STEPS]
-            xsum = tl.sum(tl.reshape(xv, (STEPS, SUB)), axis=1)[None, :]
+        v = _unpack(qw, offs_c, BITS, True) - MAGIC  # [BLOCK_N, step], unpacked once
         gs = (k0 + offs_s * SUB) // GROUP
         mask = n_mask[:, None] & (gs < G)[None, :]
         offs = offs_n[:, None] * G + gs[None, :]
-        scale = tl.load(s_ptr + offs, mask=mask, other=0.0)
+        scale = tl.load(s_ptr + offs, mask=mask, other=0.0)  # [BLOCK_N, STEPS]
         zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
-        acc += tl.sum(scale * (dots - zero * xsum), axis=1)
+        cols = k0 + offs_c
+        for r in tl.static_range(ROWS):  # each row's dot with the same unpacked tile
+            xv = tl.load(x_ptr + r * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+            prod = v * (xv * x_place)[None, :]
+            if STEPS == 1:
+                dots = tl.sum(prod, axis=1)[:, None]  # [BLOCK_N, 1]
+                xsum = tl.sum(xv, axis=0)
+            else:
+                dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEPS, SUB)), axis=2)
+                xsum = tl.sum(tl.reshape(xv, (STEPS, SUB)), axis=1)[None, :]
+            part = tl.sum(scale * (dots - zero * xsum), axis=1)  # [BLOCK_N]
+            acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + offs_r[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(offs_r < ROWS)[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -187,10 +191,11 @@ def wna16_gemm(
     if m <= GEMV_MAX_ROWS:
         cfg = dict(config or gemv_config(n, k, bits, group))
         sub, steps = _sub_blocks(cfg.pop("BLOCK_K"), group, bits)
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), m)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
         _wna16_gemv_kernel[grid](
             *common, n, k, k * bits // 32, g, x.stride(0), words.stride(0), y.stride(0),
-            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, SUB=sub, STEPS=steps, **cfg,
+            BITS=bits, GROUP=group, HAS_BIAS=bias is not None, ROWS=m,
+            ROWS_PAD=triton.next_power_of_2(m), SUB=sub, STEPS=steps, **cfg,
         )  # fmt: skip
         return y
     cfg = dict(config or gemm_config(m, n, k))
