@@ -18,10 +18,14 @@ memory every step, so a CUDA graph may replay them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from pagellm.layers.linear import Linear
 
 
 class LoRAStep:
@@ -135,3 +139,62 @@ class LoRASlots:
             h = lora_shrink(x, self.a[name], step.token_slots, step.scales)
             lora_expand(h, self.b[name], step.token_slots, out, start)
         return out
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A PEFT module of a decoder layer (its path in HF's layer, e.g. "self_attn.q_proj") as
+    our layer holds it: the Linear at `linear`, one fused `part` of it (None: the whole), and
+    the one-rank shapes an adapter's A [r, fan_in] and B [fan_out, r] must have."""
+
+    linear: str
+    part: str | None
+    fan_in: int
+    fan_out: int
+
+
+def lora_targets(layer: nn.Module) -> dict[str, LoRATarget]:
+    """The PEFT module names a decoder layer's Linears answer to, whatever the family: each
+    Linear its own path (StarCoder2's `mlp.c_fc`, Phi-3's fused `self_attn.qkv_proj`), a fused
+    one also each part's (`self_attn.q_proj` of `self_attn.qkv_proj`, as HF's Llama names
+    it). A Linear without a quantization method (an MoE router) takes no adapter."""
+    targets = {}
+    for path, module in layer.named_modules():
+        if not isinstance(module, Linear) or not module.quantizable:
+            continue
+        fan_in = getattr(module, "full_in_features", module.in_features)
+        full_rows = getattr(module, "full_rows", None)  # a FusedLinear's parts
+        if full_rows is None:
+            fan_out = getattr(module, "full_out_features", module.out_features)
+            targets[path] = LoRATarget(path, None, fan_in, fan_out)
+            continue
+        targets[path] = LoRATarget(path, None, fan_in, sum(full_rows.values()))
+        prefix = path.rpartition(".")[0]
+        for shard, rows in full_rows.items():
+            name = f"{prefix}.{shard}" if prefix else shard
+            targets[name] = LoRATarget(path, shard, fan_in, rows)
+    return targets
+
+
+def rank_parts(
+    linear: nn.Module, part: str | None, a: torch.Tensor, b: torch.Tensor
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(slot part, A, B) this tensor-parallel rank holds of a module's pair, cut as the base
+    layer is: a column-parallel layer's B by its output rows (a fused layer's per part; a
+    whole-fused target split into its parts first), a row-parallel layer's A by its input
+    columns (each rank's partial delta then summed by the layer's own all-reduce)."""
+    parts = getattr(linear, "parts", None)  # FusedLinear: shard -> this rank's rows
+    if isinstance(parts, dict):
+        if part is None:
+            split = b.split(list(linear.full_rows.values()))
+            return [(s, a, _cut(bs, parts[s])) for s, bs in zip(linear.full_rows, split)]
+        return [(part, a, _cut(b, parts[part]))]
+    cut = getattr(linear, "part", None)  # Column- or RowParallelLinear
+    if cut is None:
+        return [("", a, b)]
+    return [("", a, _cut(b, cut))] if cut.dim == 0 else [("", _cut(a, cut), b)]
+
+
+def _cut(t: torch.Tensor, piece) -> torch.Tensor:
+    """`piece` (a `TensorSlice`) of `t`: rows (dim 0) of a B, columns (dim 1) of an A."""
+    return t.narrow(piece.dim, piece.start, piece.size).contiguous()

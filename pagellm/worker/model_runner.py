@@ -122,8 +122,7 @@ class ModelRunner:
         self.spec = None if spec is None else SpecDecoder(spec, self)
         # LoRA adapters: slots on every target projection, filled between steps
         self.lora = None if config.lora_config is None else LoRASlotManager(
-            self.model, config.lora_config, self.model_config.hf_config, self.device,
-            self.model_config.dtype,
+            self.model, config.lora_config, self.device, self.model_config.dtype
         )  # fmt: skip
         # a pooling model: requests finish with a pooled vector instead of sampling
         mc = self.model_config
