@@ -112,11 +112,9 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
-    def _lora_config(self, model_config: Any, parallel_config: Any) -> LoRAConfig | None:
+    def _lora_config(self, model_config: Any) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if parallel_config.tensor_parallel_size > 1:
-            raise ValueError("enable_lora works with tensor_parallel_size=1 only (for now)")
         if model_config.runner == "pooling":
             raise ValueError("enable_lora needs a generative model (runner='generate')")
         if model_config.architecture not in LORA_ARCHITECTURES:
@@ -208,7 +206,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
-            lora_config=self._lora_config(model_config, parallel_config),
+            lora_config=self._lora_config(model_config),
             draft_model_config=draft_model_config,
         )
 
