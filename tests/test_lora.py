@@ -179,3 +179,28 @@ def test_rank_over_max_and_lora_off(served, tmp_path):
 
     with pytest.raises(ValueError, match="enable_lora=True"):
         LoRACheck(llm.llm_engine.config.model_config, None)(loras["all"])
+
+
+def test_evicted_adapter_whose_folder_is_gone_fails_alone(served, tmp_path):
+    """An adapter evicted from the host cache (two adapters there) whose folder was deleted
+    since: its next request fails at admission with the folder's error, the engine serves on;
+    one still cached is served from the cache."""
+    llm, loras, refs, _ = served
+    prompt = _prompts()[2]
+    request = {"prompt_token_ids": prompt}
+    gone = LoRARequest("gone", 30, str(shutil.copytree(loras["attn"].lora_path, tmp_path / "g")))
+    first = llm.generate(request, GREEDY, use_tqdm=False, lora_request=gone)[0]
+    assert first.outputs[0].token_ids == _expected(refs, prompt, "attn")
+    for name in ("all", "mlp_rs"):  # the host cache holds these two now
+        llm.generate(request, GREEDY, use_tqdm=False, lora_request=loras[name])
+    shutil.rmtree(tmp_path / "g")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate(request, GREEDY, use_tqdm=False, lora_request=gone)
+    cached = LoRARequest("cached", 31, str(shutil.copytree(loras["all"].lora_path, tmp_path / "c")))
+    llm.generate(request, GREEDY, use_tqdm=False, lora_request=cached)
+    shutil.rmtree(tmp_path / "c")  # still in the host cache: served from it
+    outs = llm.generate(
+        [request] * 2, GREEDY, use_tqdm=False, lora_request=[cached, loras["mlp_rs"]]
+    )
+    assert outs[0].outputs[0].token_ids == _expected(refs, prompt, "all")
+    assert outs[1].outputs[0].token_ids == _expected(refs, prompt, "mlp_rs")

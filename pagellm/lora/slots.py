@@ -150,6 +150,14 @@ class LoRASlotManager:
         adapter = load_adapter(path, self.shapes, self.config.max_lora_rank)
         logger.info("LoRA adapter %d loaded from %s (rank %d)", adapter_id, path, adapter.rank)
         self.host[adapter_id] = adapter
-        while len(self.host) > self.config.host_cache_size:
-            self.host.popitem(last=False)
+        self._evict_host(keep=adapter_id)
         return adapter
+
+    def _evict_host(self, keep: int) -> None:
+        """Least recently used adapters out of the host cache, down to its size, but never
+        one a running request uses (a step never reads a folder, which may be gone since)."""
+        in_use = {keep, *self.requests.values()}
+        for victim in [i for i in self.host if i not in in_use]:
+            if len(self.host) <= self.config.host_cache_size:
+                return
+            del self.host[victim]
