@@ -191,10 +191,8 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep; the
-            # LoRA delta runs eagerly (its rows grouped on the host)
+            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep
             enforce_eager=self.enforce_eager
-            or self.enable_lora
             or (speculative_config is not None and speculative_config.method == "eagle3"),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling

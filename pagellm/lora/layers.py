@@ -31,12 +31,15 @@ from pagellm.layers.linear import Linear
 class LoRAStep:
     """The current step's rows by adapter. CPU: `groups`, (slot, rows [n] int64 or None for
     every row, rank, scale), empty when no row has an adapter. CUDA: `token_slots` [T] int32
-    (-1: none) and `scales` [max_loras] float32, views of buffers kept across steps."""
+    (-1: none) and `scales` [max_loras] float32, views of buffers kept for the engine's life
+    (`max_tokens` rows, a step's most), which captured CUDA graphs read: each step writes
+    its rows' slots (a graph's padding rows -1) and the slots' scales before the replay."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int = 256) -> None:
         self.groups: list[tuple[int, torch.Tensor | None, int, float]] = []
         self.token_slots: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.max_tokens = max_tokens
         self._slots_buf: torch.Tensor | None = None
 
     def set_rows(
@@ -45,9 +48,10 @@ class LoRAStep:
         scales: Sequence[float],  # per slot
         ranks: Sequence[int],  # per slot
         device: torch.device,
+        pad_to: int | None = None,  # CUDA: a graph's rows (T and -1 after them)
     ) -> None:
         if device.type == "cuda":
-            self._set_device_rows(token_slots, scales, device)
+            self._set_device_rows(token_slots, scales, device, pad_to or len(token_slots))
             return
         groups = []
         for slot in np.unique(token_slots):
@@ -58,15 +62,18 @@ class LoRAStep:
             groups.append((int(slot), rows, ranks[slot], scales[slot]))
         self.groups = groups
 
-    def _set_device_rows(self, token_slots: np.ndarray, scales, device) -> None:
-        t = len(token_slots)
-        if self._slots_buf is None or self._slots_buf.shape[0] < t:
-            self._slots_buf = torch.full((max(t, 256),), -1, dtype=torch.int32, device=device)
+    def _set_device_rows(self, token_slots: np.ndarray, scales, device, rows: int) -> None:
+        if self._slots_buf is None:  # once: captured graphs read this memory
+            self._slots_buf = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
+        if rows > self.max_tokens:  # the step buffers' size (`StepInputs`) bounds every step
+            raise ValueError(f"a step of {rows} tokens; LoRA rows are kept for {self.max_tokens}")
+        if self.scales is None:
             self.scales = torch.zeros(len(scales), dtype=torch.float32, device=device)
-        host = torch.from_numpy(np.asarray(token_slots, dtype=np.int32))
-        self._slots_buf[:t].copy_(host, non_blocking=False)
+        host = np.full(rows, -1, dtype=np.int32)
+        host[: len(token_slots)] = token_slots
+        self._slots_buf[:rows].copy_(torch.from_numpy(host))
         self.scales.copy_(torch.tensor(list(scales), dtype=torch.float32))
-        self.token_slots = self._slots_buf[:t]
+        self.token_slots = self._slots_buf[:rows]
 
 
 class LoRASlots:
@@ -105,6 +112,10 @@ class LoRASlots:
         self.present[slot].add(name)
 
     def clear_slot(self, slot: int) -> None:
+        """The slot's parts zeroed: the CUDA kernels apply every part (a zero one adds 0)."""
+        for name in self.present[slot]:
+            self.a[name][slot].zero_()
+            self.b[name][slot].zero_()
         self.present[slot].clear()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ cut of every adapter, A or B sharded as the base layer is (`rank_parts`). Before
 `prepare_step` makes each adapter of the step's rows resident (from the host cache of
 `max_cpu_loras` adapters, or read from its folder), evicting the least recently used slot
 that this step does not use (the scheduler admits at most `max_loras` adapters at once), and
-groups the step's token rows by slot. The C++ one-call CPU decoder is off: the deltas are
-added in the layers' own forward.
+groups the step's token rows by slot. On CUDA the slot and scale buffers are the engine's
+for its life, so decode steps replay CUDA graphs with any mix of adapters. The C++ one-call
+CPU decoder is off: the deltas are added in the layers' own forward.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 class LoRASlotManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, device, dtype) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, device, dtype, max_tokens: int
+    ) -> None:
         self.config = config
-        self.step = LoRAStep()
+        self.step = LoRAStep(max_tokens)
         self.device = device
         self.dtype = dtype
         # (layer, PEFT module) -> (its Linear's slots, the Linear, the fused part or None)
@@ -100,8 +103,17 @@ class LoRASlotManager:
             for slots in self._all_slots():
                 slots.clear_slot(slot)
 
-    def prepare_step(self, req_ids: Sequence[str], num_scheduled: np.ndarray) -> None:
-        """Make the step's adapters resident and group its token rows by slot."""
+    def prepare_graph(self, size: int) -> None:
+        """A CUDA graph of `size` rows is captured next: its kernels read the step's slot and
+        scale buffers (`LoRAStep`), which each replayed step fills (`prepare_step`)."""
+        n = self.config.max_loras
+        self.step.set_rows(np.full(size, -1), [0.0] * n, [0] * n, self.device)
+
+    def prepare_step(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, pad_to: int | None = None
+    ) -> None:
+        """Make the step's adapters resident and group its token rows by slot (a CUDA graph
+        replay: `pad_to` rows, the padding's without an adapter)."""
         ids = [self.requests.get(r, 0) for r in req_ids]
         used = set(ids) - {0}
         row_slots = np.array([self._slot(i, used) if i else -1 for i in ids], dtype=np.int64)
@@ -110,7 +122,7 @@ class LoRASlotManager:
             scales[slot] = self.adapters[adapter_id].scaling
             ranks[slot] = self.adapters[adapter_id].rank
         token_slots = np.repeat(row_slots, num_scheduled)
-        self.step.set_rows(token_slots, scales, ranks, self.device)
+        self.step.set_rows(token_slots, scales, ranks, self.device, pad_to)
 
     def _slot(self, adapter_id: int, used: set[int]) -> int:
         slot = self.resident.get(adapter_id)
