@@ -105,3 +105,13 @@ def test_module_the_family_lacks_is_named(served, tmp_path):
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
                        lora_request=loras["mlp"])  # fmt: skip
     assert out[0].outputs[0].token_ids == hf_generate_greedy(refs["mlp"], [prompt], NEW_TOKENS)[0]
+
+
+def test_families_without_dense_targets_are_refused(tmp_path):
+    """An MoE family's experts take no adapters: enable_lora is a start-up error naming it."""
+    from pagellm import EngineArgs
+
+    folder = make_tiny_hf_model("mixtral", tmp_path, num_local_experts=4, num_experts_per_tok=2)
+    args = EngineArgs(model=folder, device="cpu", enable_lora=True)
+    with pytest.raises(ValueError, match="MixtralForCausalLM is not one of them"):
+        args.create_engine_config()
