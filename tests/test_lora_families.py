@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from lora_utils import make_peft_adapter
+from lora_utils import assert_mixed_equal_hf_peft, make_peft_adapter
 from model_utils import hf_generate_greedy, hf_model, make_tiny_hf_model, save_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from test_families import FAMILIES
@@ -76,16 +76,7 @@ def _prompts() -> list[list[int]]:
 
 def test_family_adapters_equal_hf_peft(served):
     name, llm, loras, refs = served
-    prompts = _prompts()
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-        lora_request=[None if a is None else loras[a] for a in ASSIGNED],
-    )  # fmt: skip
-    for prompt, lora, out in zip(prompts, ASSIGNED, outs):
-        want = hf_generate_greedy(refs[lora], [prompt], NEW_TOKENS)[0]
-        assert out.outputs[0].token_ids == want, (name, lora)
-        if lora is not None:  # the adapter changes the output
-            assert want != hf_generate_greedy(refs[None], [prompt], NEW_TOKENS)[0], (name, lora)
+    assert_mixed_equal_hf_peft(llm, _prompts(), ASSIGNED, loras, refs, NEW_TOKENS, name)
 
 
 def test_module_the_family_lacks_is_named(served, tmp_path):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_utils import make_peft_adapter
-from model_utils import hf_generate_greedy, hf_model, make_tiny_hf_model, save_tiny_tokenizer
+from lora_utils import assert_mixed_equal_hf_peft, make_peft_adapter
+from model_utils import hf_model, make_tiny_hf_model, save_tiny_tokenizer
 
-from pagellm import LLM, LoRARequest, SamplingParams
+from pagellm import LLM, LoRARequest
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
@@ -24,7 +24,6 @@ FAMILIES = {  # family -> (config overrides, two adapters' targets)
     "phi3": (dict(pad_token_id=0), (["qkv_proj", "down_proj"], ["o_proj", "gate_up_proj"])),
 }
 NEW_TOKENS = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -51,13 +50,4 @@ def test_two_ranks_equal_hf_peft(served):
     llm, loras, refs = served
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(6, 500, (n,), generator=gen).tolist() for n in (11, 23, 17)]
-    assigned = [0, None, 1]
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
-        lora_request=[None if a is None else loras[a] for a in assigned],
-    )  # fmt: skip
-    for prompt, lora, out in zip(prompts, assigned, outs):
-        want = hf_generate_greedy(refs[lora], [prompt], NEW_TOKENS)[0]
-        assert out.outputs[0].token_ids == want, lora
-        if lora is not None:
-            assert want != hf_generate_greedy(refs[None], [prompt], NEW_TOKENS)[0], lora
+    assert_mixed_equal_hf_peft(llm, prompts, [0, None, 1], loras, refs, NEW_TOKENS)
