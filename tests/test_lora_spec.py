@@ -63,3 +63,31 @@ def test_drafts_under_adapters_equal_hf_peft(served):
 
 def _greedy(model, prompt: list[int]) -> list[int]:
     return hf_generate_greedy(model, [prompt], NEW_TOKENS)[0]
+
+
+def test_steps_without_adapter_rows_take_the_cpu_decoder_loop(served, monkeypatch):
+    """The C++ one-call decoder has no LoRA: steps with an adapter row take the layers' own
+    forward, steps of base-model requests only the loop (bit for bit the layers' forward,
+    so their ids stay HF's either way)."""
+    from pagellm.layers.cpu_decoder import CpuDecoder
+
+    llm, loras, refs = served
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    if runner.model.model.cpu_decoder is None:
+        pytest.skip("no C++ decoder loop on this machine (compiler, AVX2 / AVX-512)")
+    calls = []
+    loop = CpuDecoder.__call__
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return loop(self, *args)
+
+    monkeypatch.setattr(CpuDecoder, "__call__", counted)
+    prompt = looping_prompt(refs[None], NEW_TOKENS)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    adapted = llm.generate({"prompt_token_ids": prompt}, params, lora_request=loras[1])[0]
+    assert calls == []
+    base = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert len(calls) >= 2  # the prefill and decode steps
+    assert base.outputs[0].token_ids == _greedy(refs[None], prompt)
+    assert adapted.outputs[0].token_ids == _greedy(refs[1], prompt) != base.outputs[0].token_ids

@@ -9,7 +9,8 @@ cut of every adapter, A or B sharded as the base layer is (`rank_parts`). Before
 that this step does not use (the scheduler admits at most `max_loras` adapters at once), and
 groups the step's token rows by slot. On CUDA the slot and scale buffers are the engine's
 for its life, so decode steps replay CUDA graphs with any mix of adapters. The C++ one-call
-CPU decoder is off: the deltas are added in the layers' own forward.
+CPU decoder runs the steps without adapter rows; the others take the layers' own forward,
+which adds the deltas (the C++ loop has no LoRA).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class LoRASlotManager:
         self.adapters: dict[int, LoRAAdapter] = {}  # adapter id -> the one in its slot
 
     def _attach(self, model: nn.Module) -> None:
-        decoder = model.model
-        decoder.cpu_decoder_allowed = False
+        decoder = self.decoder = model.model
+        decoder.cpu_decoder_allowed = False  # until a step without adapter rows
         for i, layer in enumerate(decoder.layers):
             for module, target in lora_targets(layer).items():
                 linear = layer.get_submodule(target.linear)
@@ -123,6 +124,8 @@ class LoRASlotManager:
             ranks[slot] = self.adapters[adapter_id].rank
         token_slots = np.repeat(row_slots, num_scheduled)
         self.step.set_rows(token_slots, scales, ranks, self.device, pad_to)
+        # a step without adapter rows may take the C++ loop (bit for bit the layers' forward)
+        self.decoder.cpu_decoder_allowed = self.device.type == "cpu" and not self.step.groups
 
     def _slot(self, adapter_id: int, used: set[int]) -> int:
         slot = self.resident.get(adapter_id)
