@@ -62,6 +62,14 @@ class LoRAStep:
             groups.append((int(slot), rows, ranks[slot], scales[slot]))
         self.groups = groups
 
+    def graph_rows(self, size: int, num_slots: int, device: torch.device) -> None:
+        """A CUDA graph of `size` rows: its kernels read the buffers' first `size` rows (each
+        replay's step fills them). The warm-up before a capture makes them (all -1); inside
+        the capture nothing is copied from the host (a capture may not)."""
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self._set_device_rows(np.full(size, -1), [0.0] * num_slots, device, size)
+        self.token_slots = self._slots_buf[:size]
+
     def _set_device_rows(self, token_slots: np.ndarray, scales, device, rows: int) -> None:
         if self._slots_buf is None:  # once: captured graphs read this memory
             self._slots_buf = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)

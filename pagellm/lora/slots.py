@@ -107,8 +107,7 @@ class LoRASlotManager:
     def prepare_graph(self, size: int) -> None:
         """A CUDA graph of `size` rows is captured next: its kernels read the step's slot and
         scale buffers (`LoRAStep`), which each replayed step fills (`prepare_step`)."""
-        n = self.config.max_loras
-        self.step.set_rows(np.full(size, -1), [0.0] * n, [0] * n, self.device)
+        self.step.graph_rows(size, self.config.max_loras, self.device)
 
     def prepare_step(
         self, req_ids: Sequence[str], num_scheduled: np.ndarray, pad_to: int | None = None
