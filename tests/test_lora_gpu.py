@@ -30,7 +30,7 @@ ADAPTERS = [
     dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj"], use_rslora=True),
     dict(r=2, lora_alpha=6, target_modules=MLP),
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 CALLS = [[0, None, 1, 0, None], [2, 1, None]]  # adapters per prompt, two generate calls
 
