@@ -106,3 +106,33 @@ def test_families_without_dense_targets_are_refused(tmp_path):
     args = EngineArgs(model=folder, device="cpu", enable_lora=True)
     with pytest.raises(ValueError, match="MixtralForCausalLM is not one of them"):
         args.create_engine_config()
+
+
+def test_multimodal_gemma3_checkpoint_takes_language_model_adapters(tmp_path, monkeypatch):
+    """Most Gemma 3 checkpoints are Gemma3ForConditionalGeneration: an adapter on its
+    language model's layers (PEFT's keys under `model.language_model.`) gives HF + PEFT's
+    greedy ids; one that also targets the vision tower is an error naming a tower module."""
+    from model_utils import TINY_CONFIG, _randomize
+    from test_families import _GEMMA
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig
+
+    text = Gemma3TextConfig(**{**TINY_CONFIG, **_GEMMA, **FAMILIES["gemma3"]})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    hf = Gemma3ForConditionalGeneration(config).float().eval()
+    _randomize(hf, 0.1, 0)  # at larger weights its outputs repeat one token, whatever adapter
+    hf.save_pretrained(tmp_path / "mm")
+    save_tiny_tokenizer(tmp_path / "mm")
+    folder = str(tmp_path / "mm")
+    language = dict(
+        r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|o_proj|up_proj|down_proj)"
+    )
+    path, ref = make_peft_adapter(hf_model(folder), language, tmp_path / "lm", seed=1, std=0.5)
+    tower = dict(r=4, lora_alpha=8, target_modules=["q_proj"])  # the tower's q_proj too
+    both, _ = make_peft_adapter(hf_model(folder), tower, tmp_path / "both", seed=2)
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    with LLM(folder, dtype="float32", max_model_len=128, enable_lora=True, max_lora_rank=4) as llm:
+        refs, loras = {None: hf_model(folder), 0: ref}, {0: LoRARequest("lm", 1, path)}
+        assert_mixed_equal_hf_peft(llm, _prompts()[:2], [0, None], loras, refs, NEW_TOKENS)
+        with pytest.raises(ValueError, match=r"vision_tower.* is not supported"):
+            llm.generate("hi", lora_request=LoRARequest("both", 2, both), use_tqdm=False)

@@ -14,6 +14,7 @@ LORA_ARCHITECTURES = (
     "GemmaForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its language model (vision-tower targets: an error)
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
