@@ -75,7 +75,7 @@ def adapter_scaling(config: dict[str, Any]) -> float:
 
 
 def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
-    """The adapter at `path`, checked against the base model's config (see the module doc)."""
+    """The adapter at `path`, checked against the base model's targets (see the module doc)."""
     config = read_adapter_config(path)
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"LoRA adapter {path!r}: rank_pattern / alpha_pattern are not supported")
