@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from lora_utils import make_peft_adapter
 from model_utils import hf_generate_greedy, hf_model, make_tiny_hf_model, save_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
@@ -39,19 +40,6 @@ PROMPT_LENGTHS = (7, 19, 33, 45, 12, 26)
 ASSIGNED = (None, "attn", "mlp_rs", "all", "attn", None)
 
 
-def _make_adapter(folder: str, name: str, out_dir, seed: int):
-    """A PEFT adapter with random A and B saved under out_dir; returns (its folder, HF + PEFT)."""
-    model = peft.get_peft_model(hf_model(folder), peft.LoraConfig(**ADAPTERS[name]))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for pname, param in model.named_parameters():
-            if "lora_" in pname:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    path = out_dir / name
-    model.save_pretrained(path)
-    return str(path), model.base_model.model.eval()
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def served(request, tmp_path_factory):
     """(engine, {name: LoRARequest}, {name or None: HF reference model}, adapter folder)."""
@@ -60,7 +48,7 @@ def served(request, tmp_path_factory):
     save_tiny_tokenizer(folder)
     refs, loras = {None: hf_model(folder)}, {}
     for i, name in enumerate(ADAPTERS):
-        path, refs[name] = _make_adapter(folder, name, tmp, seed=10 + i)
+        path, refs[name] = make_peft_adapter(folder, ADAPTERS[name], tmp / name, seed=10 + i)
         loras[name] = LoRARequest(name, i + 1, path)
     llm = LLM(
         folder, dtype="float32", block_size=4, num_gpu_blocks_override=24,
@@ -141,7 +129,10 @@ def _add_embedding(tensors):
 
 @pytest.mark.parametrize(
     "edit, words",
-    [(_narrow_down_proj, "layers.0.down_proj has A (2, 127)"), (_add_embedding, "embed_tokens")],
+    [
+        (_narrow_down_proj, "layers.0.mlp.down_proj has A (2, 127)"),
+        (_add_embedding, "embed_tokens"),
+    ],
 )
 def test_bad_adapter_fails_alone(served, tmp_path, edit, words):
     llm, loras, refs, _ = served
@@ -188,3 +179,28 @@ def test_rank_over_max_and_lora_off(served, tmp_path):
 
     with pytest.raises(ValueError, match="enable_lora=True"):
         LoRACheck(llm.llm_engine.config.model_config, None)(loras["all"])
+
+
+def test_evicted_adapter_whose_folder_is_gone_fails_alone(served, tmp_path):
+    """An adapter evicted from the host cache (two adapters there) whose folder was deleted
+    since: its next request fails at admission with the folder's error, the engine serves on;
+    one still cached is served from the cache."""
+    llm, loras, refs, _ = served
+    prompt = _prompts()[2]
+    request = {"prompt_token_ids": prompt}
+    gone = LoRARequest("gone", 30, str(shutil.copytree(loras["attn"].lora_path, tmp_path / "g")))
+    first = llm.generate(request, GREEDY, use_tqdm=False, lora_request=gone)[0]
+    assert first.outputs[0].token_ids == _expected(refs, prompt, "attn")
+    for name in ("all", "mlp_rs"):  # the host cache holds these two now
+        llm.generate(request, GREEDY, use_tqdm=False, lora_request=loras[name])
+    shutil.rmtree(tmp_path / "g")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.generate(request, GREEDY, use_tqdm=False, lora_request=gone)
+    cached = LoRARequest("cached", 31, str(shutil.copytree(loras["all"].lora_path, tmp_path / "c")))
+    llm.generate(request, GREEDY, use_tqdm=False, lora_request=cached)
+    shutil.rmtree(tmp_path / "c")  # still in the host cache: served from it
+    outs = llm.generate(
+        [request] * 2, GREEDY, use_tqdm=False, lora_request=[cached, loras["mlp_rs"]]
+    )
+    assert outs[0].outputs[0].token_ids == _expected(refs, prompt, "all")
+    assert outs[1].outputs[0].token_ids == _expected(refs, prompt, "mlp_rs")

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# models whose decoder layers hold the q|k|v, o, gate|up and down projections adapters target
+# the dense families: adapters on their decoder layers' attention and MLP projections, by the
+# PEFT module names the layers answer to (`pagellm.lora.layers.lora_targets`)
 LORA_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its language model (vision-tower targets: an error)
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Starcoder2ForCausalLM",
 )
 
 

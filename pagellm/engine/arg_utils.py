@@ -112,11 +112,9 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
 
-    def _lora_config(self, model_config: Any, parallel_config: Any) -> LoRAConfig | None:
+    def _lora_config(self, model_config: Any) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if parallel_config.tensor_parallel_size > 1:
-            raise ValueError("enable_lora works with tensor_parallel_size=1 only (for now)")
         if model_config.runner == "pooling":
             raise ValueError("enable_lora needs a generative model (runner='generate')")
         if model_config.architecture not in LORA_ARCHITECTURES:
@@ -193,10 +191,8 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep; the
-            # LoRA delta runs eagerly (its rows grouped on the host)
+            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep
             enforce_eager=self.enforce_eager
-            or self.enable_lora
             or (speculative_config is not None and speculative_config.method == "eagle3"),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
@@ -208,7 +204,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             structured_outputs_config=structured_outputs_config,
             speculative_config=speculative_config,
-            lora_config=self._lora_config(model_config, parallel_config),
+            lora_config=self._lora_config(model_config),
             draft_model_config=draft_model_config,
         )
 

@@ -62,7 +62,6 @@ class EngineCore:
         if envs.warm_grammar_backend(config.device):
             self.structured_output.warm_up()  # in a compile thread, beside the model's loading
         self.model_executor = executor_class(config)(config)
-        self.loras_added: dict[int, str] = {}  # LoRA adapter id -> the folder its ranks read
         self.num_kv_blocks = self.model_executor.determine_num_kv_blocks()
         self.model_executor.initialize_kv_cache(self.num_kv_blocks)
         window = kv_sliding_window(config.model_config.architecture, config.model_config.hf_config)
@@ -107,15 +106,13 @@ class EngineCore:
             self.tracer.add_request(start, request.request_id)
 
     def _add_lora(self, lora: LoRARequest) -> None:
-        """A request's adapter read on every rank before it is queued (once per id and path):
-        one that cannot be read fails its request alone, never a step."""
-        if self.loras_added.get(lora.lora_int_id) == lora.lora_path:
-            return
+        """A request's adapter read on every rank before it is queued, or found in their host
+        caches (each request asks: one evicted since is read again, and one whose folder is
+        gone fails its request alone, never a step)."""
         args = (lora.lora_name, lora.lora_int_id, lora.lora_path)
         errors = [e for e in self.model_executor.collective_rpc("add_lora", args) if e]
         if errors:
             raise ValueError(errors[0])
-        self.loras_added[lora.lora_int_id] = lora.lora_path
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagellm.config import ModelConfig
 from pagellm.config.lora import LoRAConfig
-from pagellm.lora.peft import load_adapter
+from pagellm.lora.peft import Shapes, base_model_shapes, load_adapter
 from pagellm.lora.request import LoRARequest
 
 
@@ -18,6 +18,7 @@ class LoRACheck:
         self.model_config = model_config
         self.lora_config = lora_config
         self.checked: dict[int, str] = {}  # adapter id -> its path, checked
+        self._shapes: Shapes | None = None  # the base model's targets, built on first use
 
     def __call__(self, lora_request: LoRARequest | None) -> None:
         if lora_request is None:
@@ -37,8 +38,10 @@ class LoRACheck:
                 f"lora_int_id {lora_request.lora_int_id} is adapter {known!r} already; "
                 f"give {lora_request.lora_path!r} another id"
             )
-        hf_config = self.model_config.hf_config
-        load_adapter(lora_request.lora_path, hf_config, self.lora_config.max_lora_rank)
+        if self._shapes is None:
+            mc = self.model_config
+            self._shapes = base_model_shapes(mc.architecture, mc.hf_config)
+        load_adapter(lora_request.lora_path, self._shapes, self.lora_config.max_lora_rank)
         self.checked[lora_request.lora_int_id] = lora_request.lora_path
 
     def forget(self, lora_int_id: int) -> None:

@@ -231,6 +231,6 @@ class RowParallelLinear(Linear):
             out = self.packed_weight(x, bias)
         else:
             out = F.linear(x, self.weight, bias)
-        if self.lora is not None:  # one rank (enable_lora refuses tensor parallelism)
+        if self.lora is not None:  # this rank's partial delta: summed by the all-reduce
             out = self.lora(x, out)
         return all_reduce(out) if self.reduce else out

@@ -18,21 +18,28 @@ memory every step, so a CUDA graph may replay them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from pagellm.layers.linear import Linear
 
 
 class LoRAStep:
     """The current step's rows by adapter. CPU: `groups`, (slot, rows [n] int64 or None for
     every row, rank, scale), empty when no row has an adapter. CUDA: `token_slots` [T] int32
-    (-1: none) and `scales` [max_loras] float32, views of buffers kept across steps."""
+    (-1: none) and `scales` [max_loras] float32, views of buffers kept for the engine's life
+    (`max_tokens` rows, a step's most), which captured CUDA graphs read: each step writes
+    its rows' slots (a graph's padding rows -1) and the slots' scales before the replay."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int = 256) -> None:
         self.groups: list[tuple[int, torch.Tensor | None, int, float]] = []
         self.token_slots: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.max_tokens = max_tokens
         self._slots_buf: torch.Tensor | None = None
 
     def set_rows(
@@ -41,9 +48,10 @@ class LoRAStep:
         scales: Sequence[float],  # per slot
         ranks: Sequence[int],  # per slot
         device: torch.device,
+        pad_to: int | None = None,  # CUDA: a graph's rows (T and -1 after them)
     ) -> None:
         if device.type == "cuda":
-            self._set_device_rows(token_slots, scales, device)
+            self._set_device_rows(token_slots, scales, device, pad_to or len(token_slots))
             return
         groups = []
         for slot in np.unique(token_slots):
@@ -54,15 +62,26 @@ class LoRAStep:
             groups.append((int(slot), rows, ranks[slot], scales[slot]))
         self.groups = groups
 
-    def _set_device_rows(self, token_slots: np.ndarray, scales, device) -> None:
-        t = len(token_slots)
-        if self._slots_buf is None or self._slots_buf.shape[0] < t:
-            self._slots_buf = torch.full((max(t, 256),), -1, dtype=torch.int32, device=device)
+    def graph_rows(self, size: int, num_slots: int, device: torch.device) -> None:
+        """A CUDA graph of `size` rows: its kernels read the buffers' first `size` rows (each
+        replay's step fills them). The warm-up before a capture makes them (all -1); inside
+        the capture nothing is copied from the host (a capture may not)."""
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self._set_device_rows(np.full(size, -1), [0.0] * num_slots, device, size)
+        self.token_slots = self._slots_buf[:size]
+
+    def _set_device_rows(self, token_slots: np.ndarray, scales, device, rows: int) -> None:
+        if self._slots_buf is None:  # once: captured graphs read this memory
+            self._slots_buf = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
+        if rows > self.max_tokens:  # the step buffers' size (`StepInputs`) bounds every step
+            raise ValueError(f"a step of {rows} tokens; LoRA rows are kept for {self.max_tokens}")
+        if self.scales is None:
             self.scales = torch.zeros(len(scales), dtype=torch.float32, device=device)
-        host = torch.from_numpy(np.asarray(token_slots, dtype=np.int32))
-        self._slots_buf[:t].copy_(host, non_blocking=False)
+        host = np.full(rows, -1, dtype=np.int32)
+        host[: len(token_slots)] = token_slots
+        self._slots_buf[:rows].copy_(torch.from_numpy(host))
         self.scales.copy_(torch.tensor(list(scales), dtype=torch.float32))
-        self.token_slots = self._slots_buf[:t]
+        self.token_slots = self._slots_buf[:rows]
 
 
 class LoRASlots:
@@ -101,6 +120,10 @@ class LoRASlots:
         self.present[slot].add(name)
 
     def clear_slot(self, slot: int) -> None:
+        """The slot's parts zeroed: the CUDA kernels apply every part (a zero one adds 0)."""
+        for name in self.present[slot]:
+            self.a[name][slot].zero_()
+            self.b[name][slot].zero_()
         self.present[slot].clear()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -135,3 +158,62 @@ class LoRASlots:
             h = lora_shrink(x, self.a[name], step.token_slots, step.scales)
             lora_expand(h, self.b[name], step.token_slots, out, start)
         return out
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """A PEFT module of a decoder layer (its path in HF's layer, e.g. "self_attn.q_proj") as
+    our layer holds it: the Linear at `linear`, one fused `part` of it (None: the whole), and
+    the one-rank shapes an adapter's A [r, fan_in] and B [fan_out, r] must have."""
+
+    linear: str
+    part: str | None
+    fan_in: int
+    fan_out: int
+
+
+def lora_targets(layer: nn.Module) -> dict[str, LoRATarget]:
+    """The PEFT module names a decoder layer's Linears answer to, whatever the family: each
+    Linear its own path (StarCoder2's `mlp.c_fc`, Phi-3's fused `self_attn.qkv_proj`), a fused
+    one also each part's (`self_attn.q_proj` of `self_attn.qkv_proj`, as HF's Llama names
+    it). A Linear without a quantization method (an MoE router) takes no adapter."""
+    targets = {}
+    for path, module in layer.named_modules():
+        if not isinstance(module, Linear) or not module.quantizable:
+            continue
+        fan_in = getattr(module, "full_in_features", module.in_features)
+        full_rows = getattr(module, "full_rows", None)  # a FusedLinear's parts
+        if full_rows is None:
+            fan_out = getattr(module, "full_out_features", module.out_features)
+            targets[path] = LoRATarget(path, None, fan_in, fan_out)
+            continue
+        targets[path] = LoRATarget(path, None, fan_in, sum(full_rows.values()))
+        prefix = path.rpartition(".")[0]
+        for shard, rows in full_rows.items():
+            name = f"{prefix}.{shard}" if prefix else shard
+            targets[name] = LoRATarget(path, shard, fan_in, rows)
+    return targets
+
+
+def rank_parts(
+    linear: nn.Module, part: str | None, a: torch.Tensor, b: torch.Tensor
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(slot part, A, B) this tensor-parallel rank holds of a module's pair, cut as the base
+    layer is: a column-parallel layer's B by its output rows (a fused layer's per part; a
+    whole-fused target split into its parts first), a row-parallel layer's A by its input
+    columns (each rank's partial delta then summed by the layer's own all-reduce)."""
+    parts = getattr(linear, "parts", None)  # FusedLinear: shard -> this rank's rows
+    if isinstance(parts, dict):
+        if part is None:
+            split = b.split(list(linear.full_rows.values()))
+            return [(s, a, _cut(bs, parts[s])) for s, bs in zip(linear.full_rows, split)]
+        return [(part, a, _cut(b, parts[part]))]
+    cut = getattr(linear, "part", None)  # Column- or RowParallelLinear
+    if cut is None:
+        return [("", a, b)]
+    return [("", a, _cut(b, cut))] if cut.dim == 0 else [("", _cut(a, cut), b)]
+
+
+def _cut(t: torch.Tensor, piece) -> torch.Tensor:
+    """`piece` (a `TensorSlice`) of `t`: rows (dim 0) of a B, columns (dim 1) of an A."""
+    return t.narrow(piece.dim, piece.start, piece.size).contiguous()

@@ -19,17 +19,12 @@ from typing import Any
 
 import torch
 
-# PEFT's module names -> the sublayer that holds them in a Llama-style decoder layer
-TARGET_MODULES = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+from pagellm.lora.layers import lora_targets
+
+# `...layers.N.<module path>.lora_A.weight`: the module's path inside decoder layer N
+_KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.default)?\.weight$")
+# per decoder layer: PEFT module path -> (fan_in, fan_out) with one rank (`lora_targets`)
+Shapes = list[dict[str, tuple[int, int]]]
 
 
 @dataclass
@@ -41,23 +36,23 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target module in a decoder layer of this config."""
-    hidden = hf_config.hidden_size
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    shapes = {
-        "q_proj": (hidden, heads * head_dim),
-        "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim),
-        "o_proj": (heads * head_dim, hidden),
-    }
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        return shapes  # an MoE block's experts take no adapters (yet)
-    inter = hf_config.intermediate_size
-    shapes.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
-    return shapes
+def target_shapes(decoder_layers) -> Shapes:
+    """Each decoder layer's adapter targets and their one-rank shapes (`lora_targets`)."""
+    return [
+        {name: (t.fan_in, t.fan_out) for name, t in lora_targets(layer).items()}
+        for layer in decoder_layers
+    ]
+
+
+def base_model_shapes(architecture: str, hf_config: Any) -> Shapes:
+    """`target_shapes` of the base model built on `meta` (no memory, no weights): what the
+    caller checks an adapter against before the request is queued."""
+    from pagellm.attention.torch_backend import TorchAttentionBackend
+    from pagellm.models.registry import get_model_cls
+
+    with torch.device("meta"):
+        model = get_model_cls(architecture)(hf_config, TorchAttentionBackend)
+    return target_shapes(model.model.layers)
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
@@ -79,8 +74,8 @@ def adapter_scaling(config: dict[str, Any]) -> float:
     return alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
 
 
-def load_adapter(path: str, hf_config: Any, max_lora_rank: int) -> LoRAAdapter:
-    """The adapter at `path`, checked against the base model's config (see the module doc)."""
+def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter at `path`, checked against the base model's targets (see the module doc)."""
     config = read_adapter_config(path)
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"LoRA adapter {path!r}: rank_pattern / alpha_pattern are not supported")
@@ -89,12 +84,14 @@ def load_adapter(path: str, hf_config: Any, max_lora_rank: int) -> LoRAAdapter:
         raise ValueError(
             f"LoRA adapter {path!r}: rank {rank} is over max_lora_rank={max_lora_rank}"
         )
-    pairs = _pair_tensors(path, _read_tensors(path), hf_config.num_hidden_layers)
-    shapes = module_shapes(hf_config)
+    pairs = _pair_tensors(path, _read_tensors(path), len(shapes))
     for (layer, module), (a, b) in pairs.items():
-        if module not in shapes:
-            raise ValueError(f"LoRA adapter {path!r}: the base model has no dense {module}")
-        fan_in, fan_out = shapes[module]
+        if module not in shapes[layer]:
+            raise ValueError(
+                f"LoRA adapter {path!r}: the base model has no {module} in layers.{layer} "
+                f"(adapters may target {', '.join(sorted(shapes[layer]))})"
+            )
+        fan_in, fan_out = shapes[layer][module]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(
                 f"LoRA adapter {path!r}: layers.{layer}.{module} has A {tuple(a.shape)} and B "
@@ -123,10 +120,10 @@ def _pair_tensors(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
-        if match is None or TARGET_MODULES.get(match[3]) != match[2]:
+        if match is None or "vision" in key:
             raise ValueError(
-                f"LoRA adapter {path!r}: module {key!r} is not supported (targets: "
-                f"{', '.join(TARGET_MODULES)} of the decoder layers)"
+                f"LoRA adapter {path!r}: module {key!r} is not supported (targets: the "
+                "attention and MLP projections of the decoder layers)"
             )
         layer = int(match[1])
         if layer >= num_layers:
@@ -134,7 +131,7 @@ def _pair_tensors(
                 f"LoRA adapter {path!r}: {key!r} is for layer {layer}; the base model has "
                 f"{num_layers} layers"
             )
-        halves.setdefault((layer, match[3]), {})[match[4]] = tensor.float()
+        halves.setdefault((layer, match[2]), {})[match[3]] = tensor.float()
     pairs = {}
     for (layer, module), half in halves.items():
         if set(half) != {"A", "B"}:

@@ -1,12 +1,16 @@
 """The runner's LoRA slot manager: adapters into `max_loras` slots between steps.
 
-At start-up every q | k | v, o, gate | up and down projection of the decoder layers gets a
-`LoRASlots` (`pagellm.lora.layers`), all sharing one `LoRAStep`. Before each forward,
+At start-up every projection of the decoder layers gets a `LoRASlots` (`pagellm.lora.layers`),
+all sharing one `LoRAStep`; the PEFT module names each answers to are its own and its fused
+parts' (`lora_targets`), whatever the family. With tensor parallelism each rank keeps its
+cut of every adapter, A or B sharded as the base layer is (`rank_parts`). Before each forward,
 `prepare_step` makes each adapter of the step's rows resident (from the host cache of
 `max_cpu_loras` adapters, or read from its folder), evicting the least recently used slot
 that this step does not use (the scheduler admits at most `max_loras` adapters at once), and
-groups the step's token rows by slot. The C++ one-call CPU decoder is off: the deltas are
-added in the layers' own forward.
+groups the step's token rows by slot. On CUDA the slot and scale buffers are the engine's
+for its life, so decode steps replay CUDA graphs with any mix of adapters. The C++ one-call
+CPU decoder runs the steps without adapter rows; the others take the layers' own forward,
+which adds the deltas (the C++ loop has no LoRA).
 """
 
 from __future__ import annotations
@@ -19,36 +23,28 @@ import numpy as np
 from torch import nn
 
 from pagellm.config.lora import LoRAConfig
-from pagellm.lora.layers import LoRASlots, LoRAStep
-from pagellm.lora.peft import LoRAAdapter, load_adapter
+from pagellm.lora.layers import LoRASlots, LoRAStep, lora_targets, rank_parts
+from pagellm.lora.peft import LoRAAdapter, load_adapter, target_shapes
 from pagellm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-# PEFT module -> (the decoder sublayer, our Linear that holds it)
-_TARGETS = {
-    "q_proj": ("self_attn", "qkv_proj"),
-    "k_proj": ("self_attn", "qkv_proj"),
-    "v_proj": ("self_attn", "qkv_proj"),
-    "o_proj": ("self_attn", "o_proj"),
-    "gate_proj": ("mlp", "gate_up_proj"),
-    "up_proj": ("mlp", "gate_up_proj"),
-    "down_proj": ("mlp", "down_proj"),
-}
-
 
 class LoRASlotManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, hf_config, device, dtype) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, device, dtype, max_tokens: int
+    ) -> None:
         self.config = config
-        self.hf_config = hf_config
-        self.step = LoRAStep()
+        self.step = LoRAStep(max_tokens)
         self.device = device
         self.dtype = dtype
-        self.targets: dict[tuple[int, str], LoRASlots] = {}  # (layer, PEFT module) -> slots
+        # (layer, PEFT module) -> (its Linear's slots, the Linear, the fused part or None)
+        self.targets: dict[tuple[int, str], tuple[LoRASlots, nn.Module, str | None]] = {}
         self._attach(model)
+        self.shapes = target_shapes(model.model.layers)
         logger.info(
             "LoRA: %d slots of rank up to %d on %d projections, a host cache of %d adapters",
-            config.max_loras, config.max_lora_rank, len(set(self.targets.values())),
+            config.max_loras, config.max_lora_rank, len(self._all_slots()),
             config.host_cache_size,
         )  # fmt: skip
         self.requests: dict[str, int] = {}  # request id -> adapter id
@@ -58,17 +54,17 @@ class LoRASlotManager:
         self.adapters: dict[int, LoRAAdapter] = {}  # adapter id -> the one in its slot
 
     def _attach(self, model: nn.Module) -> None:
-        decoder = model.model
-        decoder.cpu_decoder_allowed = False
+        decoder = self.decoder = model.model
+        decoder.cpu_decoder_allowed = False  # until a step without adapter rows
         for i, layer in enumerate(decoder.layers):
-            held: dict[str, LoRASlots] = {}
-            for module, (sub, name) in _TARGETS.items():
-                linear = getattr(getattr(layer, sub, None), name, None)
-                if linear is None:
-                    continue
-                if name not in held:
-                    held[name] = linear.lora = self._slots_for(linear)
-                self.targets[i, module] = held[name]
+            for module, target in lora_targets(layer).items():
+                linear = layer.get_submodule(target.linear)
+                if linear.lora is None:
+                    linear.lora = self._slots_for(linear)
+                self.targets[i, module] = (linear.lora, linear, target.part)
+
+    def _all_slots(self) -> list[LoRASlots]:
+        return list({id(t[0]): t[0] for t in self.targets.values()}.values())
 
     def _slots_for(self, linear: nn.Module) -> LoRASlots:
         rows = getattr(linear, "shard_rows", None)  # a fused layer's parts
@@ -105,11 +101,19 @@ class LoRASlotManager:
         self.adapters.pop(adapter_id, None)
         slot = self.resident.pop(adapter_id, None)
         if slot is not None:
-            for slots in set(self.targets.values()):
+            for slots in self._all_slots():
                 slots.clear_slot(slot)
 
-    def prepare_step(self, req_ids: Sequence[str], num_scheduled: np.ndarray) -> None:
-        """Make the step's adapters resident and group its token rows by slot."""
+    def prepare_graph(self, size: int) -> None:
+        """A CUDA graph of `size` rows is captured next: its kernels read the step's slot and
+        scale buffers (`LoRAStep`), which each replayed step fills (`prepare_step`)."""
+        self.step.graph_rows(size, self.config.max_loras, self.device)
+
+    def prepare_step(
+        self, req_ids: Sequence[str], num_scheduled: np.ndarray, pad_to: int | None = None
+    ) -> None:
+        """Make the step's adapters resident and group its token rows by slot (a CUDA graph
+        replay: `pad_to` rows, the padding's without an adapter)."""
         ids = [self.requests.get(r, 0) for r in req_ids]
         used = set(ids) - {0}
         row_slots = np.array([self._slot(i, used) if i else -1 for i in ids], dtype=np.int64)
@@ -118,7 +122,9 @@ class LoRASlotManager:
             scales[slot] = self.adapters[adapter_id].scaling
             ranks[slot] = self.adapters[adapter_id].rank
         token_slots = np.repeat(row_slots, num_scheduled)
-        self.step.set_rows(token_slots, scales, ranks, self.device)
+        self.step.set_rows(token_slots, scales, ranks, self.device, pad_to)
+        # a step without adapter rows may take the C++ loop (bit for bit the layers' forward)
+        self.decoder.cpu_decoder_allowed = self.device.type == "cpu" and not self.step.groups
 
     def _slot(self, adapter_id: int, used: set[int]) -> int:
         slot = self.resident.get(adapter_id)
@@ -140,12 +146,13 @@ class LoRASlotManager:
 
     def _load_into(self, adapter_id: int, slot: int) -> None:
         adapter = self._host_adapter(adapter_id)
-        for slots in set(self.targets.values()):
+        for slots in self._all_slots():
             slots.clear_slot(slot)
         for (layer, module), (a, b) in adapter.weights.items():
-            slots = self.targets[layer, module]
-            part = module if module in slots.parts else ""
-            slots.set_part(slot, part, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+            slots, linear, part = self.targets[layer, module]
+            for name, a_rank, b_rank in rank_parts(linear, part, a, b):
+                slots.set_part(slot, name, a_rank.to(self.device, self.dtype),
+                               b_rank.to(self.device, self.dtype))  # fmt: skip
         self.adapters[adapter_id] = adapter
 
     def _host_adapter(self, adapter_id: int) -> LoRAAdapter:
@@ -154,9 +161,17 @@ class LoRASlotManager:
             self.host.move_to_end(adapter_id)
             return adapter
         path = self.paths[adapter_id]
-        adapter = load_adapter(path, self.hf_config, self.config.max_lora_rank)
+        adapter = load_adapter(path, self.shapes, self.config.max_lora_rank)
         logger.info("LoRA adapter %d loaded from %s (rank %d)", adapter_id, path, adapter.rank)
         self.host[adapter_id] = adapter
-        while len(self.host) > self.config.host_cache_size:
-            self.host.popitem(last=False)
+        self._evict_host(keep=adapter_id)
         return adapter
+
+    def _evict_host(self, keep: int) -> None:
+        """Least recently used adapters out of the host cache, down to its size, but never
+        one a running request uses (a step never reads a folder, which may be gone since)."""
+        in_use = {keep, *self.requests.values()}
+        for victim in [i for i in self.host if i not in in_use]:
+            if len(self.host) <= self.config.host_cache_size:
+                return
+            del self.host[victim]

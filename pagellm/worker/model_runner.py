@@ -122,8 +122,7 @@ class ModelRunner:
         self.spec = None if spec is None else SpecDecoder(spec, self)
         # LoRA adapters: slots on every target projection, filled between steps
         self.lora = None if config.lora_config is None else LoRASlotManager(
-            self.model, config.lora_config, self.model_config.hf_config, self.device,
-            self.model_config.dtype,
+            self.model, config.lora_config, self.device, self.model_config.dtype, max_tokens
         )  # fmt: skip
         # a pooling model: requests finish with a pooled vector instead of sampling
         mc = self.model_config
@@ -249,6 +248,8 @@ class ModelRunner:
             name: buf[: size + (name == "query_start_loc")] for name, buf in self.inputs.dev.items()
         }
         dev["block_table"] = self.inputs.block_table[:size]
+        if self.lora is not None:  # the graph's LoRA kernels read the step's slot buffers
+            self.lora.prepare_graph(size)
         return self._run_model(arrays, dev, self.kv_caches)
 
     # ---- one step -------------------------------------------------------------------------
@@ -284,12 +285,12 @@ class ModelRunner:
         if self.spec is not None:  # its drafts' cost timed; verify rows as one-token rows
             self.spec.step_started(batch)
             forward = self.spec.as_decode_rows(batch)
-        if self.lora is not None:  # the step's adapters in their slots, its tokens grouped
-            self.lora.prepare_step(batch.req_ids, batch.num_scheduled)
         arrays = host_arrays(self.input_batch, forward, self.block_size)
         if self.trace_paging is not None:
             self.trace_paging(forward, arrays)
         size = self._graph_size(forward)
+        if self.lora is not None:  # the step's adapters in their slots, its tokens grouped
+            self.lora.prepare_step(batch.req_ids, batch.num_scheduled, size)
         staged = arrays if size is None else pad_decode(arrays, size)
         dev = self._stage(staged, block_table_rows(self.input_batch, forward, self.block_size))
         self.pending.patch_inputs(forward, self.input_batch.num_tokens, dev["input_ids"])
