@@ -137,7 +137,11 @@ def compile_fused_fp8_outputs() -> None:
 
 def compile_wna16_gemm() -> None:
     """The int4 / int8 weight-only GEMV and tensor-core GEMM, as `wna16_gemm` launches them."""
-    from pagellm.kernels.wna16_gemm import _wna16_gemm_kernel, _wna16_gemv_kernel
+    from pagellm.kernels.wna16_gemm import (
+        _wna16_dequant_kernel,
+        _wna16_gemm_kernel,
+        _wna16_gemv_kernel,
+    )
 
     types = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
              "bias_ptr": "*bf16", "y_ptr": "*bf16"}  # fmt: skip
@@ -152,6 +156,10 @@ def compile_wna16_gemm() -> None:
                               BLOCK_N=64, BLOCK_K=min(128, group))  # fmt: skip
             _compile(_wna16_gemm_kernel, types, constexprs, ("N", "K", "KW", "stride_qn"),
                      num_warps=4, num_stages=3)  # fmt: skip
+        constexprs = dict(BITS=bits, GROUP=group, BLOCK_N=64, BLOCK_K=min(128, group))
+        _compile(_wna16_dequant_kernel, {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
+                 "w_ptr": "*bf16"}, constexprs, ("N", "K", "KW", "stride_qn", "stride_wn"),
+                 num_warps=4)  # fmt: skip
 
 
 def compile_fused_moe_quant() -> None:

@@ -74,6 +74,26 @@ def test_gemv_steps_over_several_groups(bits, group, k, block_n, block_k):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
 
 
+@pytest.mark.parametrize("bits,group,k", [(4, 32, 160), (8, 64, 128), (4, -1, 96)])
+def test_many_rows_take_the_dequantized_weight(monkeypatch, bits, group, k):
+    """From DEQUANT_MIN_ROWS rows on (a prefill) the weight is dequantized into the scratch
+    buffer (a short last group, one group over K, 8-bit) and multiplied by torch."""
+    from pagellm.kernels import wna16_gemm as kernels
+
+    monkeypatch.setattr(kernels, "DEQUANT_MIN_ROWS", 16)
+    monkeypatch.setattr(kernels, "_SCRATCH", {})
+    torch.manual_seed(k)
+    qweight, scales, zeros, deq, size = _weight(40, k, bits, group, False)
+    x = torch.randn(24, k, device=DEVICE).to(X_DTYPE)
+    bias = torch.randn(40, device=DEVICE).to(X_DTYPE)
+    got = kernels.wna16_gemm(x, qweight, scales, zeros, bits, size, bias).float()
+    (scratch,) = kernels._SCRATCH.values()
+    torch.testing.assert_close(scratch[: 40 * k].view(40, k).float(), deq, rtol=1e-2, atol=1e-6)
+    want = F.linear(x.float(), deq, bias.float())
+    tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
+
+
 def test_wna16_gemm_checks_its_inputs():
     from pagellm.kernels.wna16_gemm import wna16_gemm
 

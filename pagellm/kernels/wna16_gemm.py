@@ -17,6 +17,9 @@ BITS * i ... BITS * i + BITS - 1.
     _wna16_gemm_kernel  more rows: [BLOCK_M, BLOCK_K] x tiles against [BLOCK_K, BLOCK_N]
                         weight tiles unpacked and scaled in registers into x's dtype
                         (bf16 / fp16), then tl.dot on the tensor cores, float32 accumulation
+    _wna16_dequant_kernel  M >= DEQUANT_MIN_ROWS (prefill): the weight dequantized once into
+                        a scratch buffer and multiplied by cuBLAS (unpacking a weight once per
+                        64-row tile costs more than the tensor cores' work at that size)
 
 Unpacking never converts an integer to a float (I2F runs at a quarter of the FMA rate, which
 bounded the first kernels at M = 1): a value's bits are OR-ed into the mantissa of 2^23
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_ROWS = 4  # above: the tensor-core GEMM
+DEQUANT_MIN_ROWS = 1024  # from here on: the weight dequantized to a scratch buffer, then cuBLAS
 MAGIC = tl.constexpr(8388608.0)  # 2^23: the float whose mantissa holds an unpacked value's bits
 
 
@@ -138,6 +142,31 @@ def _wna16_gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _wna16_dequant_kernel(
+    q_ptr, s_ptr, z_ptr, w_ptr, N, K, KW, G, stride_qn, stride_wn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """w[n, k] = (q - zero) * scale in w's dtype: the weight a many-row product hands to
+    cuBLAS (BLOCK_K divides GROUP)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    per: tl.constexpr = 32 // BITS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k0 = pid_k * BLOCK_K
+    words = k0 // per + tl.arange(0, BLOCK_K // per)
+    qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
+                 mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
+    g = k0 // GROUP
+    scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
+    w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+    cols = k0 + offs_k
+    tl.store(w_ptr + offs_n[:, None] * stride_wn + cols[None, :], w.to(w_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (cols < K)[None, :])  # fmt: skip
+
+
 def block_k(group: int, wanted: int) -> int:
     """The K step: `wanted` or the largest power of two below it that divides the group."""
     step = wanted
@@ -198,6 +227,10 @@ def wna16_gemm(
             ROWS_PAD=triton.next_power_of_2(m), SUB=sub, STEPS=steps, **cfg,
         )  # fmt: skip
         return y
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if m >= DEQUANT_MIN_ROWS and config is None and not capturing:
+        w = dequantize_into_scratch(words, scales, zeros, bits, group, k, x.dtype)
+        return torch.nn.functional.linear(x, w, bias)
     cfg = dict(config or gemm_config(m, n, k))
     cfg["BLOCK_K"] = block_k(group, cfg["BLOCK_K"])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
@@ -206,6 +239,27 @@ def wna16_gemm(
         BITS=bits, GROUP=group, HAS_BIAS=bias is not None, **cfg,
     )  # fmt: skip
     return y
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> the largest weight dequantized yet
+
+
+def dequantize_into_scratch(words, scales, zeros, bits: int, group: int, k: int, dtype):
+    """The [N, K] weight in `dtype`, written into a scratch buffer kept per device and dtype
+    (grown to the largest layer: one buffer, reused by every layer of a prefill)."""
+    n, g = scales.shape
+    key = (words.device, dtype)
+    if key not in _SCRATCH or _SCRATCH[key].numel() < n * k:
+        _SCRATCH.pop(key, None)
+        _SCRATCH[key] = torch.empty(n * k, dtype=dtype, device=words.device)
+    w = _SCRATCH[key][: n * k].view(n, k)
+    step = block_k(group, 128)
+    grid = (triton.cdiv(n, 64), triton.cdiv(k, step))
+    _wna16_dequant_kernel[grid](
+        words, scales, zeros, w, n, k, k * bits // 32, g, words.stride(0), w.stride(0),
+        BITS=bits, GROUP=group, BLOCK_N=64, BLOCK_K=step, num_warps=4,
+    )  # fmt: skip
+    return w
 
 
 def _sub_blocks(step: int, group: int, bits: int) -> tuple[int, int]:
