@@ -33,6 +33,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.kv_cache_size import latent_kv_dim
 from pagellm.layers.rope import long_rope
 
 TINY_CONFIG = dict(
@@ -199,8 +200,11 @@ class PagedRunner:
     def __init__(self, model, *, block_size: int = 16, num_blocks: int = 256, seed: int = 0):
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads, parts = cfg.num_key_value_heads, 2
+        if latent_kv_dim(cfg) is not None:  # latent attention: one row a token
+            heads, head_dim, parts = 1, latent_kv_dim(cfg), 1
         shape = model.attn_backend_cls.kv_cache_shape(
-            num_blocks, block_size, cfg.num_key_value_heads, head_dim
+            num_blocks, block_size, heads, head_dim, parts
         )
         param = next(model.parameters())
         self.device = param.device
