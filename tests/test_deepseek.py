@@ -1,0 +1,204 @@
+"""DeepSeek V2 and V3 (multi-head latent attention, grouped top-k MoE with shared experts)
+against HF transformers on the CPU in float32: prefill logits through the latent paged cache
+(chunked prefill, staggered and shuffled batches: the expanded form for prefill chunks, the
+absorbed form for decodes), and greedy ids from one engine per family with requests batched,
+chunked and preempted. Also: the KV budget counts one latent row a token, transformers 5's
+fused expert tensors load like per-expert ones, and the shipped DeepSeek-V2-Lite config
+builds at its real shape.
+
+Quirks switched on: V2 without a q LoRA (V2-Lite), dense first layer, two shared experts,
+softmax routing (greedy, and group-limited with a routed scaling factor) and yarn with
+mscale / mscale_all_dim (its softmax scale adjusted, HF's `yarn_apply_mscale`); V3 with a q
+LoRA, sigmoid routing with a random `e_score_correction_bias`, groups, `norm_topk_prob` and
+`routed_scaling_factor`, interleaved and not interleaved rotary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy
+from model_utils import TINY_CONFIG, _randomize, hf_logits, load_our_model, run_paged
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagellm import LLM, SamplingParams
+from pagellm.layers.deepseek_moe import DeepseekMoE
+
+MLA = dict(
+    num_key_value_heads=4,  # HF's MLA expands every head's K / V: as many as query heads
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=24,
+    first_k_dense_replace=1,
+    num_hidden_layers=3,  # dense, MoE, MoE
+)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=32,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
+FAMILIES = {
+    "deepseek_v2": dict(MLA, q_lora_rank=None, n_shared_experts=2, topk_method="greedy"),
+    "deepseek_v2_grouped": dict(
+        MLA,
+        model_type="deepseek_v2",
+        q_lora_rank=None,
+        n_shared_experts=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        rope_parameters=YARN,
+    ),
+    "deepseek_v3": dict(
+        MLA,
+        q_lora_rank=24,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_parameters=YARN,
+    ),
+    "deepseek_v3_plain_rope": dict(
+        MLA,
+        model_type="deepseek_v3",
+        q_lora_rank=24,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=False,
+        rope_interleave=False,
+    ),
+}
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def make_tiny_deepseek(name: str, folder: Path) -> str:
+    """A random HF DeepSeek model saved under `folder` (V3's score-correction bias, a buffer
+    HF leaves at zero, random too)."""
+    kwargs = {**TINY_CONFIG, **FAMILIES[name]}
+    config = AutoConfig.for_model(kwargs.pop("model_type", name), **kwargs)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, 0.3, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.2)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(folder, HF model, one in-process engine) per family."""
+    folder = make_tiny_deepseek(request.param, tmp_path_factory.mktemp(request.param))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(
+            folder,
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            kv_cache_memory_bytes=NUM_BLOCKS * _latent_block_bytes(hf.config),
+            max_num_batched_tokens=32,
+        )
+    yield folder, hf, llm
+    llm.shutdown()
+
+
+def _latent_block_bytes(config) -> int:
+    """A block of every layer's latent cache, float32: one row of R + P a token."""
+    row = config.kv_lora_rank + config.qk_rope_head_dim
+    return BLOCK_SIZE * config.num_hidden_layers * row * 4
+
+
+def _prompts(*lengths: int, seed: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, 500, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_logits_equal_hf_through_the_latent_cache(family):
+    folder, hf, _ = family
+    ours = load_our_model(folder)
+    assert [isinstance(layer.mlp, DeepseekMoE) for layer in ours.model.layers] == [
+        False,
+        True,
+        True,
+    ]
+    prompts = _prompts(7, 19, 33, 1)
+    results = run_paged(
+        ours, prompts, num_decode_steps=5, chunk_size=6, block_size=4, stagger=True, shuffle=True
+    )
+    for tokens, logits in results:
+        expected = hf_logits(hf, tokens)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_ids_equal_hf_batched_chunked_and_preempted(family):
+    _, hf, llm = family
+    prompts = _prompts(5, 17, 33, 24, seed=2)
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=12)  # a different neighbour
+    requests = [{"prompt_token_ids": p} for p in [*prompts, prompts[1][:6]]]
+    outputs = llm.generate(requests, [GREEDY] * len(prompts) + [sampled], use_tqdm=False)
+    assert llm.llm_engine.call_utility("get_stats")["num_preemptions"] > 0
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
+
+
+def test_kv_budget_counts_one_latent_row_a_token(family):
+    """The budget buys exactly NUM_BLOCKS blocks of latent rows (per-head K and V would have
+    bought H * (dn + P + dv) / (R + P) = 4.4x fewer)."""
+    _, _, llm = family
+    assert llm.llm_engine.call_utility("get_num_kv_blocks") == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3"], indirect=True)
+def test_fused_expert_tensors_load_like_per_expert_ones(family, tmp_path):
+    """transformers 5's state dict stacks a layer's experts (`experts.gate_up_proj`): a
+    checkpoint written from it loads to the same parameters, routers in float32."""
+    folder, hf, _ = family
+    (tmp_path / "config.json").write_text(Path(folder, "config.json").read_text())
+    state = {name: p.contiguous() for name, p in hf.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    fused = dict(load_our_model(str(tmp_path)).named_parameters())
+    for name, param in load_our_model(folder).named_parameters():
+        assert torch.equal(fused[name], param), name
+    bias = fused["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0
+
+
+def test_shipped_deepseek_v2_lite_config_plans_latent_rows():
+    """DeepSeek-V2-Lite's shape on `meta`: 27 layers of 576-wide latent rows (bf16: 31,104
+    bytes a token, against 27 x 16 heads x 2 x 192 x 2 for per-head K and V)."""
+    from pagellm import EngineArgs
+    from pagellm.engine.plan_model import read_model
+
+    args = EngineArgs(model="deepseek-v2-lite", load_format="dummy", dtype="bfloat16")
+    facts = read_model(args, torch.device("cpu"))
+    assert facts.kv_bytes_per_token == 27 * (512 + 64) * 2
+    assert facts.config.architecture == "DeepseekV2ForCausalLM"
+    assert 30e9 < facts.weight_bytes < 33e9  # 15.7B parameters in bf16
