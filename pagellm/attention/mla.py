@@ -81,7 +81,10 @@ class MLAAttention:
         common = getattr(metadata, "common", metadata)
         n = common.num_actual_tokens
         cache = latent_cache(kv_cache)
-        cache.index_copy_(0, common.slot_mapping[:n], latent[:n].to(cache.dtype))
+        slots = common.slot_mapping[:n]
+        if slots.is_cuda:  # CUDA-graph padding rows (slot -1) write into the null block
+            slots = slots.clamp(min=0)
+        cache.index_copy_(0, slots, latent[:n].to(cache.dtype))
         dv = w_kv.shape[1] - self.nope_dim
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, dv)
         kernel = _decode_kernel() if q_nope.is_cuda else None
