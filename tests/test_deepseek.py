@@ -202,3 +202,13 @@ def test_shipped_deepseek_v2_lite_config_plans_latent_rows():
     assert facts.kv_bytes_per_token == 27 * (512 + 64) * 2
     assert facts.config.architecture == "DeepseekV2ForCausalLM"
     assert 30e9 < facts.weight_bytes < 33e9  # 15.7B parameters in bf16
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2"], indirect=True)
+def test_fp8_kv_cache_is_refused_in_our_words(family):
+    from pagellm import EngineArgs
+
+    folder, _, _ = family
+    args = EngineArgs(model=folder, dtype="float32", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"not supported for latent attention \(MLA\)"):
+        args.create_engine_config()

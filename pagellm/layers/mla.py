@@ -93,8 +93,6 @@ class LatentAttention(nn.Module):
         kv_cache: torch.Tensor,  # [1, blocks, block_size, 1, R + P]
         attn_metadata: Any,
     ) -> torch.Tensor:  # [T, hidden]
-        if kv_cache.element_size() == 1:
-            raise ValueError("an fp8 KV cache is not supported for latent attention (MLA)")
         t = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
