@@ -22,6 +22,7 @@ import torch
 from conftest import hf_greedy
 from model_utils import TINY_CONFIG, _randomize, hf_logits, load_our_model, run_paged
 from safetensors.torch import save_file
+from test_moe import one_thread  # noqa: F401 (autouse: one torch thread for this module)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagellm import LLM, SamplingParams
@@ -100,14 +101,6 @@ def make_tiny_deepseek(name: str, folder: Path) -> str:
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.2)
     model.save_pretrained(folder)
     return str(folder)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
