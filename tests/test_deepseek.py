@@ -86,10 +86,10 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def make_tiny_deepseek(name: str, folder: Path) -> str:
+def make_tiny_deepseek(name: str, folder: Path, **overrides) -> str:
     """A random HF DeepSeek model saved under `folder` (V3's score-correction bias, a buffer
     HF leaves at zero, random too)."""
-    kwargs = {**TINY_CONFIG, **FAMILIES[name]}
+    kwargs = {**TINY_CONFIG, **FAMILIES[name], **overrides}
     config = AutoConfig.for_model(kwargs.pop("model_type", name), **kwargs)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -205,3 +205,60 @@ def test_fp8_kv_cache_is_refused_in_our_words(family):
     args = EngineArgs(model=folder, dtype="float32", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match=r"not supported for latent attention \(MLA\)"):
         args.create_engine_config()
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's storage: fp8 e4m3 values and a float32 scale a 128 x 128 block."""
+    rows, cols = -(-w.shape[0] // 128), -(-w.shape[1] // 128)
+    scale = torch.zeros(rows, cols)
+    for i in range(rows):
+        for j in range(cols):
+            scale[i, j] = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].abs().max() / 448
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_block_checkpoint_loads_dequantized_on_the_cpu(tmp_path):
+    """A V3 checkpoint stored as DeepSeek-V3's is (every projection, kv_b_proj and the experts
+    included, fp8 in 128 x 128 blocks; routers and norms not): our logits are HF's on the
+    dequantized weights (a float copy of the folder: HF would load fp8 as bf16 here)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pagellm.layers.mla import LatentProjection
+    from pagellm.quantization.fp8 import Fp8Weight, dequantize_fp8
+
+    sizes = dict(intermediate_size=128, moe_intermediate_size=128)  # whole 128-row blocks
+    folder = Path(make_tiny_deepseek("deepseek_v3", tmp_path / "fp8", **sizes))
+    reference = Path(shutil.copytree(folder, tmp_path / "reference"))
+    state = load_file(folder / "model.safetensors")
+    dequantized = {}
+    for name in [n for n in state if n.endswith(("proj.weight", "proj_with_mqa.weight"))]:
+        q, scale = _fp8_blocks(state[name])
+        state[name], state[name.replace(".weight", ".weight_scale_inv")] = q, scale
+        dequantized[name] = dequantize_fp8(q, scale)
+    save_file(state, str(folder / "model.safetensors"))
+    save_file(
+        load_file(reference / "model.safetensors") | dequantized,
+        str(reference / "model.safetensors"),
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    ours = load_our_model(str(folder))
+    kv_b = ours.model.layers[1].self_attn.kv_b_proj
+    expected = dequantized["model.layers.1.self_attn.kv_b_proj.weight"]
+    assert torch.equal(kv_b.dense_weight(torch.float32), expected)
+    # on CUDA the fp8 method keeps the values and block scales (`Fp8Weight`), no float weight
+    stem = "model.layers.1.self_attn.kv_b_proj"
+    cuda_like = LatentProjection(kv_b.in_features, kv_b.out_features, bias=False)
+    cuda_like.packed_weight = Fp8Weight(state[f"{stem}.weight"], state[f"{stem}.weight_scale_inv"])
+    cuda_like.weight = None
+    assert torch.equal(cuda_like.dense_weight(torch.float32), expected)
+    ((tokens, logits),) = run_paged(ours, _prompts(9), num_decode_steps=2, block_size=4)
+    torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)

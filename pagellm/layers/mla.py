@@ -25,6 +25,7 @@ from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from pagellm.layers.rope import rope_parameters, rope_type
 from pagellm.layers.rotary_embedding import apply_rotary
+from pagellm.quantization.fp8 import Fp8Weight, dequantize_fp8
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -33,13 +34,30 @@ LATENT_NORM_EPS = 1e-6  # HF builds q_a_layernorm and kv_a_layernorm with the de
 
 
 class LatentProjection(ColumnParallelLinear):
-    """kv_b_proj: its weight is read by head (absorbed into decode queries and outputs), so it
-    stays a plain float matrix: never packed for the CPU GEMMs, never quantized."""
+    """kv_b_proj: its weight is read by head (absorbed into decode queries and outputs), never
+    multiplied as a Linear, so it stays a plain float matrix (not packed for the CPU GEMMs).
+    A quantized checkpoint's (DeepSeek-V3's fp8 128x128 blocks) loads as its method loads it
+    and is dequantized once (`dense_weight`); on the CPU the fp8 path dequantizes at load."""
 
-    quantizable = False
+    _dense: torch.Tensor | None = None
 
     def prepack(self, batch_hint: int) -> None:
         return None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in `dtype`: the weight, or the quantized one dequantized (kept)."""
+        weight = getattr(self, "weight", None)
+        if weight is not None:
+            return weight
+        if self._dense is None:
+            packed = self.packed_weight
+            if not isinstance(packed, Fp8Weight):
+                raise ValueError(
+                    f"kv_b_proj quantized as {type(packed).__name__}: latent attention reads "
+                    "it by head and takes float or fp8 weights only"
+                )
+            self._dense = dequantize_fp8(packed.weight, packed.scale).to(dtype)
+        return self._dense
 
 
 def mla_softmax_scale(config: PretrainedConfig) -> float:
@@ -104,7 +122,8 @@ class LatentAttention(nn.Module):
         q_pe = apply_rotary(self._halves(q_pe), cos_sin)
         k_pe = apply_rotary(self._halves(k_pe[:, None]), cos_sin)[:, 0]
         latent = torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe], dim=-1)  # [T, R + P]
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        w_kv = self.kv_b_proj.dense_weight(hidden.dtype)
+        w_kv = w_kv.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         out = self.attn.forward(q_nope, q_pe, latent, w_kv, kv_cache, attn_metadata)
         return self.o_proj(out.flatten(1))
 
