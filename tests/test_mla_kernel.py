@@ -69,18 +69,30 @@ class LatentBatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
-    "seq_lens, heads, rank, rope, block_size",
-    [([1, 5, 37, 16], 4, 32, 8, 4), ([70, 3], 20, 24, 8, 16)],  # 20 heads: two programs, masked
+    "seq_lens, heads, rank, rope, block_size, num_splits",
+    [
+        ([1, 5, 37, 16], 4, 32, 8, 4, 1),
+        ([70, 3], 20, 24, 8, 16, 1),  # 20 heads: two programs, the second masked
+        ([70, 3, 1], 20, 24, 8, 16, 3),  # segments; the short requests' later ones empty
+        ([1, 33], 4, 32, 8, 4, None),  # the wrapper's choice (an H100's SMs: many splits)
+    ],
 )
-def test_kernel_equals_torch_reference(dtype, seq_lens, heads, rank, rope, block_size):
+def test_kernel_equals_torch_reference(dtype, seq_lens, heads, rank, rope, block_size, num_splits):
     batch = LatentBatch(seq_lens, heads, rank, rope, block_size, dtype)
     out = kernel.mla_decode(
-        batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, rank, 0.3, block_n=16
-    )
+        batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, rank, 0.3,
+        max_seq_len=max(seq_lens), block_n=16, num_splits=num_splits,
+    )  # fmt: skip
     assert out.shape == (len(seq_lens), heads, rank) and out.dtype == dtype
     torch.testing.assert_close(
         out.float().cpu(), batch.reference(0.3), atol=TOL[dtype], rtol=TOL[dtype]
     )
+
+
+def test_split_count_fills_the_gpu_without_empty_steps():
+    assert kernel.choose_num_splits(programs=1, max_seq_len=4096, block_n=32, num_sms=132) == 64
+    assert kernel.choose_num_splits(programs=1, max_seq_len=100, block_n=32, num_sms=132) == 4
+    assert kernel.choose_num_splits(programs=512, max_seq_len=4096, block_n=32, num_sms=132) == 1
 
 
 def test_wrapper_refuses_a_per_head_cache():

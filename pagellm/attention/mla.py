@@ -127,8 +127,9 @@ class MLAAttention:
         decode of request r (padded rows: a zero-length sequence, zeros)."""
         q = torch.cat([self._absorb(q_nope, w_kv), q_pe], dim=-1)  # [n, H, R + P]
         o_lat = kernel.mla_decode(
-            q, kv_cache, common.block_table, common.seq_lens, self.rank, self.scale
-        )
+            q, kv_cache, common.block_table, common.seq_lens, self.rank, self.scale,
+            max_seq_len=common.max_seq_len,
+        )  # fmt: skip
         out.copy_(self._unabsorb(o_lat, w_kv))
 
     def _expanded(
