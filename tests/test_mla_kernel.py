@@ -104,35 +104,61 @@ def test_wrapper_refuses_a_per_head_cache():
         kernel.mla_decode(batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, 48, 0.3)
 
 
-def test_layer_decode_through_the_kernel_equals_its_torch_path():
-    """`MLAAttention` on a decode-only step: the kernel's path (absorbed query, latent output,
-    W_UV) and the torch path's decode groups give the same [n, H, dv]."""
-    heads, nope, rank, rope, dv, block_size = 4, 8, 32, 8, 12, 4
-    batch = LatentBatch([3, 9, 14], heads, rank, rope, block_size, torch.float32, seed=1)
-    g = torch.Generator().manual_seed(2)
-    n = 3
-    q_nope = torch.randn(n, heads, nope, generator=g).to(DEVICE)
-    q_pe = torch.randn(n, heads, rope, generator=g).to(DEVICE)
-    w_kv = (torch.randn(heads, nope + dv, rank, generator=g) * 0.3).to(DEVICE)
-    new_rows = torch.cat([r[-1:] for r in batch.rows]).to(DEVICE)  # this step's tokens
+def _step(batch: LatentBatch, query_lens: list[int], block_size: int):
+    """A step's metadata over `batch`'s requests: the last `query_lens[r]` tokens of request
+    r are this step's (written again by the layer at their own slots)."""
     seq_lens = batch.seq_lens.cpu().numpy()
     table = batch.block_table.cpu().numpy()
-    slots = [table[r, (s - 1) // block_size] * block_size + (s - 1) % block_size
-             for r, s in enumerate(seq_lens)]  # fmt: skip
-    qsl = np.arange(n + 1, dtype=np.int32)
+    positions = [
+        (r, p) for r, (s, q) in enumerate(zip(seq_lens, query_lens)) for p in range(s - q, s)
+    ]
+    slots = [table[r, p // block_size] * block_size + p % block_size for r, p in positions]
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     common = CommonAttentionMetadata(
-        num_reqs=n, block_size=block_size, num_actual_tokens=n, max_query_len=1,
-        max_seq_len=int(seq_lens.max()), query_start_loc=torch.from_numpy(qsl).to(DEVICE),
-        seq_lens=batch.seq_lens, block_table=batch.block_table,
+        num_reqs=len(query_lens), block_size=block_size, num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        query_start_loc=torch.from_numpy(qsl).to(DEVICE), seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
     )  # fmt: skip
+    new_rows = torch.cat([r[len(r) - q :] for r, q in zip(batch.rows, query_lens)])
+    return TorchAttentionBackend.build_metadata(common), new_rows.to(DEVICE)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 6, 1]])  # decode-only; mixed
+def test_layer_through_the_kernel_equals_its_torch_path(query_lens, monkeypatch):
+    """`MLAAttention.forward` with the kernel (as on CUDA: a decode-only step's rows are its
+    requests, a mixed step's decodes go by their rows and requests) against its torch path
+    (decode groups, the prefill chunk expanded either way)."""
+    import pagellm.attention.mla as mla
+
+    heads, nope, rank, rope, dv, block_size = 4, 8, 32, 8, 12, 4
+    batch = LatentBatch([3, 9, 14], heads, rank, rope, block_size, torch.float32, seed=1)
+    g = torch.Generator().manual_seed(2)
+    t = sum(query_lens)
+    q_nope = torch.randn(t, heads, nope, generator=g).to(DEVICE)
+    q_pe = torch.randn(t, heads, rope, generator=g).to(DEVICE)
+    w_kv = (torch.randn(heads, nope + dv, rank, generator=g) * 0.3).to(DEVICE)
     attn = MLAAttention(heads, nope, rank, rope, scale=0.25)
-    metadata = TorchAttentionBackend.build_metadata(common)
-    expected = attn.forward(q_nope, q_pe, new_rows, w_kv, batch.kv_cache.clone(), metadata)
-    out = torch.full_like(expected, float("nan"))
-    attn._decode_rows(q_nope, q_pe, w_kv, batch.kv_cache, common, kernel, out)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    outputs = []
+    for kernel_module in (None, kernel):
+        monkeypatch.setattr(mla, "_decode_kernel", lambda q, k=kernel_module: k)
+        metadata, new_rows = _step(batch, query_lens, block_size)
+        cache = batch.kv_cache.clone()
+        outputs.append(attn.forward(q_nope, q_pe, new_rows, w_kv, cache, metadata))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_rows_name_their_requests():
+    """A mixed step's decode rows through `reqs`: row i attends request reqs[i]'s keys."""
+    batch = LatentBatch([5, 12, 30], 4, 32, 8, 4, torch.float32, seed=4)
+    reqs = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    q = batch.q[[0, 1]]  # rows 0, 1 ask for requests 2, 0
+    out = kernel.mla_decode(q, batch.kv_cache, batch.block_table, batch.seq_lens, 32, 0.3,
+                            max_seq_len=30, block_n=16, reqs=reqs)  # fmt: skip
+    batch.q, batch.rows = q, [batch.rows[2], batch.rows[0]]
+    torch.testing.assert_close(out.cpu(), batch.reference(0.3), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -17,14 +17,16 @@ Two forms of the same attention, each as HF's up to float rounding:
   value is ever built for a decode: it reads R + P numbers a token, not H * (dn + dv + P).
 
 On CUDA the decodes of a step go through the Triton kernel of `pagellm/kernels/mla_decode.py`
-(device tensors only: CUDA graphs replay it); elsewhere through torch, in the decode groups
-and prefill chunks the torch backend plans (`TorchAttentionMetadata`), built once a step.
+(a decode-only step with device tensors only: CUDA graphs replay it; a mixed step's decodes
+by their rows and requests); elsewhere through torch, in the decode groups and prefill
+chunks the torch backend plans (`TorchAttentionMetadata`), built once a step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +50,26 @@ def torch_work(metadata: Any) -> TorchAttentionMetadata:
     return work
 
 
-def _decode_kernel():
+def kernel_rows(work: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixed step's decodes for the kernel: their rows of the flat batch (int64) and their
+    requests (int32), on the device, once a step (kept on `work`)."""
+    cached = getattr(work, "mla_rows", None)
+    if cached is None:
+        reqs = work.decode_reqs
+        device = work.common.block_table.device
+        rows = work.common.query_start_loc_cpu[reqs].astype(np.int64)
+        cached = (
+            torch.from_numpy(rows).to(device),
+            torch.from_numpy(reqs.astype(np.int32)).to(device),
+        )
+        work.mla_rows = cached
+    return cached
+
+
+def _decode_kernel(q: torch.Tensor):
+    """The Triton decode module for CUDA queries; None elsewhere (or without Triton)."""
+    if not q.is_cuda:
+        return None
     try:
         from pagellm.kernels import mla_decode
     except ImportError:  # no Triton
@@ -87,15 +108,21 @@ class MLAAttention:
         cache.index_copy_(0, slots, latent[:n].to(cache.dtype))
         dv = w_kv.shape[1] - self.nope_dim
         out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, dv)
-        kernel = _decode_kernel() if q_nope.is_cuda else None
+        kernel = _decode_kernel(q_nope)
         if kernel is not None and common.max_query_len == 1:  # decodes only: all on the device
-            self._decode_rows(q_nope[:n], q_pe[:n], w_kv, kv_cache, common, kernel, out[:n])
+            out[:n] = self._kernel_decodes(q_nope[:n], q_pe[:n], w_kv, kv_cache, common, kernel)
             return out
         work = torch_work(metadata)
         for chunk in work.prefills:
             rows = slice(chunk.start, chunk.end)
             keys = latent[rows] if chunk.slots is None else cache.index_select(0, chunk.slots)
             out[rows] = self._expanded(q_nope[rows], q_pe[rows], keys, w_kv, chunk.mask)
+        if kernel is not None and len(work.decode_reqs):  # a mixed step's decodes
+            rows, reqs = kernel_rows(work)
+            q_rows = (q_nope.index_select(0, rows), q_pe.index_select(0, rows))
+            decoded = self._kernel_decodes(*q_rows, w_kv, kv_cache, common, kernel, reqs)
+            out.index_copy_(0, rows, decoded)
+            return out
         for group in work.decodes:
             q_lat = self._absorb(q_nope.index_select(0, group.rows), w_kv)
             o_lat = self._decode_group(q_lat, q_pe.index_select(0, group.rows), cache, group)
@@ -122,15 +149,18 @@ class MLAAttention:
         out = F.scaled_dot_product_attention(q, rows, values, group.bias(q.dtype), scale=self.scale)
         return out[:, 0]
 
-    def _decode_rows(self, q_nope, q_pe, w_kv, kv_cache, common, kernel, out) -> None:
-        """A decode-only step on CUDA: the Triton kernel over the latent cache, row r the
-        decode of request r (padded rows: a zero-length sequence, zeros)."""
+    def _kernel_decodes(
+        self, q_nope, q_pe, w_kv, kv_cache, common, kernel, reqs=None
+    ) -> torch.Tensor:  # [n, H, dv]
+        """Decodes on CUDA through the Triton kernel over the latent cache: row i the decode
+        of request reqs[i] (None: of request i, a decode-only step; CUDA-graph padding rows
+        compute values nobody reads)."""
         q = torch.cat([self._absorb(q_nope, w_kv), q_pe], dim=-1)  # [n, H, R + P]
         o_lat = kernel.mla_decode(
             q, kv_cache, common.block_table, common.seq_lens, self.rank, self.scale,
-            max_seq_len=common.max_seq_len,
+            max_seq_len=common.max_seq_len, reqs=reqs,
         )  # fmt: skip
-        out.copy_(self._unabsorb(o_lat, w_kv))
+        return self._unabsorb(o_lat, w_kv)
 
     def _expanded(
         self,

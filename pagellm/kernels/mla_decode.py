@@ -6,10 +6,11 @@ query arrives absorbed (`pagellm/attention/mla.py`): `q = [q_nope W_UK, q_pe]`, 
 so head h's score for token j is `q_h . row_j` and its (latent) output `sum_j p_hj c_j`.
 
 One program computes BLOCK_H heads of one request (row r of the batch is the decode of
-request r: a decode-only step) over one segment of its keys, walking them BLOCK_N at a time
-through the block table with an online softmax in float32 (exp2, the scale folded with
-log2 e). The heads share every key tile they load, so a tile of R + P numbers a token feeds
-BLOCK_H rows of `tl.dot`: the cache is read once for BLOCK_H heads, not once a head.
+request r in a decode-only step, of request reqs[r] in a mixed one) over one segment of its
+keys, walking them BLOCK_N at a time through the block table with an online softmax in
+float32 (exp2, the scale folded with log2 e). The heads share every key tile they load, so
+a tile of R + P numbers a token feeds BLOCK_H rows of `tl.dot`: the cache is read once for
+BLOCK_H heads, not once a head.
 
 Split-KV: with few requests (DeepSeek-V2-Lite has 16 heads: one program a request) the keys
 are cut into `num_splits` segments, each program writing its partial (max, sum, acc) in
@@ -45,6 +46,7 @@ def _mla_decode_kernel(
     cache_ptr,  # [1, num_blocks, block_size, 1, R + P]
     block_table_ptr,  # [num_reqs, max_blocks] int32
     seq_lens_ptr,  # [num_reqs] int32
+    reqs_ptr,  # HAS_REQS: [n] int32, the request of each query row
     out_ptr,  # [n, H, R] latent outputs (SPLIT: [n, S, H, R] float32 partial sums)
     ml_ptr,  # SPLIT: [n, S, H, 2] float32 running max (log2 units) and sum
     qk_scale,  # softmax scale * log2(e)
@@ -66,13 +68,17 @@ def _mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens a cache block
     FP32_DOT: tl.constexpr = False,  # float32 inputs: exact products (no tf32)
     SPLIT: tl.constexpr = False,  # write partials for `_combine`
+    HAS_REQS: tl.constexpr = False,  # False: query row r is request r's decode
 ):
-    req = tl.program_id(0).to(tl.int64)
+    row_id = tl.program_id(0).to(tl.int64)
+    req = row_id
+    if HAS_REQS:
+        req = tl.load(reqs_ptr + row_id).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, RANK_PAD)
     offs_p = tl.arange(0, ROPE_PAD)
     head_ok = heads < num_heads
-    q_rows = q_ptr + req * stride_qt + heads[:, None] * stride_qh
+    q_rows = q_ptr + row_id * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_rows + offs_r[None, :], mask=head_ok[:, None] & (offs_r < RANK)[None, :])
     q_pe = tl.load(
         q_rows + RANK + offs_p[None, :], mask=head_ok[:, None] & (offs_p < ROPE)[None, :]
@@ -104,14 +110,14 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(lat.dtype), lat, FP32_DOT)
         m = m_new
     out_mask = head_ok[:, None] & (offs_r < RANK)[None, :]
-    if SPLIT:  # partials at [req, split, head]: contiguous float32 buffers
-        row = (req * num_splits + tl.program_id(2)) * num_heads + heads
+    if SPLIT:  # partials at [row, split, head]: contiguous float32 buffers
+        row = (row_id * num_splits + tl.program_id(2)) * num_heads + heads
         tl.store(out_ptr + row[:, None] * RANK + offs_r[None, :], acc, mask=out_mask)
         tl.store(ml_ptr + row * 2, m, mask=head_ok)
         tl.store(ml_ptr + row * 2 + 1, l, mask=head_ok)
     else:
         acc = acc / tl.where(l > 0, l, 1.0)[:, None]
-        out_rows = out_ptr + req * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
+        out_rows = out_ptr + row_id * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
         tl.store(out_rows, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -134,7 +140,7 @@ def choose_num_splits(programs: int, max_seq_len: int, block_n: int, num_sms: in
 
 
 def mla_decode(
-    q: torch.Tensor,  # [n, H, R + P] absorbed queries; row r: request r's decode
+    q: torch.Tensor,  # [n, H, R + P] absorbed queries; row r: request r's decode (or reqs[r]'s)
     kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, R + P]
     block_table: torch.Tensor,  # [>= n, max_blocks] int32
     seq_lens: torch.Tensor,  # [>= n] int32
@@ -143,6 +149,7 @@ def mla_decode(
     max_seq_len: int = 0,  # the longest of seq_lens[:n] (host): picks the split count
     block_n: int = 32,
     num_splits: int | None = None,  # None: `choose_num_splits`
+    reqs: torch.Tensor | None = None,  # [n] int32: the request of each row (a mixed step)
 ) -> torch.Tensor:  # [n, H, R] in q's dtype
     """softmax(scale * q_h . rows) @ c over each request's cached rows, per head."""
     n, num_heads, width = q.shape
@@ -159,14 +166,17 @@ def mla_decode(
     if split:
         target = torch.empty(n, num_splits, num_heads, rank, dtype=torch.float32, device=q.device)
         ml = torch.empty(n, num_splits, num_heads, 2, dtype=torch.float32, device=q.device)
+    if reqs is not None and (reqs.dtype != torch.int32 or reqs.shape != (n,)):
+        raise ValueError(f"reqs must be [{n}] int32, got {tuple(reqs.shape)} {reqs.dtype}")
     _mla_decode_kernel[(n, grid_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, target, ml, scale * math.log2(math.e), num_heads,
-        num_splits, q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
+        q, kv_cache, block_table, seq_lens, seq_lens if reqs is None else reqs, target, ml,
+        scale * math.log2(math.e), num_heads, num_splits, q.stride(0), q.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), block_table.stride(0), out.stride(0),
+        out.stride(1),
         RANK=rank, ROPE=width - rank, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(width - rank)), BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2], FP32_DOT=q.dtype == torch.float32,
-        SPLIT=split,
+        SPLIT=split, HAS_REQS=reqs is not None,
     )  # fmt: skip
     if split:
         out.copy_(_combine(target, ml))
