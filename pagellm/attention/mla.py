@@ -30,7 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagellm.attention.torch_backend import DecodeGroup, TorchAttentionMetadata, _build_metadata
+from pagellm.attention.torch_backend import (
+    DecodeGroup,
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+)
 
 
 def latent_cache(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -45,7 +49,7 @@ def torch_work(metadata: Any) -> TorchAttentionMetadata:
         return metadata
     work = getattr(metadata, "mla_work", None)
     if work is None:
-        work = _build_metadata(metadata.common, None)
+        work = TorchAttentionBackend.build_metadata(metadata.common)
         metadata.mla_work = work
     return work
 
