@@ -118,6 +118,22 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
+def assert_fused_experts_load_alike(folder: str, hf, out: Path) -> dict[str, torch.Tensor]:
+    """transformers 5's state dict of `hf` stacks a layer's experts (`experts.gate_up_proj`):
+    saved under `out` with `folder`'s config, it must load to the parameters `folder`'s
+    per-expert checkpoint loads to; those parameters, by name."""
+    from safetensors.torch import save_file
+
+    (out / "config.json").write_text(Path(folder, "config.json").read_text())
+    state = {name: p.contiguous() for name, p in hf.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(out / "model.safetensors"))
+    fused = dict(load_our_model(str(out)).named_parameters())
+    for name, param in load_our_model(folder).named_parameters():
+        assert torch.equal(fused[name], param), name
+    return fused
+
+
 def load_our_model(
     path: str,
     dtype: torch.dtype = torch.float32,

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import hf_greedy
-from model_utils import TINY_CONFIG, _randomize, hf_logits, load_our_model, run_paged
+from model_utils import (
+    TINY_CONFIG,
+    _randomize,
+    assert_fused_experts_load_alike,
+    hf_logits,
+    load_our_model,
+    run_paged,
+)
 from safetensors.torch import save_file
 from test_moe import one_thread  # noqa: F401 (autouse: one torch thread for this module)
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -173,13 +180,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(family, tmp_path):
     """transformers 5's state dict stacks a layer's experts (`experts.gate_up_proj`): a
     checkpoint written from it loads to the same parameters, routers in float32."""
     folder, hf, _ = family
-    (tmp_path / "config.json").write_text(Path(folder, "config.json").read_text())
-    state = {name: p.contiguous() for name, p in hf.state_dict().items()}
-    assert any(name.endswith("experts.gate_up_proj") for name in state)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    fused = dict(load_our_model(str(tmp_path)).named_parameters())
-    for name, param in load_our_model(folder).named_parameters():
-        assert torch.equal(fused[name], param), name
+    fused = assert_fused_experts_load_alike(folder, hf, tmp_path)
     bias = fused["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0
 
