@@ -110,12 +110,15 @@ class DeepseekV2ForCausalLM(MoEWeights, LlamaForCausalLM):
     def _main_model(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The main model's tensors (MTP layers dropped), the routers' in float32."""
+        """The main model's tensors (MTP layers and empty shared experts dropped), the
+        routers' in float32."""
         layers = self.config.num_hidden_layers
         for name, tensor in weights:
             match = _LAYER.match(name)
             if match is not None and int(match[1]) >= layers:
                 continue
+            if ".shared_experts." in name and 0 in CheckpointTensor(tensor).shape:
+                continue  # n_shared_experts 0: HF saves empty projections, we build none
             if name.endswith(_FLOAT32):
                 device = tensor.device if isinstance(tensor, CheckpointTensor) else None
                 tensor = CheckpointTensor(tensor, device, torch.float32)
