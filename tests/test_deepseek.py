@@ -187,6 +187,26 @@ def test_fused_expert_tensors_load_like_per_expert_ones(family, tmp_path):
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3"], indirect=True)
+def test_mtp_layers_of_a_v3_checkpoint_are_skipped(family, tmp_path):
+    """DeepSeek-V3's checkpoints carry their multi-token-prediction layer as
+    `model.layers.<num_hidden_layers>.*`: the main model loads, the same parameters."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder, hf, _ = family
+    mtp = Path(shutil.copytree(folder, tmp_path / "with-mtp"))
+    state = load_file(mtp / "model.safetensors")
+    n = hf.config.num_hidden_layers
+    state[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
+    state[f"model.layers.{n}.mlp.experts.0.gate_proj.weight"] = torch.zeros(24, 64)
+    save_file(state, str(mtp / "model.safetensors"))
+    with_mtp = dict(load_our_model(str(mtp)).named_parameters())
+    for name, param in load_our_model(folder).named_parameters():
+        assert torch.equal(with_mtp[name], param), name
+
+
 def test_shipped_deepseek_v2_lite_config_plans_latent_rows():
     """DeepSeek-V2-Lite's shape on `meta`: 27 layers of 576-wide latent rows (bf16: 31,104
     bytes a token, against 27 x 16 heads x 2 x 192 x 2 for per-head K and V)."""
