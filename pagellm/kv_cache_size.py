@@ -4,8 +4,10 @@ functions (`ModelRunner`, `profiled_kv_budget`, `KVCacheManager.max_request_len`
 drift apart.
 
 Every layer's cache holds every block (`[2, num_blocks, block_size, kv_heads, head_dim]`
-per layer), block 0 is the null block (never handed out), and a model whose every layer is
-windowed frees a request's blocks that fall wholly before its window.
+per layer; `[1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]` for latent
+attention, one row a token shared by every head: `latent_kv_dim`), block 0 is the null
+block (never handed out), and a model whose every layer is windowed frees a request's
+blocks that fall wholly before its window.
 """
 
 from __future__ import annotations
@@ -18,16 +20,34 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """One token's K and V over all layers, of one rank (`num_kv_heads`: that rank's)."""
-    return 2 * num_layers * num_kv_heads * head_dim * itemsize
+def latent_kv_dim(hf_config: object) -> int | None:
+    """Multi-head latent attention (DeepSeek V2 / V3, `kv_lora_rank` in the config): a layer
+    caches one row a token, the compressed latent (kv_lora_rank) then the rotated key part
+    (qk_rope_head_dim), shared by every head; its width, or None for per-head K and V."""
+    rank = getattr(hf_config, "kv_lora_rank", None)
+    if not rank:
+        return None
+    return int(rank) + int(hf_config.qk_rope_head_dim)
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, parts: int = 2
+) -> int:
+    """One token's K and V over all layers, of one rank (`num_kv_heads`: that rank's;
+    `parts` 1: one latent row, no separate V)."""
+    return parts * num_layers * num_kv_heads * head_dim * itemsize
 
 
 def kv_block_bytes(
-    num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    block_size: int,
+    parts: int = 2,
 ) -> int:
     """One KV block of one rank: `block_size` tokens in every layer."""
-    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, itemsize)
+    return block_size * kv_bytes_per_token(num_layers, num_kv_heads, head_dim, itemsize, parts)
 
 
 def gpu_kv_budget(total: int, utilization: float, not_torch: int, peak: int) -> int:

@@ -33,6 +33,7 @@ from transformers import (
 
 from pagellm.attention.base import CommonAttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
+from pagellm.kv_cache_size import latent_kv_dim
 from pagellm.layers.rope import long_rope
 
 TINY_CONFIG = dict(
@@ -117,6 +118,22 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
+def assert_fused_experts_load_alike(folder: str, hf, out: Path) -> dict[str, torch.Tensor]:
+    """transformers 5's state dict of `hf` stacks a layer's experts (`experts.gate_up_proj`):
+    saved under `out` with `folder`'s config, it must load to the parameters `folder`'s
+    per-expert checkpoint loads to; those parameters, by name."""
+    from safetensors.torch import save_file
+
+    (out / "config.json").write_text(Path(folder, "config.json").read_text())
+    state = {name: p.contiguous() for name, p in hf.state_dict().items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    save_file(state, str(out / "model.safetensors"))
+    fused = dict(load_our_model(str(out)).named_parameters())
+    for name, param in load_our_model(folder).named_parameters():
+        assert torch.equal(fused[name], param), name
+    return fused
+
+
 def load_our_model(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -199,8 +216,11 @@ class PagedRunner:
     def __init__(self, model, *, block_size: int = 16, num_blocks: int = 256, seed: int = 0):
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        heads, parts = cfg.num_key_value_heads, 2
+        if latent_kv_dim(cfg) is not None:  # latent attention: one row a token
+            heads, head_dim, parts = 1, latent_kv_dim(cfg), 1
         shape = model.attn_backend_cls.kv_cache_shape(
-            num_blocks, block_size, cfg.num_key_value_heads, head_dim
+            num_blocks, block_size, heads, head_dim, parts
         )
         param = next(model.parameters())
         self.device = param.device

@@ -2,7 +2,8 @@
 no further from HF in float32 than HF's own bf16 run is, on the same weights, in one test.
 
 For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2,
+(8 experts, top-2: the fused-MoE Triton kernels), DeepSeek V2 and V3 (latent attention: the
+MLA decode kernel; grouped top-k with shared experts), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2,
 Granite, SmolLM3, StarCoder2 with their quirks (sliding windows, soft-caps, yarn, longrope,
 partial rotary, multipliers, NoPE layers, LayerNorms), three layers each, an HF model is
 built from its config, trained for a few hundred steps on a synthetic language (a random
@@ -42,6 +43,8 @@ import torch
 from model_utils import hf_generate_greedy, hf_model, load_our_model, run_paged
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -90,6 +93,18 @@ GEMMA = dict(
     sliding_window=64,
     final_logit_softcapping=30.0,
     pad_token_id=0,
+)
+MLA_E2E = dict(
+    num_attention_heads=4,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
 )
 CONFIGS = {
     "qwen3": lambda: Qwen3Config(
@@ -157,6 +172,27 @@ CONFIGS = {
     ),
     "starcoder2": lambda: Starcoder2Config(
         **COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=64, use_bias=True
+    ),
+    # latent attention (its cache one row a token; decodes through the MLA Triton kernel) with
+    # grouped top-k MoE and shared experts: V2 without a q LoRA and softmax routing, V3 with
+    # one, sigmoid routing, groups and yarn (mscale / mscale_all_dim)
+    "deepseek_v2": lambda: DeepseekV2Config(**COMMON, **MLA_E2E, q_lora_rank=None),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **COMMON,
+        **MLA_E2E,
+        q_lora_rank=96,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
     ),
     "granite": lambda: GraniteConfig(
         **COMMON,

@@ -80,6 +80,7 @@ SHIPPED = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, tied
     "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, False, 70554),
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True, 135),
     "gemma-2-9b": (3584, 42, 16, 8, 14336, 256000, True, 9242),
+    "deepseek-v2-lite": (2048, 27, 16, 16, 10944, 102400, False, 15706),
 }
 
 

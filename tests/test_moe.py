@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_greedy
-from model_utils import hf_logits, load_our_model, make_tiny_hf_model, run_paged
+from model_utils import (
+    assert_fused_experts_load_alike,
+    hf_logits,
+    load_our_model,
+    make_tiny_hf_model,
+    run_paged,
+)
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -86,13 +92,7 @@ def test_fused_expert_tensors_load_like_per_expert_ones(family, tmp_path):
     """transformers 5 keeps a layer's experts as `experts.gate_up_proj` / `down_proj`
     stacks: a checkpoint written from its state dict loads to the same parameters."""
     folder, hf = family
-    (tmp_path / "config.json").write_text(open(f"{folder}/config.json").read())
-    state = {name: p.contiguous() for name, p in hf.state_dict().items()}
-    assert any(name.endswith("experts.gate_up_proj") for name in state)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    fused = dict(load_our_model(str(tmp_path)).named_parameters())
-    for name, param in load_our_model(folder).named_parameters():
-        assert torch.equal(fused[name], param), name
+    assert_fused_experts_load_alike(folder, hf, tmp_path)
 
 
 def _rewrite_checkpoint(folder: str, tmp_path, edit) -> str:

@@ -255,6 +255,15 @@ def test_moe_experts_split_over_two_ranks(tmp_path, monkeypatch):
     assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
 
 
+def test_deepseek_latent_attention_over_two_ranks(tmp_path, monkeypatch):
+    """DeepSeek V3: each rank holds half the heads of q_b_proj, kv_b_proj and o_proj, the
+    latent projections and cache row replicated; grouped top-k experts split as Qwen's."""
+    from test_deepseek import make_tiny_deepseek
+
+    folder = make_tiny_deepseek("deepseek_v3", tmp_path / "deepseek_v3")
+    assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
+
+
 def test_olmo2_whole_projection_norms_over_two_ranks(tmp_path, monkeypatch):
     """OLMo 2 RMS-normalizes q and k over all heads, which the ranks split: one all-reduce of
     the sums of squares; its one KV head, replicated on both ranks, is counted once."""

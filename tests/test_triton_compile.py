@@ -197,6 +197,27 @@ def compile_lora() -> None:
              ("N", "stride_bl", "stride_ot"))  # fmt: skip
 
 
+def compile_mla_decode() -> None:
+    """The latent-attention decode at DeepSeek-V2-Lite's row (R 512, P 64) and a small one
+    (R 24 padded to 32), bf16 queries and cache, whole or split over the keys (float32
+    partials; a mixed step's rows naming their requests), and float32 models' exact dots, as
+    `mla_decode` launches it."""
+    from pagellm.kernels.mla_decode import _mla_decode_kernel
+
+    types = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_table_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "reqs_ptr": "*i32", "out_ptr": "*bf16", "ml_ptr": "*bf16",
+             "qk_scale": "fp32"}  # fmt: skip
+    for rank, rope in ((512, 64), (24, 8)):
+        constexprs = dict(RANK=rank, ROPE=rope, RANK_PAD=max(16, 1 << (rank - 1).bit_length()),
+                          ROPE_PAD=max(16, 1 << (rope - 1).bit_length()), BLOCK_H=16,
+                          BLOCK_N=32, BLOCK_SIZE=16)  # fmt: skip
+        _compile(_mla_decode_kernel, types, constexprs)
+        _compile(_mla_decode_kernel, types | {"out_ptr": "*fp32", "ml_ptr": "*fp32"},
+                 constexprs | {"SPLIT": True, "HAS_REQS": True})  # fmt: skip
+    types |= {"q_ptr": "*fp32", "cache_ptr": "*fp32", "out_ptr": "*fp32"}  # float32 models
+    _compile(_mla_decode_kernel, types, constexprs | {"FP32_DOT": True})
+
+
 def _in_fresh_process(function: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
@@ -227,3 +248,7 @@ def test_fused_moe_quant_compiles_for_hopper():
 
 def test_lora_kernels_compile_for_hopper():
     _in_fresh_process("compile_lora")
+
+
+def test_mla_decode_compiles_for_hopper():
+    _in_fresh_process("compile_mla_decode")

@@ -83,9 +83,10 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, parts: int = 2
     ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+        """`parts` 1: latent attention's one row a token (`pagellm/attention/mla.py`)."""
+        return (parts, num_blocks, block_size, num_kv_heads, head_dim)
 
     @classmethod
     @abstractmethod

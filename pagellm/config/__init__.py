@@ -19,6 +19,7 @@ import torch
 from pagellm.config.lora import LoRAConfig
 from pagellm.config.speculative import SpeculativeConfig
 from pagellm.kv_cache_dtype import check_kv_cache_dtype
+from pagellm.kv_cache_size import latent_kv_dim
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -112,13 +113,25 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
+        """KV heads of the cache (latent attention: 1, its one row a token)."""
         cfg = self.hf_config
+        if latent_kv_dim(cfg) is not None:
+            return 1
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
     @property
     def head_dim(self) -> int:
+        """Width of a cache row (latent attention: kv_lora_rank + qk_rope_head_dim)."""
         cfg = self.hf_config
+        latent = latent_kv_dim(cfg)
+        if latent is not None:
+            return latent
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def kv_parts(self) -> int:
+        """Tensors a layer's cache stacks: 2 (K and V), or 1 (latent attention's rows)."""
+        return 1 if latent_kv_dim(self.hf_config) is not None else 2
 
     @property
     def vocab_size(self) -> int:

@@ -167,6 +167,11 @@ class EngineArgs:
             )
         if model_config.architecture == MTP_HEAD:
             raise ValueError(f"{MTP_HEAD} is an MTP head: serve its checkpoint's own model")
+        if model_config.kv_parts == 1 and cache_config.cache_dtype.startswith("fp8"):
+            raise ValueError(
+                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported for latent "
+                "attention (MLA): its cache holds the model's dtype"
+            )
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )

@@ -96,6 +96,7 @@ class MemoryPlan:
     chosen: PlanRow | None = None
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    kv_parts: int = 2  # K and V; 1: latent attention's one row a token
 
     @property
     def fits(self) -> bool:
@@ -166,7 +167,7 @@ def _sized(
         memory_bytes=total, gpu_memory_utilization=args.gpu_memory_utilization,
         reserved=reserved, kv_budget_bytes=budget, num_blocks=blocks,
         kv_tokens=kv_capacity_tokens(blocks, args.block_size) if blocks else 0,
-        max_model_len_auto=0, max_num_seqs=args.max_num_seqs,
+        max_model_len_auto=0, max_num_seqs=args.max_num_seqs, kv_parts=mc.kv_parts,
     )  # fmt: skip
 
 

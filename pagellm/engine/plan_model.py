@@ -60,14 +60,15 @@ class ModelFacts:
     def kv_bytes_per_token(self) -> int:
         mc = self.config
         return kv_bytes_per_token(
-            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize, mc.kv_parts
         )
 
     def kv_block_bytes(self, block_size: int) -> int:
         mc = self.config
         return kv_block_bytes(
-            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize, block_size
-        )
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize, block_size,
+            mc.kv_parts,
+        )  # fmt: skip
 
 
 def read_model(args: EngineArgs, device: torch.device) -> ModelFacts:

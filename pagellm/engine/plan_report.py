@@ -103,9 +103,10 @@ def _header(plan: MemoryPlan) -> list[str]:
         stored = ", ".join(f"{_gib(b)} {d}" for d, b in plan.checkpoint_bytes.items())
         lines.append(f"  checkpoint       {stored} (as stored)")
     lines.append(f"  weights          {_gib(plan.weight_bytes)}{per} (as the loader holds them)")
+    rows = "x 2 (K, V)" if plan.kv_parts == 2 else "(one latent row: MLA)"
     lines.append(
         f"  KV per token     {_gib(plan.kv_bytes_per_token)}{per} ({plan.num_layers} "
-        f"layers x {plan.num_kv_heads} KV heads x {plan.head_dim} x 2 (K, V), "
+        f"layers x {plan.num_kv_heads} KV heads x {plan.head_dim} {rows}, "
         f"{plan.kv_cache_dtype})"
     )
     lines += _window_lines(plan)

@@ -134,6 +134,15 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.run(x, weights, ids)
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, K] float32: each chosen expert's weight
+        ids: torch.Tensor,  # [T, K] int32 expert ids
+    ) -> torch.Tensor:  # [T, H]
+        """The experts on routing chosen elsewhere (DeepSeek's grouped top-k)."""
         kernels = _kernels(x)
         if self.quantized_experts is not None:
             out = self.quantized_experts(x, weights, ids)

