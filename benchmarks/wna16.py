@@ -151,7 +151,7 @@ def _print(r: dict, hbm: float) -> None:
 
 
 GEMV_TILES = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
-              for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (2, 4, 8)
+              for bn in (8, 16, 32) for bk in (512, 1024, 2048) for w in (2, 4)
               if bn * bk <= 32768 and bn * bk >= 256 * w * 4]  # fmt: skip
 
 
