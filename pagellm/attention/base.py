@@ -16,6 +16,8 @@ own tokens and to the whole context before it.
 Per layer (each layer owns its backend instance): `scale` multiplies q.k; `sliding_window` W
 lets the query at position p see only keys p - W < k <= p (HF's `sliding_window_overlay`);
 `logits_soft_cap` c turns a score s into c * tanh(s / c) before the softmax (Gemma 2).
+Attention sinks (gpt-oss, passed to `forward`): a learned logit per query head that joins
+each softmax's denominator, exp(sink) beside the keys' exponentials, with no value of its own.
 
 The cache may be float8 (`kv_cache_dtype="fp8"`): K/V are stored divided by the layer's
 `kv_scale = [k_scale, v_scale]` and read back times them (`pagellm.kv_cache_dtype`).
@@ -108,5 +110,6 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,  # what build_metadata returned
         kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 caches)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits (gpt-oss)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v into the cache (quantized when it is fp8), then attend."""

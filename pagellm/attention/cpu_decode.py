@@ -7,8 +7,8 @@ step. The torch backend's other path gathers every cached K/V row of a step's de
 a contiguous copy, then runs SDPA, and one SDPA call per prefill chunk: the copy is written
 and read again, every layer, every step. This kernel walks each request's block table and
 reads each key and value row once per query row, for every query head of its KV head
-(GQA), in float32 from float32, bfloat16 or fp8 caches, with the sliding window and
-soft-cap of the layer.
+(GQA), in float32 from float32, bfloat16 or fp8 caches, with the sliding window, soft-cap
+and attention sinks of the layer.
 
 torch ships no paged CPU attention (its flash kernel wants contiguous K/V; flex attention
 needs Inductor's compiler at run time), so the kernel is ours: one C++ file that includes
@@ -37,7 +37,7 @@ def kernel():
     if not envs.cpu_decode_kernel() or platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     args = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-    args += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    args += [ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
     return cpp_build.entry_point(
         "paged_decode", "pagellm_paged_decode", args, None, "attention gathers its K/V for SDPA"
     )
@@ -62,6 +62,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
 ) -> None:
     """Attention of rows of q over their requests' paged keys, into the same rows of `out`."""
     attend = kernel()
@@ -76,12 +77,14 @@ def paged_attention(
         _check(out, q, key_cache, value_cache, block_table)
         args = _LAYOUTS[layout] = _layout_args(q, out, key_cache, block_table, window)
     _check_rows(out, q, block_table, rows, reqs, lens)
+    _check_sinks(sinks, q)
     strides, dims, table = args
     attend(
         out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_table.data_ptr(), rows.data_ptr(), reqs.data_ptr(), lens.data_ptr(),
         rows.numel(), strides.data_ptr(), dims.data_ptr(),
         None if table is None else table.data_ptr(), scale, v_scale, soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
 
 
@@ -124,6 +127,15 @@ def _check(out, q, key_cache, value_cache, block_table) -> None:
         raise ValueError("block_table must be int32 with contiguous rows")
     tensors = (out, q, key_cache, value_cache, block_table)
     if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("the CPU paged attention kernel takes CPU tensors")
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1:
+        raise ValueError("sinks must be a contiguous float32 [num_heads] tensor")
+    if sinks.device.type != "cpu":
         raise ValueError("the CPU paged attention kernel takes CPU tensors")
 
 

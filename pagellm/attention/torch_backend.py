@@ -171,6 +171,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TorchAttentionMetadata,
         kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 (gpt-oss)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         n = metadata.num_actual_tokens
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)  # [slots, H_kv, D]
@@ -182,14 +183,14 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         out[n:] = 0  # padding rows beyond the flat batch
         if self._in_place(q):  # every row through the kernel, windows included
-            self._attend_in_place(q, kv_cache, metadata, scale, out)
+            self._attend_in_place(q, kv_cache, metadata, scale, out, sinks)
         else:
             work = metadata.windowed(self.sliding_window)
             for group in work.decodes:
-                decoded = self._decode(q, key_cache, value_cache, group, scale)
+                decoded = self._decode(q, key_cache, value_cache, group, scale, sinks)
                 out.index_copy_(0, group.rows, decoded)
             for chunk in work.prefills:
-                attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale)
+                attended = self._prefill(q, k, v, key_cache, value_cache, chunk, scale, sinks)
                 out[chunk.start : chunk.end] = attended
         if v_scale != 1.0:
             out[:n] *= v_scale
@@ -199,15 +200,15 @@ class TorchAttentionBackend(AttentionBackend):
         supported = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
         return supported and self.in_place and cpu_decode.kernel() is not None
 
-    def _attend_in_place(self, q, kv_cache, metadata: TorchAttentionMetadata, scale, out) -> None:
+    def _attend_in_place(self, q, kv_cache, metadata, scale, out, sinks) -> None:
         rows = metadata.kernel_rows
         cpu_decode.paged_attention(
             out, q, kv_cache[0], kv_cache[1], metadata.common.block_table, rows.rows,
             rows.reqs, rows.lens, scale, window=self.sliding_window,
-            soft_cap=self.logits_soft_cap,
+            soft_cap=self.logits_soft_cap, sinks=sinks,
         )  # fmt: skip
 
-    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, scale) -> torch.Tensor:
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, scale, sinks) -> torch.Tensor:
         # the query heads sharing a KV head act as that head's query rows: [n, H_kv, group, D]
         n = group.slots.shape[0]
         q_d = q.index_select(0, group.rows).view(n, self.num_kv_heads, -1, self.head_dim)
@@ -216,13 +217,16 @@ class TorchAttentionBackend(AttentionBackend):
         keys = _gather(key_cache, flat, q.dtype).view(shape).transpose(1, 2)  # [n, H_kv, L, D]
         values = _gather(value_cache, flat, q.dtype).view(shape).transpose(1, 2)
         bias = group.bias(q.dtype)
-        if self.logits_soft_cap is not None:
-            out = _soft_capped_attention(q_d, keys, values, bias, scale, self.logits_soft_cap)
+        if self.logits_soft_cap is not None or sinks is not None:
+            row_sinks = None if sinks is None else sinks.view(1, self.num_kv_heads, -1, 1)
+            cap = self.logits_soft_cap
+            out = _explicit_attention(q_d, keys, values, bias, scale, cap, row_sinks)
         else:
             out = F.scaled_dot_product_attention(q_d, keys, values, bias, scale=scale)
         return out.reshape(n, self.num_heads, self.head_dim)
 
-    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale) -> torch.Tensor:
+    def _prefill(self, q, k, v, key_cache, value_cache, chunk: PrefillChunk, scale, sinks):
+        # -> [query_len, H, D]
         rows = slice(chunk.start, chunk.end)
         if chunk.slots is None:  # no cached context: this step's keys are the whole sequence
             keys, values = k[rows], v[rows]  # [seq_len, H_kv, D]
@@ -231,8 +235,8 @@ class TorchAttentionBackend(AttentionBackend):
             values = _gather(value_cache, chunk.slots, q.dtype)
         q_4d = q[rows].transpose(0, 1)[None]  # [1, H, query_len, D]
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, H_kv, L, D]
-        if self.logits_soft_cap is not None:
-            out = self._soft_capped_prefill(q_4d, keys, values, chunk.mask, scale)
+        if self.logits_soft_cap is not None or sinks is not None:
+            out = self._explicit_prefill(q_4d, keys, values, chunk.mask, scale, sinks)
         else:
             # 4-D inputs: with 3-D ones and enable_gqa, CPU SDPA falls back to its math kernel
             out = F.scaled_dot_product_attention(
@@ -241,7 +245,7 @@ class TorchAttentionBackend(AttentionBackend):
             )  # fmt: skip
         return out[0].transpose(0, 1)  # [query_len, H, D]
 
-    def _soft_capped_prefill(self, q, keys, values, mask, scale) -> torch.Tensor:
+    def _explicit_prefill(self, q, keys, values, mask, scale, sinks) -> torch.Tensor:
         # q: [1, H, ql, D] -> the query heads of one KV head as its rows: [1, H_kv, g * ql, D]
         ql, seq_len = q.shape[2], keys.shape[2]
         if mask is None:  # no context: plain causal
@@ -249,7 +253,11 @@ class TorchAttentionBackend(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         q_g = q.reshape(1, self.num_kv_heads, group * ql, self.head_dim)
         cap = self.logits_soft_cap
-        out = _soft_capped_attention(q_g, keys, values, mask.repeat(group, 1), scale, cap)
+        row_sinks = None  # [1, H_kv, g * ql, 1]: each query row's head's sink
+        if sinks is not None:
+            row_sinks = sinks.view(self.num_kv_heads, group).repeat_interleave(ql, dim=1)
+            row_sinks = row_sinks[None, :, :, None]
+        out = _explicit_attention(q_g, keys, values, mask.repeat(group, 1), scale, cap, row_sinks)
         return out.view(1, self.num_heads, ql, self.head_dim)
 
 
@@ -280,22 +288,32 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tor
     return cache.index_select(0, slots).to(dtype)
 
 
-def _soft_capped_attention(
+def _explicit_attention(
     q: torch.Tensor,  # [B, H_kv, M, D]
     keys: torch.Tensor,  # [B, H_kv, L, D]
     values: torch.Tensor,  # [B, H_kv, L, D]
     mask: torch.Tensor,  # bool (True: attended) or additive, broadcastable to [B, H_kv, M, L]
     scale: float,
-    cap: float,
+    cap: float | None,
+    sinks: torch.Tensor | None = None,  # float32, broadcastable to [B, H_kv, M, 1]
 ) -> torch.Tensor:  # [B, H_kv, M, D]
-    """softmax(cap * tanh(scale * q.k / cap) + mask) @ v, as HF's eager Gemma 2 attention."""
+    """softmax(cap * tanh(scale * q.k / cap) + mask) @ v, as HF's eager Gemma 2 attention;
+    with `sinks`, each row's sink logit joins the softmax's denominator only (gpt-oss:
+    HF's eager attention appends it as a last score and drops its weight)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.matmul(scores.softmax(-1), values)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), values)
+    scores = scores.float()
+    top = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    weights = torch.exp(scores - top)
+    weights = weights / (weights.sum(-1, keepdim=True) + torch.exp(sinks - top))
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 def _build_metadata(common: CommonAttentionMetadata, window: int | None) -> TorchAttentionMetadata:

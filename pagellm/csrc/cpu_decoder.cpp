@@ -42,7 +42,8 @@ using BlockGemmFn = int (*)(const void*, int64_t, int64_t, int, int, const void*
                             const void*, int64_t, void*, const float*);
 using AttentionFn = void (*)(void*, const void*, const void*, const void*, const int32_t*,
                              const int64_t*, const int64_t*, const int32_t*, int64_t,
-                             const int64_t*, const int32_t*, const float*, float, float, float);
+                             const int64_t*, const int32_t*, const float*, float, float, float,
+                             const float*);
 
 }  // namespace
 
@@ -184,7 +185,8 @@ int pagellm_decoder_layers(const PagellmDecoderFns* f, const PagellmDecoderDims*
     std::memcpy(layer_dims, dims, sizeof dims);
     layer_dims[4] = int32_t(L.window);
     f->attention(attn, qk, L.k_cache, L.v_cache, s->block_table, s->rows, s->reqs, s->lens,
-                 s->num_rows, attn_strides, layer_dims, nullptr, d->scale, 1.f, 0.f);
+                 s->num_rows, attn_strides, layer_dims, nullptr, d->scale, 1.f, 0.f,
+                 nullptr);  // no sinks: a model with sinks takes its layers
     if (project(f, L.o, attn, T, heads * D, H, x, kind)) return 1;
     f->rms_norm(normed, s->res, x, s->res, L.post_norm, T, 1, H, flat, d->eps, kind);
     if (project(f, L.gate_up, normed, T, H, 2 * I, gate_up, kind)) return 1;

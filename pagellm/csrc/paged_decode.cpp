@@ -16,7 +16,8 @@
 //   block_table [R, max_blocks] int32
 //
 // scale multiplies q.k (an fp8 cache: times k_scale), v_scale the output; window W > 0:
-// only the last W keys are read; soft_cap c > 0: scores become c * tanh(score / c).
+// only the last W keys are read; soft_cap c > 0: scores become c * tanh(score / c); sinks
+// (gpt-oss, a float per query head, or null): exp(sink) joins each softmax's denominator.
 // Accumulation is float32 throughout; with AVX-512 (head_dim 64 / 128 / 256) the keys go 16
 // at a time through vector code, with AVX2 + FMA (head_dim 32 / 64 / 128 / 256) 8 at a time,
 // otherwise one at a time. Items are taken longest first
@@ -65,7 +66,18 @@ struct Problem {
   int num_heads, num_kv_heads, head_dim, block_size, window;
   int q_kind, c_kind;
   float scale, v_scale, soft_cap;
+  const float* sinks;  // [num_heads] sink logits (gpt-oss), or null
 };
+
+// the softmax's max over the scores and query head `head`'s sink logit (if any)
+inline float with_sink(const Problem& p, int head, float max_s) {
+  return p.sinks ? std::max(max_s, p.sinks[head]) : max_s;
+}
+
+// the sink's share of the softmax's denominator: exp(sink - max), 0 without sinks
+inline float sink_weight(const Problem& p, int head, float max_s) {
+  return p.sinks ? std::exp(p.sinks[head] - max_s) : 0.f;
+}
 
 inline size_t elem_size(int kind) { return kind == F32 ? 4 : kind == BF16 ? 2 : 1; }
 
@@ -145,10 +157,12 @@ void attend_scalar(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
   }
   for (int j = 0; j < g; ++j) {
     float* s = scores + size_t(j) * n;
+    max_s[j] = with_sink(p, h * g + j, max_s[j]);
     for (int t = 0; t < n; ++t) {
       s[t] = std::exp(s[t] - max_s[j]);
       sum[j] += s[t];
     }
+    sum[j] += sink_weight(p, h * g + j, max_s[j]);
   }
   std::fill(acc, acc + size_t(g) * d, 0.f);
   for (int t = 0; t < n; ++t) {  // values, weighted: each row read once
@@ -418,7 +432,8 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
     for (int t = n; t < n16; ++t) s[t] = -INFINITY;  // the last chunk's discarded lanes
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < n16; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    const __m512 max_s = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const float top = with_sink(p, h * g + j, _mm512_reduce_max_ps(mx));
+    const __m512 max_s = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < n16; t += 16) {
       __m512 w = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), max_s));  // 0 past n
@@ -428,7 +443,7 @@ void attend_avx512(const Problem& p, int64_t i, int h, std::vector<float>& buf) 
       _mm512_storeu_ps(s + t, w);
       sum = _mm512_add_ps(sum, w);
     }
-    sums[j] = _mm512_reduce_add_ps(sum);
+    sums[j] = _mm512_reduce_add_ps(sum) + sink_weight(p, h * g + j, top);
   }
   for (int j0 = 0; j0 < g; j0 += HB) {  // values, weighted, HB query heads at a time
     const int hb = std::min(HB, g - j0);
@@ -559,14 +574,15 @@ void attend_avx2(const Problem& p, int64_t i, int h, std::vector<float>& buf) {
     for (int t = n; t < n8; ++t) s[t] = -INFINITY;  // the last chunk's discarded lanes
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int t = 0; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
-    const __m256 max_s = _mm256_set1_ps(reduce_max8(mx));
+    const float top = with_sink(p, h * g + j, reduce_max8(mx));
+    const __m256 max_s = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
     for (int t = 0; t < n8; t += 8) {
       const __m256 w = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), max_s));  // 0 past n
       _mm256_storeu_ps(s + t, w);
       sum = _mm256_add_ps(sum, w);
     }
-    sums[j] = reduce_add8(sum);
+    sums[j] = reduce_add8(sum) + sink_weight(p, h * g + j, top);
   }
   for (int j = 0; j < g; ++j) {  // values, weighted, one query head at a time
     const float* w = scores + size_t(j) * n8;
@@ -631,14 +647,15 @@ extern "C" void pagellm_paged_decode(
     const int32_t* lens, int64_t num_rows,
     const int64_t* strides,  // q: token, head; out: token, head; cache: block, slot, head; table
     const int32_t* dims,  // num_heads, num_kv_heads, head_dim, block_size, window, q/c kinds
-    const float* fp8_table, float scale, float v_scale, float soft_cap) {
+    const float* fp8_table, float scale, float v_scale, float soft_cap,
+    const float* sinks) {  // [num_heads] or null
   Problem p{static_cast<const char*>(q), static_cast<char*>(out),
             static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
             block_table, rows, reqs, lens, fp8_table,
             strides[0], strides[1], strides[2], strides[3], strides[4], strides[5], strides[6],
             strides[7],
             dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
-            scale, v_scale, soft_cap};
+            scale, v_scale, soft_cap, sinks};
   const int64_t items = num_rows * p.num_kv_heads;  // (row, KV head), longest first
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {

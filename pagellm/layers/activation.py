@@ -1,8 +1,10 @@
 """The gated activations of an MLP: SiLU-and-mul (fused on CUDA and the CPU, its fp8 output
-for a w8a8 down projection) and Gemma's GeGLU (gelu-tanh and mul)."""
+for a w8a8 down projection), Gemma's GeGLU (gelu-tanh and mul) and gpt-oss's clamped SwiGLU
+(its experts')."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,21 @@ class GeluTanhAndMul(nn.Module):
         # x: [T, 2 * I] (gate | up) -> [T, I]
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation, as HF computes it: gate clamped above at `limit`, up
+    clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # gate, up: [N, I] -> [N, I]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 # HF `hidden_act` / `hidden_activation` -> the gated activation of the MLP

@@ -1,5 +1,6 @@
 """`Attention`: the layer that owns one attention-backend instance (scale, sliding window,
-logit soft-cap) and an fp8 KV cache's scales (`pagellm/kv_cache_dtype.py`)."""
+logit soft-cap), an fp8 KV cache's scales (`pagellm/kv_cache_dtype.py`) and gpt-oss's
+attention sinks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kv_cache_dtype import first_batch_scales
+from pagellm.layers.weights import TensorSlice
 
 
 class Attention(nn.Module):
@@ -18,7 +21,9 @@ class Attention(nn.Module):
 
     `scale` multiplies q.k (default head_dim ** -0.5); `sliding_window` W: a query sees only
     the keys of its last W positions, itself included (HF's `sliding_window`);
-    `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax.
+    `logits_soft_cap` c: scores become c * tanh(score / c) before the softmax; `sinks`:
+    a learned logit per query head (parameter `sinks`, float32, this rank's heads) in each
+    softmax's denominator (gpt-oss).
     """
 
     def __init__(
@@ -31,8 +36,14 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
+        self.sinks = None
+        if sinks:  # one rank's heads of the checkpoint's [num_heads * tp]
+            empty = torch.empty(num_heads, dtype=torch.float32)
+            self.sinks = nn.Parameter(empty, requires_grad=False)
+        self.num_heads = num_heads
         self.sliding_window = sliding_window  # read by the runner: may window blocks be freed?
         scale = head_dim**-0.5 if scale is None else scale
         self.impl = attn_backend_cls(
@@ -44,6 +55,14 @@ class Attention(nn.Module):
         ones = torch.ones(2, dtype=torch.float32, device="cpu")
         self.register_buffer("kv_scale", ones, persistent=False)
         self.calculate_kv_scales = False  # the runner sets it for the first batch's forward
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The sinks' checkpoint shape: every rank's heads."""
+        return (self.num_heads * get_tp_group().size,)
+
+    def checkpoint_slice(self, name: str) -> TensorSlice:
+        """This rank's heads of the checkpoint's sinks."""
+        return TensorSlice(0, get_tp_group().rank * self.num_heads, self.num_heads)
 
     def load_kv_scale(self, which: tuple[int, ...], tensor: torch.Tensor) -> None:
         """A checkpoint's k_scale / v_scale (`which`: 0 for k, 1 for v)."""
@@ -70,4 +89,7 @@ class Attention(nn.Module):
         if self.calculate_kv_scales:
             self.kv_scale.copy_(first_batch_scales(k, v))
             self.calculate_kv_scales = False
-        return self.impl.forward(q, k, v, kv_cache, attn_metadata, self.kv_scale).flatten(1)
+        if self.sinks is None:  # backends without sinks keep their signature
+            return self.impl.forward(q, k, v, kv_cache, attn_metadata, self.kv_scale).flatten(1)
+        out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.kv_scale, sinks=self.sinks)
+        return out.flatten(1)

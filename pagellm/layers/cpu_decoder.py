@@ -174,6 +174,7 @@ class CpuDecoder:
                 or not isinstance(impl, TorchAttentionBackend)
                 or not impl.in_place
                 or impl.logits_soft_cap is not None
+                or attn.attn.sinks is not None  # gpt-oss: the loop has no sinks
                 or impl.scale != first.self_attn.attn.impl.scale
                 or attn.o_proj.reduce
                 or not all(panels or blocks for panels, blocks in layouts)

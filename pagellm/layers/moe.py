@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
+from pagellm.layers.activation import ClampedSwiGLU
 from pagellm.layers.linear import Linear
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.weights import CheckpointTensor, TensorSlice, materialize
@@ -76,6 +77,9 @@ def experts_torch(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, K] float32
     ids: torch.Tensor,  # [T, K] expert ids
+    bias13: torch.Tensor | None = None,  # [E, 2I] (gpt-oss)
+    bias2: torch.Tensor | None = None,  # [E, H]
+    activation: ClampedSwiGLU | None = None,  # None: SiLU(gate) * up
 ) -> torch.Tensor:  # [T, H]
     """sum over k of weights[t, k] * expert ids[t, k] applied to x[t]: the N = T * K rows
     sorted by expert, one matmul pair per expert over its rows (a loop over experts, not
@@ -89,8 +93,11 @@ def experts_torch(
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            gate, up = F.linear(rows[start : start + count], w13[expert]).chunk(2, dim=-1)
-            y[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            b13 = None if bias13 is None else bias13[expert]
+            gate, up = F.linear(rows[start : start + count], w13[expert], b13).chunk(2, dim=-1)
+            act = F.silu(gate) * up if activation is None else activation(gate, up)
+            b2 = None if bias2 is None else bias2[expert]
+            y[start : start + count] = F.linear(act, w2[expert], b2)
         start += count
     y = (y * weights.flatten()[order, None]).to(x.dtype)
     out = torch.empty_like(y)
@@ -115,11 +122,18 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
+        bias: bool = False,  # gpt-oss: w13_bias [E, 2I], w2_bias [E, H]
+        activation: ClampedSwiGLU | None = None,  # None: SiLU(gate) * up
     ) -> None:
         super().__init__()
         e, h, i = num_experts, hidden_size, divide(intermediate_size, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        self.activation = activation
         self.top_k = top_k
         self.renormalize = renormalize
         self.num_experts, self.hidden_size = e, h
@@ -147,15 +161,23 @@ class FusedMoE(nn.Module):
         if self.quantized_experts is not None:
             out = self.quantized_experts(x, weights, ids)
         elif kernels is not None:
-            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+            extra = self._extras()
+            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:
-            out = experts_torch(x, self.w13, self.w2, weights, ids)
+            out = experts_torch(x, self.w13, self.w2, weights, ids, **self._extras())
         return all_reduce(out) if self.reduce else out
+
+    def _extras(self) -> dict:
+        """gpt-oss's biases and activation, for the experts' function (none: Mixtral's)."""
+        if self.w13_bias is None and self.activation is None:
+            return {}
+        return dict(bias13=self.w13_bias, bias2=self.w2_bias, activation=self.activation)
 
     def full_shape(self, param_name: str) -> tuple[int, ...]:
         """The shape with one rank (random weights are drawn at it, then cut)."""
         e, h, i = self.num_experts, self.hidden_size, self.full_intermediate
-        return (e, 2 * i, h) if param_name == "w13" else (e, h, i)
+        shapes = {"w13": (e, 2 * i, h), "w13_bias": (e, 2 * i), "w2_bias": (e, h)}
+        return shapes.get(param_name, (e, h, i))
 
     def load_full(self, param_name: str, tensor: torch.Tensor) -> None:
         """Load every expert from a tensor of one rank's shape (`full_shape`, or a quantized
@@ -186,7 +208,11 @@ class FusedMoE(nn.Module):
         )
         if self.quant_method is not None:  # its tensors' parts of this rank's rows / columns
             part = self.quant_method.tensor_slice(self, param_name, part)
+        if param_name == "w2_bias":  # whole on rank 0, zeros elsewhere: the all-reduce sums
+            part = None
         tensor = tensor.read(part if self.reduce else None)
+        if param_name == "w2_bias" and get_tp_group().rank > 0:
+            tensor = torch.zeros_like(tensor)
         param = materialize(self, param_name, tensor.device)
         if not 0 <= expert < param.shape[0]:
             raise ValueError(f"expert {expert} of {param_name}: the layer has {param.shape[0]}")

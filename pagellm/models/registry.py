@@ -28,6 +28,7 @@ _MODELS = {
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     # speculative decoding's heads, drafting for a target (speculative_config method eagle3,
     # mtp: a MiMo checkpoint's own MTP layers, built under this name by `mtp_head_config`)
     "LlamaForCausalLMEagle3": ("eagle3", "Eagle3LlamaForCausalLM"),

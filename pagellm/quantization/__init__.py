@@ -21,6 +21,8 @@
                      dequantized at load
     "compressed-tensors"  a compressed-tensors checkpoint: fp8 `float-quantized` (fp8.py) or
                      int4 / int8 `pack-quantized` (W4A16 / W8A16, wna16.py)
+    "mxfp4"          gpt-oss's MXFP4 experts (mxfp4.py): dequantized at load to the model's
+                     dtype by the model's loader, on the CPU and on CUDA (no MXFP4 GEMMs yet)
     "awq", "gptq"    AWQ (GEMM) and GPTQ (4 / 8-bit, act-order, v1 / v2 zeros) checkpoints
                      (wna16.py; vLLM's "awq_marlin" / "gptq_marlin" are the same names here);
                      these and pack-quantized checkpoints split over tensor-parallel ranks;
@@ -53,7 +55,8 @@ INT_WEIGHTS = "pagellm.quantization.wna16:WNA16Config"  # also compressed-tensor
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel names, same checkpoints
 NONE = "none"
 CPU_ONLY = ("gguf", "int4", "int8")
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")  # quant_method values we load
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")  # ones we load
+AT_LOAD = ("mxfp4",)  # dequantized by the model's loader: no QuantizationConfig
 INT_FORMATS = ("awq", "gptq", "compressed-tensors")  # load_format="dummy": int4 g128 weights
 
 
@@ -67,11 +70,13 @@ def resolve_quantization(
     """The method to use (a `QUANTIZATION_METHODS` key), or None; ValueError naming
     `quantization` for a bad or impossible choice."""
     name = ALIASES.get(name, name)
-    if name is not None and name != NONE and name not in QUANTIZATION_METHODS:
-        choices = ", ".join([NONE, *QUANTIZATION_METHODS])
+    known = (*QUANTIZATION_METHODS, *AT_LOAD)
+    if name is not None and name != NONE and name not in known:
+        choices = ", ".join([NONE, *known])
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
-    splits = stored is not None and int_weights(hf_config)  # shards split on group boundaries
+    # shards split on group boundaries, or dequantized whole at load
+    splits = stored is not None and (int_weights(hf_config) or stored in AT_LOAD)
     if tensor_parallel_size > 1 and not splits and (stored or name not in (None, NONE)):
         raise ValueError(  # quantized layers load whole tensors (pagellm/layers/linear.py)
             f"quantization={name or stored!r} runs on one rank; tensor_parallel_size="
@@ -90,7 +95,7 @@ def resolve_quantization(
             "quantization='gguf' needs a GGUF file; to quantize this checkpoint on the CPU "
             "use 'int4' or 'int8'"
         )
-    if name in ("awq", "gptq"):
+    if name in ("awq", "gptq", *AT_LOAD):
         raise ValueError(
             f"quantization={name!r} needs a {name.upper()} checkpoint (config.json's "
             f"quantization_config.quant_method {name!r}); this model has no quantization_config"
@@ -186,7 +191,7 @@ def get_quant_config(
     quantized checkpoint gets one even with None: its tensors are dequantized at load);
     `checkpoint`: the tensors the loader read ahead, by HF name (a GGUF file's)."""
     name = model_config.quantization or checkpoint_method(model_config.hf_config)
-    if name is None:
+    if name is None or name in AT_LOAD:
         return None
     target = QUANTIZATION_METHODS[name]
     if name == "compressed-tensors" and int_weights(model_config.hf_config):
