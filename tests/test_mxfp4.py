@@ -1,0 +1,157 @@
+"""MXFP4 experts (gpt-oss checkpoints' `quant_method: "mxfp4"`): a tiny random gpt-oss whose
+expert weights this test packs itself (`pack_mxfp4`, written from the format, not from the
+loader), served from `*_blocks` / `*_scales` tensors and compared with HF's model holding
+the dequantized weights the packing chose: greedy ids equal (float32, CPU, one engine,
+batched and chunked) and every position's logits within 1e-4. A malformed tensor is a
+ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import (
+    hf_generate_greedy,
+    hf_logits,
+    hf_model,
+    load_our_model,
+    make_tiny_hf_model,
+    run_paged,
+)
+from safetensors.torch import load_file, save_file
+from test_gpt_oss import GPT_OSS, _prompts
+
+from pagellm import LLM, SamplingParams
+from pagellm.quantization.mxfp4 import dequantize_mxfp4
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the magnitudes of FP4 e2m1
+PROJECTIONS = ("gate_up_proj", "down_proj")
+NEW_TOKENS = 16
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., cols] -> (blocks [..., cols / 32, 16] uint8, scales [..., cols / 32] uint8,
+    the weight they encode [..., cols]): per 32 columns the power of two that brings the
+    largest magnitude within 6, each value rounded to the nearest e2m1 magnitude with its
+    sign bit (8), two codes a byte, the even column low."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., G]
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # [..., G, 32] in 0..7
+    codes = magnitude | ((scaled < 0).long() << 3)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    sign = torch.where(scaled < 0, -1.0, 1.0)
+    encoded = sign * E2M1[magnitude] * torch.exp2(exponent)[..., None]
+    return blocks, (exponent + 127).to(torch.uint8), encoded.flatten(-2)
+
+
+def write_mxfp4_folder(folder: str, out: Path) -> dict[str, torch.Tensor]:
+    """`folder`'s checkpoint with its experts' weights as MXFP4, rows (outputs) first as
+    OpenAI's checkpoints store them; returns the encoded weights in HF's layout by name."""
+    out.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        if (Path(folder) / name).exists():
+            shutil.copy(Path(folder) / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    tensors, encoded = load_file(str(Path(folder) / "model.safetensors")), {}
+    for name in [n for n in tensors if n.endswith(PROJECTIONS)]:
+        rows_first = tensors.pop(name).transpose(1, 2).contiguous()  # [E, out, in]
+        blocks, scales, weight = pack_mxfp4(rows_first)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        encoded[name] = weight.transpose(1, 2).contiguous()  # HF's [E, in, out]
+    save_file(tensors, str(out / "model.safetensors"))
+    return encoded
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """(MXFP4 folder, HF model with the encoded weights, one engine on the folder)."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    folder = make_tiny_hf_model("gpt_oss", root, **GPT_OSS)
+    encoded = write_mxfp4_folder(folder, root / "mxfp4")
+    hf = hf_model(folder)
+    with torch.no_grad():
+        for name, weight in encoded.items():
+            hf.get_parameter(name).copy_(weight)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(str(root / "mxfp4"), dtype="float32", block_size=4, max_num_batched_tokens=32)
+    yield root / "mxfp4", hf, llm
+    llm.shutdown()
+
+
+def test_packing_is_lossy_here():
+    """The packing moves the weights (so serving the float ones would fail the tests)."""
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    _, _, encoded = pack_mxfp4(w)
+    assert 0.01 < (encoded - w).abs().max() < 1.0
+
+
+def test_dequantize_matches_the_packing():
+    w = torch.randn(3, 8, 96, generator=torch.Generator().manual_seed(1)) * 5
+    blocks, scales, encoded = pack_mxfp4(w)
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), encoded)
+
+
+def test_greedy_equals_hf_on_the_dequantized_weights(mxfp4):
+    _, hf, llm = mxfp4
+    prompts = _prompts()
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_generate_greedy(hf, [prompt], NEW_TOKENS)[0]
+
+
+def test_logits_equal_hf_on_the_dequantized_weights(mxfp4):
+    folder, hf, _ = mxfp4
+    ours = load_our_model(str(folder))
+    for tokens, logits in run_paged(ours, _prompts()[:2], num_decode_steps=3, chunk_size=8):
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+
+
+def _broken(folder: Path, tmp_path: Path, edit) -> str:
+    out = tmp_path / "broken"
+    shutil.copytree(folder, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
+def test_malformed_scales_name_the_tensor(mxfp4, tmp_path):
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+
+    def cut(tensors):
+        tensors[name] = tensors[name][..., :1].contiguous()
+
+    with pytest.raises(ValueError, match=f"MXFP4 tensor {name}: shape"):
+        load_our_model(_broken(mxfp4[0], tmp_path, cut))
+
+
+def test_blocks_without_scales_name_the_tensor(mxfp4, tmp_path):
+    def drop(tensors):
+        del tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]
+
+    stem = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ValueError, match=f"MXFP4 tensor {stem}: the checkpoint has only"):
+        load_our_model(_broken(mxfp4[0], tmp_path, drop))
+
+
+def test_blocks_of_the_wrong_dtype_name_the_tensor(mxfp4, tmp_path):
+    name = "model.layers.2.mlp.experts.gate_up_proj_blocks"
+
+    def widen(tensors):
+        tensors[name] = tensors[name].to(torch.int16)
+
+    with pytest.raises(ValueError, match=f"MXFP4 tensor {name}: expected uint8"):
+        load_our_model(_broken(mxfp4[0], tmp_path, widen))
