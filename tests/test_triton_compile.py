@@ -23,7 +23,7 @@ if importlib.util.find_spec("triton") is None:
 _POINTERS = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
 _INT_POINTERS = ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr",
                  "tile_q_ptr")  # fmt: skip
-_FLOAT_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "kv_scale_ptr")
+_FLOAT_POINTERS = ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "kv_scale_ptr", "sinks_ptr")
 ATTENTION_VARIANTS = [  # (WINDOW, SOFT_CAP_LOG2, KV_FP8, SPLIT, FP8_PAIRS)
     (0, 0.0, False, False, 0), (64, 72.13, False, True, 0), (0, 0.0, True, True, 0),
     (0, 0.0, True, False, 1), (4096, 0.0, True, True, 2),
@@ -60,9 +60,9 @@ def _compile(
 
 def compile_attention() -> None:
     from pagellm.kernels.attention_plan import decode_config
-    from pagellm.kernels.paged_attention import _paged_attention_kernel
+    from pagellm.kernels.paged_attention import _combine_splits_kernel, _paged_attention_kernel
 
-    def attention(window, soft_cap_log2, kv_fp8, split, fp8_pairs, tile=None) -> None:
+    def attention(window, soft_cap_log2, kv_fp8, split, fp8_pairs, tile=None, sinks=False):
         cache = ("*fp8e5" if fp8_pairs == 2 else "*fp8e4nv") if kv_fp8 else "*bf16"
         types = {name: "*bf16" for name in _POINTERS} | {"k_cache_ptr": cache, "v_cache_ptr": cache}
         types |= {name: "*i32" for name in _INT_POINTERS}
@@ -72,6 +72,7 @@ def compile_attention() -> None:
             HEAD_DIM=64, BLOCK_SIZE=16, HAS_TILE_MAP=True, SPLIT=split, FP32_DOT=False,
             WINDOW=window, SOFT_CAP_LOG2=soft_cap_log2, KV_FP8=kv_fp8, FP8_PAIRS=fp8_pairs,
             PTX_CVT=bool(fp8_pairs), PDL=split,  # griddepcontrol through ptxas too
+            HAS_SINKS=sinks,
         )  # fmt: skip
         options = {}
         if tile is not None:  # the plan's decode tile, its warps and stages
@@ -83,6 +84,14 @@ def compile_attention() -> None:
 
     for variant in ATTENTION_VARIANTS:
         attention(*variant)
+    attention(128, 0.0, False, False, 0, sinks=True)  # gpt-oss: sinks, windowed or not
+    attention(0, 0.0, False, True, 0, sinks=True)
+    for sinks in (False, True):  # the split-KV merge, with and without sinks
+        types = {"out_ptr": "*bf16", "query_start_loc_ptr": "*i32", "tile_req_ptr": "*i32",
+                 "tile_q_ptr": "*i32"} | {name: "*fp32" for name in _FLOAT_POINTERS}  # fmt: skip
+        constexprs = dict(BLOCK_Q=16, HEAD_DIM=64, HAS_TILE_MAP=False, SPLITS_PAD=64, PDL=False,
+                          HAS_SINKS=sinks)  # fmt: skip
+        _compile(_combine_splits_kernel, types, constexprs, num_warps=4)
     for element_size, kv_fp8, fp8_pairs in ((2, False, 0), (1, True, 1)):
         for queries_per_kv in (2, 4):  # fp8: 32 and 16 keys a step
             tile = decode_config(queries_per_kv, 128, element_size)

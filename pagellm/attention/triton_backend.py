@@ -80,6 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: TritonAttentionMetadata,
         kv_scale: torch.Tensor | None = None,  # [2] k_scale, v_scale (fp8 caches)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 (gpt-oss)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         common = metadata.common
         if k is not None:
@@ -102,4 +103,5 @@ class TritonAttentionBackend(AttentionBackend):
             out=out,
             logits_soft_cap=self.logits_soft_cap,
             kv_scale=kv_scale,
+            sinks=sinks,
         )

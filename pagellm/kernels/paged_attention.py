@@ -50,6 +50,10 @@ unchanged:
   segments divide the keys from there.
 - SOFT_CAP_LOG2 (Gemma 2's logit soft-cap c, times log2(e)): scores become
   c * tanh(scale * q.k / c) in registers, before masking and the softmax.
+- HAS_SINKS (gpt-oss's attention sinks, a float32 logit per query head): exp(sink) joins
+  each row's softmax denominator at the end, `l + exp2(sink * log2(e) - m)` with the row's
+  running max m (base 2), in the epilogue or in `_combine_splits_kernel` over the segments'
+  merged sums; the walk over the keys is unchanged.
 - KV_FP8 (a float8 cache): K/V tiles are read as fp8 (half the bytes of bf16) in int16
   pairs and converted to fp16 in registers (FP8_PAIRS, `pagellm.kernels.fp8_convert`: one
   PTX instruction a pair, before the tile's change to the MMA layout); q is converted to
@@ -351,9 +355,9 @@ def _store_partial(part, acc, m_i, l_i, row_ok, part_acc_ptr, part_max_ptr, part
 
 @triton.jit
 def _store_tile(acc, m_i, l_i, row_q, head, row_ok, token, tile, split, num_heads, num_splits,
-                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, stride_ot,
-                stride_oh, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FP8: tl.constexpr,
-                SPLIT: tl.constexpr):  # fmt: skip
+                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, sinks_ptr,
+                stride_ot, stride_oh, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                KV_FP8: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
     """The epilogue: the rows normalized into out, or (SPLIT) this segment's unnormalized rows
     with their running max and sum, for `_combine_splits_kernel` to merge."""
     if KV_FP8:
@@ -364,6 +368,9 @@ def _store_tile(acc, m_i, l_i, row_q, head, row_ok, token, tile, split, num_head
         _store_partial(part.to(tl.int64) + split, acc, m_i, l_i, row_ok, part_acc_ptr,
                        part_max_ptr, part_sum_ptr, HEAD_DIM)  # fmt: skip
     else:
+        if HAS_SINKS:  # the sink's exp2, relative to the row's max, in the denominator
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i = l_i + tl.math.exp2(sink - m_i)
         out = acc / l_i[:, None]
         offs_d = tl.arange(0, HEAD_DIM)
         o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -381,6 +388,7 @@ def _paged_attention_kernel(
     part_acc_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits, HEAD_DIM] fp32 (SPLIT)
     part_max_ptr, part_sum_ptr,  # [num_tiles, BLOCK_Q, num_heads, num_splits] fp32
     kv_scale_ptr,  # [2] float32 k_scale, v_scale (KV_FP8)
+    sinks_ptr,  # [num_heads] float32 sink logits (HAS_SINKS)
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     num_splits,  # KV segments per tile (grid axis 2); > 1 only with SPLIT
@@ -401,6 +409,7 @@ def _paged_attention_kernel(
     FP8_PAIRS: tl.constexpr = 0,  # KV_FP8 as int16 pairs, fp16 dots: 1 e4m3fn, 2 e5m2
     PTX_CVT: tl.constexpr = False,  # FP8_PAIRS converted by PTX (compiled; not interpreted)
     PDL: tl.constexpr = False,  # let the next kernel (o_proj's GEMV) launch now (`kernels.pdl`)
+    HAS_SINKS: tl.constexpr = False,  # a sink logit per query head in the denominators
 ):  # fmt: skip
     """Grid (KV head x head group, tile, key segment): load a tile's q, walk its keys, store."""
     pdl.launch_dependents(PDL)
@@ -428,8 +437,8 @@ def _paged_attention_kernel(
         BLOCK_SIZE, FP32_DOT, WINDOW, SOFT_CAP_LOG2, FP8_PAIRS, PTX_CVT,
     )  # fmt: skip
     _store_tile(acc, m_i, l_i, row_q, head, row_ok, token, tile, split, num_heads, num_splits,
-                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, stride_ot,
-                stride_oh, BLOCK_Q, HEAD_DIM, KV_FP8, SPLIT)  # fmt: skip
+                out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, kv_scale_ptr, sinks_ptr,
+                stride_ot, stride_oh, BLOCK_Q, HEAD_DIM, KV_FP8, SPLIT, HAS_SINKS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -441,6 +450,7 @@ def _combine_splits_kernel(
     query_start_loc_ptr,
     tile_req_ptr,
     tile_q_ptr,
+    sinks_ptr,  # [num_heads] float32 (HAS_SINKS)
     num_heads,
     num_splits,
     stride_ot,
@@ -450,6 +460,7 @@ def _combine_splits_kernel(
     HAS_TILE_MAP: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # >= num_splits: next_power_of_2(MAX_SPLITS), one variant
     PDL: tl.constexpr = False,  # as _paged_attention_kernel's
+    HAS_SINKS: tl.constexpr = False,  # as _paged_attention_kernel's
 ):
     pdl.launch_dependents(PDL)
     head = tl.program_id(0)
@@ -474,7 +485,10 @@ def _combine_splits_kernel(
     )  # [SPLITS_PAD, HEAD_DIM]
     m_max = tl.max(m, 0)  # finite: some segment holds the query's own key
     w = tl.math.exp2(m - m_max)  # empty segments have m = -inf: weight 0
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    total = tl.sum(l_s * w, 0)
+    if HAS_SINKS:
+        total += tl.math.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - m_max)
+    out = tl.sum(acc * w[:, None], 0) / total
     token = (q_begin + q_idx).to(tl.int64)
     o_offs = token * stride_ot + head * stride_oh + offs_d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
@@ -542,13 +556,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     logits_soft_cap: float | None = None,
     kv_scale: torch.Tensor | None = None,  # [2] float32 k_scale, v_scale (fp8 cache)
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of every query token over its request's paged K/V.
 
     `plan` comes from `plan_attention` with the same `query_start_loc` / `seq_lens` (on the
     host), the layer's sliding window and the cache's element size. Rows of `out` past
     `query_start_loc[-1]` are left as they were. `logits_soft_cap` c: scores become
-    c * tanh(score / c). An fp8 cache is read with `kv_scale` (None: 1.0).
+    c * tanh(score / c). An fp8 cache is read with `kv_scale` (None: 1.0). `sinks`: each
+    query head's logit joins its softmax's denominator.
     """
     _check_inputs(q, kv_cache, block_table, seq_lens, query_start_loc)
     if logits_soft_cap is not None and logits_soft_cap <= 0:
@@ -564,20 +580,30 @@ def paged_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    _check_sinks(sinks, q)
     cap_log2 = 0.0 if logits_soft_cap is None else logits_soft_cap * LOG2E
     if is_fp8(kv_cache.dtype) and kv_scale is None:
         kv_scale = torch.ones(2, dtype=torch.float32, device=q.device)
     for launch in plan.launches:
         _launch(
             q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch,
-            cap_log2, kv_scale,
+            cap_log2, kv_scale, sinks,
         )  # fmt: skip
     return out
 
 
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],) or sinks.stride(0) != 1:
+        raise ValueError("sinks must be a contiguous float32 [num_heads] tensor")
+    if sinks.device != q.device:
+        raise ValueError("sinks must be on q's device")
+
+
 def _launch(
     q, kv_cache, block_table, seq_lens, query_start_loc, scale, out, plan, launch, cap_log2,
-    kv_scale,
+    kv_scale, sinks,
 ):  # fmt: skip
     """One kernel launch (and its combine, when split) for one group of tiles."""
     cfg = launch.config
@@ -602,21 +628,26 @@ def _launch(
         out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         tile_req, tile_q, part_acc, part_max, part_sum,
         seq_lens if kv_scale is None else kv_scale,  # a placeholder pointer when unused
+        seq_lens if sinks is None else sinks,
         scale * LOG2E, plan.num_heads, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
     )  # fmt: skip
     constexprs = _constexprs(plan, cfg, q, kv_cache, has_map, splits, cap_log2)
+    if sinks is not None:
+        constexprs["HAS_SINKS"] = True
     _launch_fitting(grid, args, constexprs, cfg, (q.dtype, kv_cache.dtype))
     if splits > 1:
         _combine_splits_kernel[(plan.num_heads, launch.num_tiles * cfg.block_q)](
             out, part_acc, part_max, part_sum, query_start_loc, tile_req, tile_q,
+            seq_lens if sinks is None else sinks,
             plan.num_heads, splits, out.stride(0), out.stride(1),
             BLOCK_Q=cfg.block_q,
             HEAD_DIM=plan.head_dim,
             HAS_TILE_MAP=has_map,
             SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
             PDL=constexprs.get("PDL", False),
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )  # fmt: skip
 
