@@ -192,6 +192,24 @@ def compile_fused_moe_quant() -> None:
                      num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
 
 
+def compile_fused_moe_gpt_oss() -> None:
+    """The bf16 expert GEMMs with gpt-oss's biases (both) and clamped SwiGLU (gate | up), at
+    the decode and prefill tiles of `choose_config`; and without them, as other models run."""
+    from pagellm.kernels.fused_moe import H200_CONFIGS, _moe_gemm_kernel
+
+    types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+             "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32",
+             "bias_ptr": "*bf16"}  # fmt: skip
+    variants = itertools.product((True, False), (H200_CONFIGS[0], H200_CONFIGS[-1]), (True, False))
+    for gated, (_, c), gpt_oss in variants:
+        constexprs = dict(ROWS_PER_A=4 if gated else 1, GATED=gated, APPLY_WEIGHTS=not gated,
+                          EVEN_K=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                          GROUP_M=c.group_m, HAS_BIAS=gpt_oss, CLAMPED=gpt_oss and gated,
+                          SWIGLU_ALPHA=1.702, SWIGLU_LIMIT=7.0)  # fmt: skip
+        _compile(_moe_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
+                 num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
+
+
 def compile_lora() -> None:
     """The multi-LoRA shrink and expand on bf16 activations and slots, as `lora_shrink` /
     `lora_expand` launch them (rank 16)."""
@@ -253,6 +271,10 @@ def test_wna16_gemm_compiles_for_hopper():
 
 def test_fused_moe_quant_compiles_for_hopper():
     _in_fresh_process("compile_fused_moe_quant")
+
+
+def test_fused_moe_gpt_oss_compiles_for_hopper():
+    _in_fresh_process("compile_fused_moe_gpt_oss")
 
 
 def test_lora_kernels_compile_for_hopper():

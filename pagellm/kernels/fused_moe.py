@@ -10,6 +10,10 @@ grouped GEMMs, one launch each.
     act --down GEMM, times the row's routing weight--> y [N, H]           (w2[e]: [H, I])
     y.view(T, K, H).sum(1) --> out [T, H]
 
+gpt-oss's experts add a bias to each GEMM's accumulator (HAS_BIAS: w13's [E, 2I], w2's
+[E, H]) and gate with the clamped SwiGLU in place of SiLU (CLAMPED: `ClampedSwiGLU`'s
+alpha and limit as compile-time floats); other models compile neither.
+
 Nothing is read back to the host: P is the worst case N + min(E, N) * (BLOCK_M - 1), the
 grids are sized by it, and blocks past `num_padded` return at once, so a decode step runs
 inside a CUDA graph. Rows of one expert land in the order atomics hand out slots; every row's
@@ -25,6 +29,7 @@ hand them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -212,6 +217,7 @@ def _moe_gemm_kernel(
     expert_ids_ptr,  # [P / BLOCK_M] int32
     num_padded_ptr,  # [1] int32
     weights_ptr,  # [N] float32 routing weights (APPLY_WEIGHTS)
+    bias_ptr,  # [E, N_W] the expert's bias (HAS_BIAS)
     num_rows,  # N: the padding sentinel
     num_experts,
     n_out,  # output columns; GATED: up's rows start at n_out in each expert's w
@@ -220,6 +226,7 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     num_blocks,  # M blocks in the grid: P / BLOCK_M
+    stride_be,  # the bias's, between experts
     ROWS_PER_A: tl.constexpr,  # row r reads a[r // ROWS_PER_A]: top_k for gate_up, 1 for down
     GATED: tl.constexpr,
     APPLY_WEIGHTS: tl.constexpr,
@@ -228,6 +235,10 @@ def _moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+    CLAMPED: tl.constexpr = False,  # GATED by gpt-oss's clamped SwiGLU, not SiLU
+    SWIGLU_ALPHA: tl.constexpr = 1.702,
+    SWIGLU_LIMIT: tl.constexpr = 7.0,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -245,8 +256,27 @@ def _moe_gemm_kernel(
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc, acc_up = _expert_dot(a_ptrs, w_ptrs, row_ok, n_ok, offs_k, n_out, k_dim, stride_wn,
                               GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
-                APPLY_WEIGHTS)  # fmt: skip
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_row + n_out, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        acc = _clamped_swiglu(acc, acc_up, out_ptr.dtype.element_ty, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, False,
+                    APPLY_WEIGHTS)  # fmt: skip
+    else:
+        _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
+                    APPLY_WEIGHTS)  # fmt: skip
+
+
+@triton.jit
+def _clamped_swiglu(gate, up, dtype, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """gpt-oss's activation of float32 gate and up (rounded to `dtype` first, as the torch
+    path's GEMM outputs are): (clamp(up) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)."""
+    g = tl.minimum(gate.to(dtype).to(tl.float32), LIMIT)
+    u = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -LIMIT), LIMIT)
+    return (u + 1.0) * (g * tl.sigmoid(ALPHA * g))
 
 
 def topk_softmax(
@@ -315,6 +345,8 @@ def moe_gemm(
     rows_per_a: int,
     gated: bool = False,  # w holds gate | up rows; out gets SiLU(gate) * up
     routing_weights: torch.Tensor | None = None,  # [N] float32: scale each output row
+    bias: torch.Tensor | None = None,  # [E, N_W]: added to each row's product
+    clamped: tuple[float, float] | None = None,  # gated: (alpha, limit) of the clamped SwiGLU
 ) -> torch.Tensor:
     """out[r] = a[r // rows_per_a] @ w[expert of r].T for every row r of the layout."""
     if w.shape[1] != out.shape[1] * (2 if gated else 1):
@@ -325,14 +357,27 @@ def moe_gemm(
     _moe_gemm_kernel[grid](
         a, w, out, layout.sorted_ids, layout.expert_ids, layout.num_padded,
         routing_weights if routing_weights is not None else out,
+        bias if bias is not None else out,  # a placeholder pointer when unused
         out.shape[0], w.shape[0], out.shape[1], k_dim,
         a.stride(0), w.stride(0), w.stride(1), num_blocks,
+        bias.stride(0) if bias is not None else 0,
         ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHTS=routing_weights is not None,
         EVEN_K=k_dim % c.block_k == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        num_warps=c.num_warps, num_stages=c.num_stages, **_gpt_oss_switches(bias, clamped),
     )  # fmt: skip
     return out
+
+
+def _gpt_oss_switches(bias: torch.Tensor | None, clamped: tuple[float, float] | None) -> dict:
+    """The compile-time switches of a biased, clamped-SwiGLU GEMM (absent: the defaults)."""
+    switches = {}
+    if bias is not None:
+        switches["HAS_BIAS"] = True
+    if clamped is not None:
+        alpha, limit = clamped
+        switches.update(CLAMPED=True, SWIGLU_ALPHA=float(alpha), SWIGLU_LIMIT=float(limit))
+    return switches
 
 
 def fused_moe(
@@ -342,16 +387,25 @@ def fused_moe(
     weights: torch.Tensor,  # [T, K] float32 routing weights
     ids: torch.Tensor,  # [T, K] int32 experts
     config: MoEConfig | None = None,
+    bias13: torch.Tensor | None = None,  # [E, 2I] (gpt-oss)
+    bias2: torch.Tensor | None = None,  # [E, H]
+    activation: Any = None,  # a `ClampedSwiGLU` (alpha, limit); None: SiLU
 ) -> torch.Tensor:  # [T, H]
-    """sum over k of weights[t, k] * down(SiLU(gate(x[t])) * up(x[t])) with expert ids[t, k]."""
+    """sum over k of weights[t, k] * down(SiLU(gate(x[t])) * up(x[t])) with expert ids[t, k]
+    (gpt-oss: biased GEMMs, the clamped SwiGLU)."""
     _check_moe_inputs(x, w13, w2, weights, ids)
+    for bias, w in ((bias13, w13), (bias2, w2)):
+        if bias is not None and (bias.shape != w.shape[:2] or not bias.is_contiguous()):
+            raise ValueError(f"fused_moe: bias {tuple(bias.shape)} for weights {tuple(w.shape)}")
+    clamped = None if activation is None else (activation.alpha, activation.limit)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, ids.shape[1]
     config = config or choose_config(t, k, e)
     layout = align_by_expert(ids, e, config.block_m)
     act = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
-    moe_gemm(x, w13, act, layout, config, rows_per_a=k, gated=True)
+    moe_gemm(x, w13, act, layout, config, rows_per_a=k, gated=True, bias=bias13, clamped=clamped)
     y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    moe_gemm(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1))
+    moe_gemm(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1),
+             bias=bias2)  # fmt: skip
     return y.view(t, k, h).sum(1)
 
 
