@@ -122,3 +122,28 @@ def test_windows_and_no_block_freeing(gpt_oss):
     assert kv_sliding_window("GptOssForCausalLM", hf.config) is None
     run_paged(ours, _prompts()[:1], num_decode_steps=1, block_size=4)
     assert ours.model._cpu_decoder_built and ours.model.cpu_decoder is None  # layers' forward
+
+
+def test_dummy_weights_run(gpt_oss):
+    """load_format="dummy" draws every parameter (sinks, expert biases) and serves."""
+    folder, _, _ = gpt_oss
+    ours = load_our_model(folder, load_format="dummy")
+    for _, logits in run_paged(ours, _prompts()[:2], num_decode_steps=2, block_size=4):
+        assert torch.isfinite(logits).all()
+
+
+def test_shipped_gpt_oss_20b_config_builds_at_real_size():
+    """The shipped config's model, built on `meta`, has gpt-oss-20b's 20.91B parameters
+    and its windows (128 tokens on every other layer)."""
+    from pagellm.engine.arg_utils import EngineArgs
+    from pagellm.models import get_model_cls
+
+    config = EngineArgs(model="gpt-oss-20b", load_format="dummy").create_model_config(
+        torch.device("cpu")
+    )
+    assert config.source.kind == "dummy"
+    cls = get_model_cls(config.architecture)
+    with torch.device("meta"):
+        model = cls(config.hf_config, TorchAttentionBackend)
+    assert sum(p.numel() for p in model.parameters()) == 20_914_757_184
+    assert cls.sliding_windows(config.hf_config) == (128, None) * 12

@@ -1,11 +1,12 @@
 """End to end on the GPU, judged as the project judges a family in bf16: pagellm in bf16 is
 no further from HF in float32 than HF's own bf16 run is, on the same weights, in one test.
 
-For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE and Mixtral
-(8 experts, top-2: the fused-MoE Triton kernels), DeepSeek V2 and V3 (latent attention: the
-MLA decode kernel; grouped top-k with shared experts), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2,
-Granite, SmolLM3, StarCoder2 with their quirks (sliding windows, soft-caps, yarn, longrope,
-partial rotary, multipliers, NoPE layers, LayerNorms), three layers each, an HF model is
+For Qwen3 (head_dim 128), Llama (head_dim 64), the MoE families Qwen3-MoE, Mixtral and
+gpt-oss (8 experts, top-2: the fused-MoE Triton kernels; gpt-oss's sinks and biases too),
+DeepSeek V2 and V3 (latent attention: the MLA decode kernel; grouped top-k with shared
+experts), and Gemma, Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite, SmolLM3, StarCoder2 with their
+quirks (sliding windows, soft-caps, yarn, longrope, partial rotary, multipliers, NoPE layers,
+LayerNorms), three layers each, an HF model is
 built from its config, trained for a few hundred steps on a synthetic language (a random
 block of PERIOD tokens repeated, so predicting a token means attending PERIOD - 1 positions
 back) and saved in bf16. Three runs of that checkpoint:
@@ -48,6 +49,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MixtralConfig,
@@ -202,6 +204,18 @@ CONFIGS = {
         attention_multiplier=0.03,
         residual_multiplier=0.4,
         logits_scaling=4.0,
+    ),
+    # attention sinks (the Triton kernel's HAS_SINKS), 64-token windows on layers 0 and 2,
+    # biased router and experts with the clamped SwiGLU (the fused-MoE kernel's switches)
+    "gpt_oss": lambda: GptOssConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }
 

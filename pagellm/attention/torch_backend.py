@@ -24,7 +24,8 @@ of one KV head as that head's query rows, a prefill uses SDPA's `enable_gqa`. Ga
 A sliding-window layer uses the same work built for its window (`metadata.windowed(W)`, once
 per step and window): a decode gathers only its last W keys, a prefill chunk the keys from
 its first query's window start on, with a banded causal mask. Nothing outside a window is
-read. With a logit soft-cap the scores are computed explicitly (SDPA cannot cap them).
+read. With a logit soft-cap or attention sinks (gpt-oss) the scores are computed explicitly
+(SDPA can neither cap them nor add a sink to its denominator).
 
 An fp8 cache is written quantized (through a uint8 view: the CPU has no fp8 `index_copy_`)
 and each group's gathered keys are converted to the query's dtype; k_scale goes into SDPA's

