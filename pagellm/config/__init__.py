@@ -31,6 +31,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * _GiB
 REASONING_TAGS: dict[str, tuple[str, str]] = {
     "qwen3": ("<think>", "</think>"),
     "deepseek_r1": ("<think>", "</think>"),
+    "openai_gptoss": ("<|channel|>analysis<|message|>", "<|end|>"),  # gpt-oss's harmony
 }
 
 

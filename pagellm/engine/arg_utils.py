@@ -92,7 +92,7 @@ class EngineArgs:
     trace_kv: str | None = None  # with trace: dump this request's block table, slot mapping
     max_logprobs: int = 20  # the most `logprobs` / `prompt_logprobs` a request may ask for
     scheduling_policy: str = "fcfs"  # fcfs | priority: waiting requests by (priority, arrival)
-    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: </think> ends the thinking
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: </think> ends it; openai_gptoss
     quantization: str | None = (
         None  # fp8 | gguf | int4 | int8 | awq | gptq | compressed-tensors | none
     )

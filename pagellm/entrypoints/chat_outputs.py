@@ -14,7 +14,9 @@ from collections.abc import Generator, Iterator
 from typing import Any
 
 from pagellm.entrypoints.openai.chat_reply import ChatReply, check_parsers, make_reply
+from pagellm.entrypoints.openai.tool_parsers import SPECIAL_TOKEN_PARSERS
 from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
 
 
 class ChatParsing:
@@ -24,6 +26,16 @@ class ChatParsing:
         check_parsers(tool_call_parser, reasoning_parser)
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+
+    def keep_special_tokens(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """Copies that keep special tokens in the text where a parser reads them (gpt-oss's
+        harmony markers); the same list otherwise."""
+        if not {self.tool_call_parser, self.reasoning_parser} & set(SPECIAL_TOKEN_PARSERS):
+            return params
+        kept = [p.clone() for p in params]
+        for p in kept:
+            p.skip_special_tokens = False
+        return kept
 
     def reply(self, tools: list[dict[str, Any]] | None) -> ChatReply | None:
         """A fresh splitter for one completion, or None where nothing is parsed."""

@@ -32,8 +32,9 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM(PoolingMethods):
     """Offline batch generation. Takes vLLM's engine arguments by name (see EngineArgs), and
-    the server's `tool_call_parser` (hermes, llama3_json, mistral, pythonic) for `chat()`;
-    `reasoning_parser` (qwen3, deepseek_r1) is an engine argument that `chat()` uses too.
+    the server's `tool_call_parser` (hermes, llama3_json, mistral, pythonic, openai) for
+    `chat()`; `reasoning_parser` (qwen3, deepseek_r1, openai_gptoss) is an engine argument
+    that `chat()` uses too.
     A pooling model (`runner="pooling"`) embeds, classifies and scores (`PoolingMethods`)."""
 
     def __init__(
@@ -111,9 +112,8 @@ class LLM(PoolingMethods):
         prompts = self._chat_prompts(
             messages, chat_template, add_generation_prompt, tools, chat_template_kwargs
         )
-        outputs = self.generate(
-            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
-        )
+        params = self.chat_parsing.keep_special_tokens(self._params_for(prompts, sampling_params))
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         return self.chat_parsing.final(outputs, tools)
 
     def chat_stream(
@@ -134,7 +134,8 @@ class LLM(PoolingMethods):
             messages, chat_template, add_generation_prompt, tools, chat_template_kwargs
         )
         params_list = []
-        for params in self._params_for(prompts, sampling_params):
+        kept = self.chat_parsing.keep_special_tokens(self._params_for(prompts, sampling_params))
+        for params in kept:
             params = params.clone()
             params.output_kind = RequestOutputKind.DELTA
             params_list.append(params)

@@ -5,6 +5,10 @@
   (thinking off: the chat template closed an empty span in the prompt).
 - deepseek_r1: the prompt opens the span; everything up to `</think>` is reasoning, all of
   it while `</think>` has not come.
+- openai_gptoss: gpt-oss's harmony messages (`harmony.py`; the reply's special tokens kept):
+  the `analysis` channel is reasoning; the `final` channel's text is content, and a tool
+  call (a message `to=functions.NAME`) stays in the content as written, for the `openai`
+  tool parser.
 
 `split(text, final)` reads the whole text so far; while streaming (`final` False) a suffix
 that may be the start of a tag is held back, so a tag split across chunks is never shown.
@@ -13,6 +17,7 @@ that may be the start of a tag is held back, so a tag split across chunks is nev
 
 from __future__ import annotations
 
+from pagellm.entrypoints.openai.harmony import harmony_messages, has_harmony
 from pagellm.entrypoints.openai.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
@@ -47,9 +52,23 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
         return super().split(text.removeprefix(START), final)
 
 
+class GptOssReasoningParser(ReasoningParser):
+    def split(self, text: str, final: bool) -> tuple[str | None, str]:
+        if not has_harmony(text):  # a reply opens with `<|channel|>`: wait for it
+            maybe_header = not final and "<|channel|>".startswith(text.lstrip())
+            return None, "" if maybe_header else text
+        messages = harmony_messages(text, final)
+        thoughts = [m.content for m in messages if m.channel == "analysis"]
+        content = "".join(
+            m.raw if m.recipient else m.content for m in messages if m.channel != "analysis"
+        )
+        return ("\n".join(thoughts) if thoughts else None), content
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
 }
 
 

@@ -46,6 +46,7 @@ from pagellm.entrypoints.openai.serving_engine import (
     usage,
 )
 from pagellm.entrypoints.openai.structured import function_name, named_tool, tool_constraint
+from pagellm.entrypoints.openai.tool_parsers import SPECIAL_TOKEN_PARSERS
 from pagellm.outputs import CompletionOutput, Logprob
 from pagellm.sampling_params import SamplingParams
 
@@ -113,6 +114,8 @@ class OpenAIServingChat(OpenAIServing):
             self._num_logprobs(request),
             defaults=self.default_sampling_params,
         )
+        if {self.reasoning_parser, self.tool_parser} & set(SPECIAL_TOKEN_PARSERS):
+            params = msgspec.structs.replace(params, skip_special_tokens=False)  # harmony
         if mode in ("required", "named"):
             if params.structured_outputs is not None:
                 raise APIError(

@@ -12,6 +12,8 @@ arguments piece by piece.
   several, optionally after `<|python_tag|>`).
 - mistral: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
 - pythonic: the whole reply is a Python list of calls, `[f(a=1), g(b="x")]`.
+- openai: gpt-oss's harmony messages addressed `to=functions.NAME` (their text is the
+  arguments); the other non-analysis messages' text is content (`harmony.py`).
 - json_list (internal, tool_choice "required"): a JSON array of `{"name", "parameters"}`.
 """
 
@@ -21,6 +23,8 @@ import ast
 import json
 import uuid
 from dataclasses import dataclass, field
+
+from pagellm.entrypoints.openai.harmony import harmony_messages, has_harmony, held_back_markers
 
 
 @dataclass
@@ -233,6 +237,22 @@ class PythonicToolParser(ToolParser):
             return Parsed(text)
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss (harmony): each message to `functions.NAME` is a call, complete at its end."""
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        if not has_harmony(text):
+            return Parsed(text if final else held_back_markers(text))
+        content, calls = "", []
+        for message in harmony_messages(text, final):
+            if message.recipient and message.recipient.startswith("functions."):
+                name = message.recipient.removeprefix("functions.")
+                calls.append(ParsedCall(name, message.content, message.done))
+            elif message.channel != "analysis" and not message.recipient:
+                content += message.content
+        return Parsed(content, calls)
+
+
 def _python_call(call: ast.Call) -> ParsedCall:
     if not isinstance(call.func, ast.Name) or call.args:
         raise ValueError("a pythonic tool call is name(keyword=value, ...)")
@@ -245,7 +265,10 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "openai": OpenAIToolParser,
 }
+# parsers that read the reply's special tokens: the server keeps them in its text
+SPECIAL_TOKEN_PARSERS = ("openai", "openai_gptoss")
 
 
 def tool_call_id() -> str:
