@@ -155,3 +155,18 @@ def test_blocks_of_the_wrong_dtype_name_the_tensor(mxfp4, tmp_path):
 
     with pytest.raises(ValueError, match=f"MXFP4 tensor {name}: expected uint8"):
         load_our_model(_broken(mxfp4[0], tmp_path, widen))
+
+
+def test_quantization_name_mxfp4(mxfp4):
+    """quantization="mxfp4" (vLLM's name) takes an MXFP4 checkpoint; elsewhere it is a
+    ValueError saying what it needs."""
+    from pagellm.quantization import resolve_quantization
+
+    config = json.loads((mxfp4[0] / "config.json").read_text())
+    checkpoint = type("C", (), config)()
+    cpu = torch.device("cpu")
+    assert resolve_quantization("mxfp4", checkpoint, "hf", cpu) == "mxfp4"
+    assert resolve_quantization(None, checkpoint, "hf", cpu) == "mxfp4"
+    del config["quantization_config"]
+    with pytest.raises(ValueError, match="needs a MXFP4 checkpoint"):
+        resolve_quantization("mxfp4", type("C", (), config)(), "hf", cpu)
