@@ -1,15 +1,20 @@
 """gpt-oss's experts in the fused-MoE Triton kernels (HAS_BIAS: biased gate | up and down
-GEMMs; CLAMPED: the clamped SwiGLU in the gate_up epilogue) against the torch path of
-`pagellm/layers/moe.py` (`experts_torch` with the same biases and `ClampedSwiGLU`): under
-Triton's interpreter on tiny shapes without CUDA, bf16 at gpt-oss-20b's shapes with it."""
+GEMMs; CLAMPED: the clamped SwiGLU in the gate_up epilogue; MXFP4 weights dequantized in
+registers) against the torch path of `pagellm/layers/moe.py` (`experts_torch` with the same
+biases and `ClampedSwiGLU`, on the weights the MXFP4 packing encodes): under Triton's
+interpreter on tiny shapes without CUDA, bf16 at gpt-oss-20b's shapes with it. And the
+MXFP4 checkpoint kept as stored (`Mxfp4Config`, CUDA's path) through the whole tiny model,
+its logits equal HF's on the dequantized weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from mxfp4_pack import pack_mxfp4
 from test_fused_moe import DEVICE, DTYPES, TINY, _close, _problem, _randn  # sets the interpreter
 
 from pagellm.kernels import fused_moe as fm
+from pagellm.kernels import fused_moe_quant as fq
 from pagellm.layers.activation import ClampedSwiGLU
 from pagellm.layers.moe import experts_torch
 
@@ -53,4 +58,75 @@ def test_fused_moe_bf16_at_gpt_oss_20b_shapes(num_tokens):
     out = fm.fused_moe(x, w13, w2, weights, ids, None, bias13, bias2, act)
     ref = experts_torch(x.float(), w13.float(), w2.float(), weights, ids, bias13.float(),
                         bias2.float(), act)  # fmt: skip
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def _mxfp4_stack(w: torch.Tensor) -> tuple[fq.QuantizedStack, torch.Tensor]:
+    """[E, N, K] float -> its MXFP4 stack on DEVICE and the float32 weight it encodes."""
+    blocks, scales, encoded = pack_mxfp4(w.float().cpu())
+    q = blocks.reshape(*blocks.shape[:2], -1).contiguous().to(DEVICE)
+    return fq.QuantizedStack(q, scales.to(DEVICE), None, 4, 32, mxfp4=True), encoded.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 13])
+def test_fused_moe_mxfp4_bias_and_clamped_swiglu(dtype, num_tokens):
+    """K = 64 (two groups a row) and 32; each weight's code, sign and scale read back."""
+    x, w13, w2, weights, ids = _problem(num_tokens, 4, 64, 32, dtype, seed=5)
+    (q13, d13), (q2, d2) = _mxfp4_stack(w13), _mxfp4_stack(w2)
+    bias13, bias2 = _biases(4, 64, 32, dtype)
+    act = ClampedSwiGLU(alpha=1.702, limit=0.5)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, TINY, bias13, bias2, act)
+    ref = experts_torch(x, d13.to(dtype), d2.to(dtype), weights, ids, bias13, bias2, act)
+    _close(out, ref, dtype)
+
+
+def test_fused_moe_mxfp4_rejects_bad_scales():
+    x, w13, w2, weights, ids = _problem(3, 4, 64, 32, torch.float32)
+    (q13, _), (q2, _) = _mxfp4_stack(w13), _mxfp4_stack(w2)
+    bad = fq.QuantizedStack(q13.q, q13.scales[..., :1].contiguous(), None, 4, 32, mxfp4=True)
+    with pytest.raises(ValueError, match="mxfp4 scales"):
+        fq.fused_moe_quant(x, bad, q2, weights, ids, TINY)
+
+
+def test_mxfp4_kept_as_stored_through_the_model(tmp_path, monkeypatch):
+    """The tiny MXFP4 gpt-oss loaded as on CUDA (`Mxfp4Config`: blocks and scales as stored,
+    gate | up rows de-interleaved), run on the CPU under the interpreter: every layer's
+    experts are the MXFP4 kernel's and the logits equal HF's on the dequantized weights."""
+    from model_utils import hf_logits, hf_model, load_our_model, make_tiny_hf_model, run_paged
+    from test_gpt_oss import GPT_OSS, _prompts
+    from test_mxfp4 import write_mxfp4_folder
+
+    from pagellm.loader import model_loader
+    from pagellm.quantization.mxfp4 import Mxfp4Config, Mxfp4GpuExperts
+
+    two_layers = {**GPT_OSS, "num_hidden_layers": 2, "layer_types": GPT_OSS["layer_types"][:2]}
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, **two_layers)
+    encoded = write_mxfp4_folder(folder, tmp_path / "mxfp4")
+    hf = hf_model(folder)
+    with torch.no_grad():
+        for name, weight in encoded.items():
+            hf.get_parameter(name).copy_(weight)
+    monkeypatch.setattr(model_loader, "get_quant_config", lambda *_: Mxfp4Config())
+    ours = load_our_model(str(tmp_path / "mxfp4"))
+    assert all(
+        isinstance(layer.mlp.experts.quantized_experts, Mxfp4GpuExperts)
+        for layer in ours.model.layers
+    )
+    for tokens, logits in run_paged(ours, _prompts()[:2], num_decode_steps=2, chunk_size=8):
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_fused_moe_mxfp4_bf16_at_gpt_oss_20b_shapes(num_tokens):
+    """32 experts, top-4, H = I = 2880 (90 groups a row), MXFP4 weights, biases, the
+    clamped SwiGLU: against the torch path on the encoded weights in float32."""
+    x, w13, w2, weights, ids = _problem(num_tokens, 32, 2880, 2880, torch.bfloat16, top_k=4)
+    (q13, d13), (q2, d2) = _mxfp4_stack(w13), _mxfp4_stack(w2)
+    bias13, bias2 = _biases(32, 2880, 2880, torch.bfloat16)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, None, bias13, bias2, ClampedSwiGLU())
+    ref = experts_torch(x.float(), d13.bfloat16().float(), d2.bfloat16().float(), weights, ids,
+                        bias13.float(), bias2.float(), ClampedSwiGLU())  # fmt: skip
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

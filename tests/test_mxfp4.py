@@ -1,9 +1,10 @@
-"""MXFP4 experts (gpt-oss checkpoints' `quant_method: "mxfp4"`): a tiny random gpt-oss whose
-expert weights this test packs itself (`pack_mxfp4`, written from the format, not from the
-loader), served from `*_blocks` / `*_scales` tensors and compared with HF's model holding
-the dequantized weights the packing chose: greedy ids equal (float32, CPU, one engine,
-batched and chunked) and every position's logits within 1e-4. A malformed tensor is a
-ValueError naming it.
+"""MXFP4 experts (gpt-oss checkpoints' `quant_method: "mxfp4"`) on the CPU: a tiny random
+gpt-oss whose expert weights the tests pack themselves (`tests/mxfp4_pack.py`, written from
+the format, not from the loader), served from `*_blocks` / `*_scales` tensors and compared
+with HF's model holding the dequantized weights the packing chose: greedy ids equal
+(float32, CPU, one engine, batched and chunked) and every position's logits within 1e-4.
+A malformed tensor is a ValueError naming it. (The CUDA path, experts kept as stored:
+`test_fused_moe_gpt_oss.py`.)
 """
 
 from __future__ import annotations
@@ -22,32 +23,15 @@ from model_utils import (
     make_tiny_hf_model,
     run_paged,
 )
+from mxfp4_pack import pack_mxfp4
 from safetensors.torch import load_file, save_file
 from test_gpt_oss import GPT_OSS, _prompts
 
 from pagellm import LLM, SamplingParams
 from pagellm.quantization.mxfp4 import dequantize_mxfp4
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the magnitudes of FP4 e2m1
 PROJECTIONS = ("gate_up_proj", "down_proj")
 NEW_TOKENS = 16
-
-
-def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [..., cols] -> (blocks [..., cols / 32, 16] uint8, scales [..., cols / 32] uint8,
-    the weight they encode [..., cols]): per 32 columns the power of two that brings the
-    largest magnitude within 6, each value rounded to the nearest e2m1 magnitude with its
-    sign bit (8), two codes a byte, the even column low."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
-    exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., G]
-    scaled = groups / torch.exp2(exponent)[..., None]
-    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # [..., G, 32] in 0..7
-    codes = magnitude | ((scaled < 0).long() << 3)
-    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    sign = torch.where(scaled < 0, -1.0, 1.0)
-    encoded = sign * E2M1[magnitude] * torch.exp2(exponent)[..., None]
-    return blocks, (exponent + 127).to(torch.uint8), encoded.flatten(-2)
 
 
 def write_mxfp4_folder(folder: str, out: Path) -> dict[str, torch.Tensor]:

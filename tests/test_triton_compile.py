@@ -194,8 +194,10 @@ def compile_fused_moe_quant() -> None:
 
 def compile_fused_moe_gpt_oss() -> None:
     """The bf16 expert GEMMs with gpt-oss's biases (both) and clamped SwiGLU (gate | up), at
-    the decode and prefill tiles of `choose_config`; and without them, as other models run."""
+    the decode and prefill tiles of `choose_config`; and without them, as other models run;
+    the same with MXFP4 weights (`fused_moe_quant`)."""
     from pagellm.kernels.fused_moe import H200_CONFIGS, _moe_gemm_kernel
+    from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
 
     types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
              "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32",
@@ -207,6 +209,15 @@ def compile_fused_moe_gpt_oss() -> None:
                           GROUP_M=c.group_m, HAS_BIAS=gpt_oss, CLAMPED=gpt_oss and gated,
                           SWIGLU_ALPHA=1.702, SWIGLU_LIMIT=7.0)  # fmt: skip
         _compile(_moe_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
+                 num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
+    # MXFP4 experts kept as stored: codes and scales bytes, dequantized in registers
+    types |= {"w_ptr": "*u8", "s_ptr": "*u8", "z_ptr": "*u8"}
+    for gated, (_, c) in itertools.product((True, False), (H200_CONFIGS[0], H200_CONFIGS[-1])):
+        constexprs = dict(ROWS_PER_A=4 if gated else 1, GATED=gated, APPLY_WEIGHTS=not gated,
+                          BITS=4, GROUP=32, PTX_CVT=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                          BLOCK_K=c.block_k, GROUP_M=c.group_m, MXFP4=True, HAS_BIAS=True,
+                          CLAMPED=gated, SWIGLU_ALPHA=1.702, SWIGLU_LIMIT=7.0)  # fmt: skip
+        _compile(_moe_quant_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
                  num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
 
 

@@ -11,8 +11,8 @@ grouped GEMMs, one launch each.
     y.view(T, K, H).sum(1) --> out [T, H]
 
 gpt-oss's experts add a bias to each GEMM's accumulator (HAS_BIAS: w13's [E, 2I], w2's
-[E, H]) and gate with the clamped SwiGLU in place of SiLU (CLAMPED: `ClampedSwiGLU`'s
-alpha and limit as compile-time floats); other models compile neither.
+[E, H]) and gate with the clamped SwiGLU in place of SiLU (CLAMPED): the shared epilogue
+of `moe_epilogue.py`; other models compile neither.
 
 Nothing is read back to the host: P is the worst case N + min(E, N) * (BLOCK_M - 1), the
 grids are sized by it, and blocks past `num_padded` return at once, so a decode step runs
@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.kernels.moe_epilogue import _store_epilogue, gpt_oss_switches
 
 
 @dataclass(frozen=True)
@@ -192,23 +194,6 @@ def _expert_dot(a_ptrs, w_ptrs, row_ok, n_ok, offs_k, n_out, k_dim, stride_wn, G
 
 
 @triton.jit
-def _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out,
-                GATED: tl.constexpr, APPLY_WEIGHTS: tl.constexpr):  # fmt: skip
-    """The epilogue, rounded where the torch path rounds: the GEMM's output in out's dtype,
-    GATED: SiLU(gate) * up, APPLY_WEIGHTS: times the row's routing weight; scattered to the
-    rows' own places in out (`rows`, not the sorted order)."""
-    dtype = out_ptr.dtype.element_ty
-    out = acc.to(dtype).to(tl.float32)
-    if GATED:
-        act = (out * tl.sigmoid(out)).to(dtype).to(tl.float32)  # rounded, as F.silu returns it
-        out = act * acc_up.to(dtype).to(tl.float32)
-    if APPLY_WEIGHTS:
-        out = out * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + rows[:, None] * n_out + offs_n[None, :]
-    tl.store(out_ptrs, out.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [*, K] rows contiguous: x [T, H] (gate_up) or act [N, I] (down)
     w_ptr,  # [E, N_W, K] K contiguous: w13 [E, 2I, H] or w2 [E, H, I]
@@ -256,27 +241,9 @@ def _moe_gemm_kernel(
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc, acc_up = _expert_dot(a_ptrs, w_ptrs, row_ok, n_ok, offs_k, n_out, k_dim, stride_wn,
                               GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
-    if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_be + offs_n
-        acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc_up += tl.load(bias_row + n_out, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if CLAMPED:
-        acc = _clamped_swiglu(acc, acc_up, out_ptr.dtype.element_ty, SWIGLU_ALPHA, SWIGLU_LIMIT)
-        _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, False,
-                    APPLY_WEIGHTS)  # fmt: skip
-    else:
-        _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
-                    APPLY_WEIGHTS)  # fmt: skip
-
-
-@triton.jit
-def _clamped_swiglu(gate, up, dtype, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    """gpt-oss's activation of float32 gate and up (rounded to `dtype` first, as the torch
-    path's GEMM outputs are): (clamp(up) + 1) * g * sigmoid(ALPHA * g), g = min(gate, LIMIT)."""
-    g = tl.minimum(gate.to(dtype).to(tl.float32), LIMIT)
-    u = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -LIMIT), LIMIT)
-    return (u + 1.0) * (g * tl.sigmoid(ALPHA * g))
+    _store_epilogue(acc, acc_up, out_ptr, weights_ptr, bias_ptr, expert, stride_be, rows, row_ok,
+                    offs_n, n_ok, n_out, GATED, APPLY_WEIGHTS, HAS_BIAS, CLAMPED, SWIGLU_ALPHA,
+                    SWIGLU_LIMIT)  # fmt: skip
 
 
 def topk_softmax(
@@ -364,20 +331,9 @@ def moe_gemm(
         ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHTS=routing_weights is not None,
         EVEN_K=k_dim % c.block_k == 0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        num_warps=c.num_warps, num_stages=c.num_stages, **_gpt_oss_switches(bias, clamped),
+        num_warps=c.num_warps, num_stages=c.num_stages, **gpt_oss_switches(bias, clamped),
     )  # fmt: skip
     return out
-
-
-def _gpt_oss_switches(bias: torch.Tensor | None, clamped: tuple[float, float] | None) -> dict:
-    """The compile-time switches of a biased, clamped-SwiGLU GEMM (absent: the defaults)."""
-    switches = {}
-    if bias is not None:
-        switches["HAS_BIAS"] = True
-    if clamped is not None:
-        alpha, limit = clamped
-        switches.update(CLAMPED=True, SWIGLU_ALPHA=float(alpha), SWIGLU_LIMIT=float(limit))
-    return switches
 
 
 def fused_moe(

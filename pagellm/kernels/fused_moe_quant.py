@@ -11,6 +11,13 @@ written back to memory in bf16).
     fp8                  q [E, N, K] float8_e4m3fn, read as int16 pairs (`fp8_convert`), scales
                          float32 [E, N] (a row's) or [E, ceil(N / 128), ceil(K / 128)] (128 x
                          128 blocks: BLOCK_K divides 128)
+    mxfp4 (gpt-oss)      q [E, N, K / 2] uint8 (two e2m1 codes a byte, column 2j low), scales
+                         uint8 [E, N, K / 32] (E8M0: 2 ** (s - 127)); each column reads its
+                         group's scale, so BLOCK_K is free; values and powers of two built
+                         exactly (a scale byte 0, 2 ** -127, reads as 0)
+
+gpt-oss's expert biases and clamped SwiGLU are `fused_moe.py`'s switches, in the same
+epilogue (`_store_epilogue`).
 
 The dequantized tile is rounded to x's dtype as a weight dequantized at load would be, so the
 result is `experts_torch` on those weights up to the order of summation. K must be a multiple
@@ -30,11 +37,11 @@ from pagellm.kernels.fp8_convert import fp8_pairs_to_f16, load_fp8_pairs
 from pagellm.kernels.fused_moe import (
     ExpertLayout,
     MoEConfig,
-    _store_rows,
     _tile,
     align_by_expert,
     choose_config,
 )
+from pagellm.kernels.moe_epilogue import _store_epilogue, gpt_oss_switches
 from pagellm.kernels.wna16_gemm import MAGIC, _unpack
 
 FP8_BLOCK = 128  # the fp8 block scales' rows and columns
@@ -47,8 +54,9 @@ class QuantizedStack:
     q: torch.Tensor  # int: uint8 [E, N, K * bits / 8]; fp8: float8_e4m3fn [E, N, K]
     scales: torch.Tensor  # float32: int [E, N, G]; fp8 [E, N] or [E, N / 128, K / 128]
     zeros: torch.Tensor | None  # int: uint8 [E, N, G]; fp8: None
-    bits: int  # 4 | 8: int weights; 0: fp8
+    bits: int  # 4 | 8: int weights (mxfp4: 4); 0: fp8
     group: int  # int: inputs a scale (K for one group); fp8: 128 (blocks) or 0 (rows)
+    mxfp4: bool = False  # e2m1 codes with E8M0 scales (uint8), groups of 32
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -59,9 +67,13 @@ class QuantizedStack:
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_ok, k0, offs_k, stride_we, stride_wn,
                  stride_se, stride_sn, dtype, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PTX_CVT: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, PTX_CVT: tl.constexpr,
+                 MXFP4: tl.constexpr = False):  # fmt: skip
     """[BLOCK_K, BLOCK_N]: columns k0 + offs_k of the expert's rows offs_n, in `dtype`."""
-    if BITS == 0:
+    if MXFP4:
+        w = _mxfp4_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok,
+                        k0 + offs_k, stride_wn, stride_sn, dtype)  # fmt: skip
+    elif BITS == 0:
         w = _fp8_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok, k0,
                       stride_wn, stride_sn, dtype, GROUP, BLOCK_K, PTX_CVT)  # fmt: skip
     else:
@@ -85,6 +97,22 @@ def _fp8_tile(w_ptr, s_ptr, offs_n, n_ok, k0, stride_wn, stride_sn, dtype, GROUP
 
 
 @triton.jit
+def _mxfp4_tile(q_ptr, s_ptr, offs_n, n_ok, cols, stride_qn, stride_sn, dtype):
+    """e2m1 codes of rows offs_n, columns `cols`, times their group's power of two: exact
+    float32 values (2 + m) * {0.5, 1, 2} or 0.5 m, a scale byte's float32 bit pattern."""
+    qb = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None] // 2,
+                 mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
+    code = (qb >> ((cols[:, None] & 1) * 4)) & 15
+    exponent, mantissa = (code >> 1) & 3, (code & 1).to(tl.float32)
+    step = tl.where(exponent == 1, 0.5, tl.where(exponent == 2, 1.0, 2.0))
+    value = tl.where(exponent == 0, 0.5 * mantissa, (2.0 + mantissa) * step)
+    value = tl.where(code >= 8, -value, value)
+    s = tl.load(s_ptr + offs_n[None, :] * stride_sn + cols[:, None] // 32,
+                mask=n_ok[None, :], other=127).to(tl.int32)  # fmt: skip
+    return (value * (s << 23).to(tl.float32, bitcast=True)).to(dtype)
+
+
+@triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, offs_k, stride_qn, stride_sn, dtype,
               BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
     """int rows' columns k0 + offs_k (in group k0 // GROUP), (q - zero) * scale, read as int32
@@ -101,11 +129,13 @@ def _int_tile(q_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, offs_k, stride_qn, stride_s
 @triton.jit
 def _moe_quant_gemm_kernel(
     a_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    weights_ptr, num_rows, num_experts, n_out, k_dim, stride_am, stride_we, stride_wn,
-    stride_se, stride_sn, num_blocks,
+    weights_ptr, bias_ptr, num_rows, num_experts, n_out, k_dim, stride_am, stride_we, stride_wn,
+    stride_se, stride_sn, num_blocks, stride_be,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHTS: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PTX_CVT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False,
+    SWIGLU_ALPHA: tl.constexpr = 1.702, SWIGLU_LIMIT: tl.constexpr = 7.0,
 ):  # fmt: skip
     """`_moe_gemm_kernel` (fused_moe.py) with quantized weights: the same programs, rows and
     epilogue; the scales' row r of an expert belongs to its weight row r (GATED: the up rows
@@ -146,20 +176,22 @@ def _moe_quant_gemm_kernel(
             GROUP,
             BLOCK_K,
             PTX_CVT,
+            MXFP4,
         )
         acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n + n_out, n_ok, k0, offs_k,
                                 stride_we, stride_wn, stride_se, stride_sn, dtype, BITS, GROUP,
-                                BLOCK_K, PTX_CVT)  # fmt: skip
+                                BLOCK_K, PTX_CVT, MXFP4)  # fmt: skip
             acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
-    _store_rows(acc, acc_up, out_ptr, weights_ptr, rows, row_ok, offs_n, n_ok, n_out, GATED,
-                APPLY_WEIGHTS)  # fmt: skip
+    _store_epilogue(acc, acc_up, out_ptr, weights_ptr, bias_ptr, expert, stride_be, rows, row_ok,
+                    offs_n, n_ok, n_out, GATED, APPLY_WEIGHTS, HAS_BIAS, CLAMPED, SWIGLU_ALPHA,
+                    SWIGLU_LIMIT)  # fmt: skip
 
 
 def _block_k(config: MoEConfig, w: QuantizedStack, k: int) -> int:
     """The config's K step, halved until it divides K and the weight's scale groups."""
-    step, unit = config.block_k, w.group or k
+    step, unit = config.block_k, k if w.mxfp4 else (w.group or k)  # mxfp4: per-column scales
     while step > 16 and (k % step or unit % step):
         step //= 2
     if k % step or unit % step:
@@ -176,6 +208,8 @@ def moe_gemm_quant(
     rows_per_a: int,
     gated: bool = False,  # w holds gate | up rows; out gets SiLU(gate) * up
     routing_weights: torch.Tensor | None = None,  # [N] float32: scale each output row
+    bias: torch.Tensor | None = None,  # [E, N_W] (gpt-oss)
+    clamped: tuple[float, float] | None = None,  # gated: the clamped SwiGLU's (alpha, limit)
 ) -> torch.Tensor:
     """out[r] = a[r // rows_per_a] @ dequant(w[expert of r]).T for every row r of the layout."""
     e, n_w, k_dim = w.shape
@@ -185,18 +219,22 @@ def moe_gemm_quant(
     c = dataclasses.replace(config, block_k=_block_k(config, w, k_dim))
     num_blocks = layout.expert_ids.numel()
     scales = w.scales
-    q = w.q.view(torch.int32) if w.bits else w.q  # int: [E, N_W, K * bits / 32] words
+    # int: [E, N_W, K * bits / 32] words; mxfp4 and fp8: as stored
+    q = w.q.view(torch.int32) if w.bits and not w.mxfp4 else w.q
     grid = (num_blocks * triton.cdiv(out.shape[1], c.block_n),)
     _moe_quant_gemm_kernel[grid](
         a, q, scales, w.zeros if w.zeros is not None else scales, out, layout.sorted_ids,
         layout.expert_ids, layout.num_padded,
         routing_weights if routing_weights is not None else out,
+        bias if bias is not None else out,  # a placeholder pointer when unused
         out.shape[0], e, out.shape[1], k_dim, a.stride(0), q.stride(0), q.stride(1),
         scales.stride(0), scales.stride(1) if scales.dim() > 2 else 0, num_blocks,
+        bias.stride(0) if bias is not None else 0,
         ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHTS=routing_weights is not None,
         BITS=w.bits, GROUP=w.group, PTX_CVT=a.device.type == "cuda",
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
         num_warps=c.num_warps, num_stages=c.num_stages,
+        **({"MXFP4": True} if w.mxfp4 else {}), **gpt_oss_switches(bias, clamped),
     )  # fmt: skip
     return out
 
@@ -208,21 +246,30 @@ def fused_moe_quant(
     weights: torch.Tensor,  # [T, K] float32 routing weights
     ids: torch.Tensor,  # [T, K] int32 experts
     config: MoEConfig | None = None,
+    bias13: torch.Tensor | None = None,  # [E, 2I] (gpt-oss)
+    bias2: torch.Tensor | None = None,  # [E, H]
+    activation=None,  # a `ClampedSwiGLU`; None: SiLU
 ) -> torch.Tensor:  # [T, H]
     """`fused_moe.fused_moe` with quantized expert weights (see the module doc)."""
     _check(x, w13, w2, weights, ids)
+    clamped = None if activation is None else (activation.alpha, activation.limit)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, ids.shape[1]
     config = config or choose_config(t, k, e)
     layout = align_by_expert(ids, e, config.block_m)
     act = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
-    moe_gemm_quant(x, w13, act, layout, config, rows_per_a=k, gated=True)
+    moe_gemm_quant(x, w13, act, layout, config, rows_per_a=k, gated=True, bias=bias13,
+                   clamped=clamped)  # fmt: skip
     y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    moe_gemm_quant(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1))
+    moe_gemm_quant(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1),
+                   bias=bias2)  # fmt: skip
     return y.view(t, k, h).sum(1)
 
 
 def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
     for w in (w13, w2):
+        if w.mxfp4:
+            _check_mxfp4(w)
+            continue
         fp8 = w.q.dtype == torch.float8_e4m3fn
         if not (w.q.is_contiguous() and w.scales.is_contiguous()) or fp8 != (w.bits == 0):
             raise ValueError(f"fused_moe_quant: a {w.bits}-bit stack of {w.q.dtype} "
@@ -236,3 +283,12 @@ def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
         raise ValueError(f"fused_moe_quant: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     if x.stride(1) != 1 or not weights.is_contiguous():
         raise ValueError("fused_moe_quant: x rows and the routing weights must be contiguous")
+
+
+def _check_mxfp4(w: QuantizedStack) -> None:
+    e, n, k = w.shape
+    uint8 = w.q.dtype == w.scales.dtype == torch.uint8
+    if not (uint8 and w.q.is_contiguous() and w.scales.is_contiguous() and w.bits == 4):
+        raise ValueError("fused_moe_quant: mxfp4 stacks are contiguous uint8 codes and scales")
+    if k % 32 or w.scales.shape != (e, n, k // 32) or w.zeros is not None:
+        raise ValueError(f"fused_moe_quant: mxfp4 scales {tuple(w.scales.shape)} for {w.shape}")

@@ -12,8 +12,9 @@ Checkpoints store a layer's experts fused, gate and up columns interleaved:
     mlp.experts.down_proj_bias     [E, H]
 
 or, in OpenAI's MXFP4 checkpoints, each weight as `<name>_blocks` / `<name>_scales` with
-its rows (outputs) first (`pagellm/quantization/mxfp4.py`), dequantized here at load. Both
-go into `FusedMoE`'s w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] and biases.
+its rows (outputs) first (`pagellm/quantization/mxfp4.py`): on CUDA loaded as stored into
+the experts' `w13_blocks`, ... (rows de-interleaved), elsewhere dequantized here. All go into
+`FusedMoE`'s w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] and biases.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
             experts = modules.get(f"{prefix}.mlp.experts")
             if not isinstance(experts, FusedMoE):
                 raise ValueError(f"unexpected checkpoint tensor {name!r}: no such experts")
+            if leaf.endswith(_MXFP4) and experts.quant_method is not None:  # kept as stored
+                param, value = _stored_mxfp4(leaf, tensor)
+                experts.load_full(param, value)
+                loaded.add(f"{prefix}.mlp.experts.{param}")
+                continue
             if leaf.endswith(_MXFP4):
                 stem, kind = leaf[: -len("_blocks")], leaf[-len("blocks") :]
                 pair = pending.setdefault(f"{prefix}{_EXPERTS}{stem}", {})
@@ -131,6 +137,16 @@ def _dequantized(pair: dict[str, CheckpointTensor], stem: str) -> torch.Tensor:
     if device is not None and not b.is_meta:
         b, s = b.to(device), s.to(device)
     return dequantize_mxfp4(b, s, dtype, stem)
+
+
+def _stored_mxfp4(leaf: str, tensor) -> tuple[str, torch.Tensor]:
+    """(FusedMoE parameter, the [E, rows, ...] blocks or scales as stored) for the CUDA
+    kernel (`Mxfp4ExpertsMethod`), gate | up rows de-interleaved."""
+    stem, kind = leaf[: -len("_blocks")], leaf[-len("blocks") :]
+    value = tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+    if stem == "gate_up_proj":
+        value = torch.cat([value[:, 0::2], value[:, 1::2]], dim=1)
+    return {"gate_up_proj": "w13", "down_proj": "w2"}[stem] + f"_{kind}", value.contiguous()
 
 
 def _expert_tensor(leaf: str, tensor, name: str) -> tuple[str, torch.Tensor]:

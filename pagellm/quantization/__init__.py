@@ -21,8 +21,9 @@
                      dequantized at load
     "compressed-tensors"  a compressed-tensors checkpoint: fp8 `float-quantized` (fp8.py) or
                      int4 / int8 `pack-quantized` (W4A16 / W8A16, wna16.py)
-    "mxfp4"          gpt-oss's MXFP4 experts (mxfp4.py): dequantized at load to the model's
-                     dtype by the model's loader, on the CPU and on CUDA (no MXFP4 GEMMs yet)
+    "mxfp4"          gpt-oss's MXFP4 experts (mxfp4.py): on CUDA kept as stored, dequantized in
+                     registers by the fused MoE kernel; on the CPU (and with "none")
+                     dequantized at load to the model's dtype by the model's loader
     "awq", "gptq"    AWQ (GEMM) and GPTQ (4 / 8-bit, act-order, v1 / v2 zeros) checkpoints
                      (wna16.py; vLLM's "awq_marlin" / "gptq_marlin" are the same names here);
                      these and pack-quantized checkpoints split over tensor-parallel ranks;
@@ -50,13 +51,14 @@ QUANTIZATION_METHODS = {
     "int8": "pagellm.quantization.cpu_int:CpuIntConfig",
     "awq": "pagellm.quantization.wna16:WNA16Config",
     "gptq": "pagellm.quantization.wna16:WNA16Config",
+    "mxfp4": "pagellm.quantization.mxfp4:Mxfp4Config",
 }
 INT_WEIGHTS = "pagellm.quantization.wna16:WNA16Config"  # also compressed-tensors pack-quantized
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel names, same checkpoints
 NONE = "none"
 CPU_ONLY = ("gguf", "int4", "int8")
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")  # ones we load
-AT_LOAD = ("mxfp4",)  # dequantized by the model's loader: no QuantizationConfig
+AT_LOAD = ("mxfp4",)  # on the CPU dequantized by the model's loader: no QuantizationConfig
 INT_FORMATS = ("awq", "gptq", "compressed-tensors")  # load_format="dummy": int4 g128 weights
 
 
@@ -70,9 +72,8 @@ def resolve_quantization(
     """The method to use (a `QUANTIZATION_METHODS` key), or None; ValueError naming
     `quantization` for a bad or impossible choice."""
     name = ALIASES.get(name, name)
-    known = (*QUANTIZATION_METHODS, *AT_LOAD)
-    if name is not None and name != NONE and name not in known:
-        choices = ", ".join([NONE, *known])
+    if name is not None and name != NONE and name not in QUANTIZATION_METHODS:
+        choices = ", ".join([NONE, *QUANTIZATION_METHODS])
         raise ValueError(f"quantization must be None or one of {choices}, got {name!r}")
     stored = checkpoint_method(hf_config)
     # shards split on group boundaries, or dequantized whole at load
@@ -191,7 +192,7 @@ def get_quant_config(
     quantized checkpoint gets one even with None: its tensors are dequantized at load);
     `checkpoint`: the tensors the loader read ahead, by HF name (a GGUF file's)."""
     name = model_config.quantization or checkpoint_method(model_config.hf_config)
-    if name is None or name in AT_LOAD:
+    if name is None:
         return None
     target = QUANTIZATION_METHODS[name]
     if name == "compressed-tensors" and int_weights(model_config.hf_config):

@@ -6,14 +6,30 @@ A projection of E experts is stored as two tensors, its rows (outputs) first:
                    byte, the even column in the low nibble
     <name>_scales  [E, rows, G] uint8: each group's power of two as E8M0 (2 ** (s - 127))
 
-so the weight [E, rows, G * 32] is value * 2 ** (scale - 127). The model's loader
-(`pagellm/models/gpt_oss.py`) pairs the two tensors and dequantizes them to the model's
-dtype, on the CPU and, as a first step, on the GPU too (no in-register MXFP4 GEMM yet).
+so the weight [E, rows, G * 32] is value * 2 ** (scale - 127). On CUDA (`Mxfp4Config`)
+the experts stay as stored and the fused MoE kernel dequantizes each tile in registers; on
+the CPU (and with quantization="none") the model's loader (`pagellm/models/gpt_oss.py`)
+pairs the two tensors and dequantizes them to the model's dtype (`dequantize_mxfp4`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import replace  # of a TensorSlice (pagellm/layers/weights.py, a floor above)
+
 import torch
+
+from pagellm.quantization.base import (
+    ExpertsMethod,
+    QuantizationConfig,
+    QuantizedExperts,
+    drop_params,
+    replace_param,
+)
+
+logger = logging.getLogger(__name__)
+STACKS = ("w13", "w2")
 
 # the 16 e2m1 codes: sign bit 3, then exponent and mantissa
 FP4_VALUES = (
@@ -73,3 +89,91 @@ def dequantize_mxfp4(
     exponents = scales.to(torch.int32) - 127
     weight = torch.ldexp(values, exponents.unsqueeze(-1).float())
     return weight.flatten(-2).to(dtype)
+
+
+class Mxfp4Config(QuantizationConfig):
+    """`quantization="mxfp4"` on CUDA: gpt-oss's experts kept as stored and run by the fused
+    MoE kernel with MXFP4 weights (`pagellm/kernels/fused_moe_quant.py`, dequantized in
+    registers); nothing else is quantized. On the CPU, with quantization="none", or where an
+    expert's rank part is not whole groups of 32: dequantized at load (no config)."""
+
+    name = "mxfp4"
+
+    @classmethod
+    def from_model(cls, model_config, device: torch.device, checkpoint=None) -> Mxfp4Config | None:
+        if device.type != "cuda" or model_config.quantization is None:
+            logger.info("mxfp4 checkpoint on %s: experts dequantized to %s at load",
+                        device.type, model_config.dtype)  # fmt: skip
+            return None
+        return cls()
+
+    def linear_method(self, prefix: str, layer) -> None:
+        return None
+
+    def experts_method(self, prefix: str, layer) -> ExpertsMethod | None:
+        if layer.part.size % 32 or layer.hidden_size % 32:
+            return None
+        return Mxfp4ExpertsMethod()
+
+
+class Mxfp4ExpertsMethod(ExpertsMethod):
+    """One MoE layer's experts as stored: `w13_blocks` [E, 2I, H / 32, 16] (gate rows, then
+    up rows: the model's loader de-interleaves them), `w13_scales` [E, 2I, H / 32], `w2_*`
+    likewise over I; its biases stay in the model dtype."""
+
+    def create_weights(self, layer) -> None:
+        e = layer.num_experts
+        for stacked in STACKS:
+            n, k = getattr(layer, stacked).shape[1:]
+            replace_param(layer, f"{stacked}_blocks", (e, n, k // 32, BLOCK_BYTES), torch.uint8)
+            replace_param(layer, f"{stacked}_scales", (e, n, k // 32), torch.uint8)
+            drop_params(layer, stacked)
+
+    def checkpoint_param(self, layer, stacked: str, leaf: str) -> str | None:
+        return f"{stacked}_{leaf}" if leaf in ("blocks", "scales") else None
+
+    def tensor_slice(self, layer, param_name: str, part):
+        if param_name.startswith("w13"):
+            return part  # rows
+        return replace(part, start=part.start // 32, size=part.size // 32)  # w2: column groups
+
+    def process_weights_after_loading(self, layer) -> None:
+        from pagellm.kernels.fused_moe_quant import QuantizedStack
+
+        stacks = []
+        for stacked in STACKS:
+            blocks = getattr(layer, f"{stacked}_blocks").detach()
+            q = blocks.reshape(*blocks.shape[:2], -1)  # [E, N, K / 2]
+            scales = getattr(layer, f"{stacked}_scales").detach()
+            stacks.append(QuantizedStack(q, scales.contiguous(), None, 4, 32, mxfp4=True))
+        layer.quantized_experts = Mxfp4GpuExperts(*stacks, layer.w13_bias, layer.w2_bias,
+                                                  layer.activation)  # fmt: skip
+
+    def dummy_tensor(self, layer, param_name: str, std: float, generator: torch.Generator):
+        shape = getattr(layer, param_name).shape
+        device = generator.device
+        if param_name.endswith("_blocks"):
+            return torch.randint(0, 256, shape, generator=generator, device=device).to(torch.uint8)
+        if param_name.endswith("_scales"):  # weights of about std: 6 * 2 ** (s - 127)
+            top = 127 + max(-120, round(math.log2(max(std, 1e-30) / 2)))
+            return torch.randint(top - 2, top + 1, shape, generator=generator, device=device).to(
+                torch.uint8
+            )
+        return None
+
+
+class Mxfp4GpuExperts(QuantizedExperts):
+    """MXFP4 experts on CUDA: the fused MoE kernels with MXFP4 weights, gpt-oss's biases and
+    activation."""
+
+    def __init__(self, w13, w2, bias13, bias2, activation) -> None:
+        from pagellm.kernels import fused_moe_quant
+
+        self.kernels = fused_moe_quant
+        self.w13, self.w2 = w13, w2  # QuantizedStack each
+        self.bias13, self.bias2, self.activation = bias13, bias2, activation
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.fused_moe_quant(
+            x, self.w13, self.w2, weights, ids, None, self.bias13, self.bias2, self.activation
+        )
