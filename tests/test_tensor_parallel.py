@@ -264,6 +264,15 @@ def test_deepseek_latent_attention_over_two_ranks(tmp_path, monkeypatch):
     assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
 
 
+def test_gpt_oss_over_two_ranks(tmp_path, monkeypatch):
+    """gpt-oss: each rank its heads' sinks and its part of the experts and their gate | up
+    biases; the down biases once (rank 0's), the router replicated."""
+    layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, num_local_experts=4, num_experts_per_tok=2,
+                                head_dim=16, sliding_window=8, std=0.3, **layers)  # fmt: skip
+    assert _two_rank_ids(folder) == _one_rank_reference(folder, monkeypatch)
+
+
 def test_olmo2_whole_projection_norms_over_two_ranks(tmp_path, monkeypatch):
     """OLMo 2 RMS-normalizes q and k over all heads, which the ranks split: one all-reduce of
     the sums of squares; its one KV head, replicated on both ranks, is counted once."""
