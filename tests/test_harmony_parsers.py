@@ -147,3 +147,19 @@ def test_llm_chat_keeps_special_tokens_for_harmony_parsers():
         kept = ChatParsing(tool, reasoning).keep_special_tokens(params)
         assert kept[0].skip_special_tokens is False and params[0].skip_special_tokens is True
     assert ChatParsing("hermes", "qwen3").keep_special_tokens(params) is params
+
+
+def test_structured_outputs_say_they_do_not_follow_harmony():
+    """A grammar starts after the thinking's end token; harmony's answer starts after a
+    channel header of several tokens: a clear reason, not a wrong grammar's start."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from pagellm.structured_output.manager import reasoning_token_ids
+
+    words = ["<unk>", "<think>", "</think>", "<|channel|>", "analysis", "<|message|>", "<|end|>"]
+    vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, unk_token="<unk>")
+    assert reasoning_token_ids(tokenizer, "qwen3") == (1, 2)
+    with pytest.raises(ValueError, match="'openai_gptoss' needs its tags"):
+        reasoning_token_ids(tokenizer, "openai_gptoss")

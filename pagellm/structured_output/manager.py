@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagellm.config import StructuredOutputsConfig
+from pagellm.config import REASONING_TAGS, StructuredOutputsConfig
 from pagellm.sample.logits_processor.thinking_budget import ThinkingSpan
 from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.structured_output.limits import limit_message
@@ -263,14 +263,20 @@ def _make_backend(model_config: ModelConfig, reasoning_parser: str | None) -> An
     stop_ids = stop_token_ids(model_config, tokenizer.eos_token_id)
     backend = XgrammarBackend(tokenizer_info(tokenizer, model_config.vocab_size, stop_ids))
     if reasoning_parser is not None:
-        backend.reasoning_ids = reasoning_token_ids(tokenizer)
+        backend.reasoning_ids = reasoning_token_ids(tokenizer, reasoning_parser)
     logger.info("grammar backend (xgrammar) ready in %.1f s", time.perf_counter() - start)
     return backend
 
 
-def reasoning_token_ids(tokenizer: Any) -> tuple[int, int]:
-    """The ids of the <think> and </think> tokens, which a reasoning parser needs."""
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+def reasoning_token_ids(tokenizer: Any, reasoning_parser: str) -> tuple[int, int]:
+    """The ids of the parser's start and end tags (<think>, </think>), each one token: a
+    grammar starts after the end tag. gpt-oss's harmony tags are several tokens (its answer
+    starts after a channel header): not followed yet, said so."""
+    tags = REASONING_TAGS.get(reasoning_parser, ("<think>", "</think>"))
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tags]
     if any(i is None or i == tokenizer.unk_token_id for i in ids):
-        raise ValueError("a reasoning parser needs <think> and </think> tokens in the vocabulary")
+        raise ValueError(
+            f"reasoning_parser {reasoning_parser!r} needs its tags {tags[0]} and {tags[1]} as "
+            "single tokens of the vocabulary (a grammar starts after the thinking's end)"
+        )
     return ids[0], ids[1]
