@@ -130,3 +130,23 @@ def test_fused_moe_mxfp4_bf16_at_gpt_oss_20b_shapes(num_tokens):
     ref = experts_torch(x.float(), d13.bfloat16().float(), d2.bfloat16().float(), weights, ids,
                         bias13.float(), bias2.float(), ClampedSwiGLU())  # fmt: skip
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_dummy_mxfp4_experts(tmp_path, monkeypatch):
+    """load_format="dummy" with quantization="mxfp4" (a shipped config has no
+    quantization_config): random MXFP4 codes and scales at the layer's layout, served."""
+    from model_utils import load_our_model, make_tiny_hf_model, run_paged
+    from test_gpt_oss import GPT_OSS, _prompts
+
+    from pagellm.loader import model_loader
+    from pagellm.quantization.mxfp4 import Mxfp4Config, Mxfp4GpuExperts
+
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, **GPT_OSS)
+    monkeypatch.setattr(model_loader, "get_quant_config", lambda *_: Mxfp4Config())
+    ours = load_our_model(folder, load_format="dummy", quantization="mxfp4")
+    experts = ours.model.layers[0].mlp.experts
+    assert isinstance(experts.quantized_experts, Mxfp4GpuExperts)
+    assert experts.w13_blocks.dtype == torch.uint8 and experts.w13_blocks.shape == (4, 256, 2, 16)
+    assert len(experts.w2_scales.unique()) > 1  # drawn, not left empty
+    for _, logits in run_paged(ours, _prompts()[:1], num_decode_steps=1):
+        assert torch.isfinite(logits).all()

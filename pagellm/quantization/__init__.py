@@ -23,7 +23,8 @@
                      int4 / int8 `pack-quantized` (W4A16 / W8A16, wna16.py)
     "mxfp4"          gpt-oss's MXFP4 experts (mxfp4.py): on CUDA kept as stored, dequantized in
                      registers by the fused MoE kernel; on the CPU (and with "none")
-                     dequantized at load to the model's dtype by the model's loader
+                     dequantized at load to the model's dtype by the model's loader; with
+                     load_format="dummy" (gpt-oss-20b's shipped config): random MXFP4 experts
     "awq", "gptq"    AWQ (GEMM) and GPTQ (4 / 8-bit, act-order, v1 / v2 zeros) checkpoints
                      (wna16.py; vLLM's "awq_marlin" / "gptq_marlin" are the same names here);
                      these and pack-quantized checkpoints split over tensor-parallel ranks;
@@ -112,7 +113,12 @@ def with_dummy_quantization(hf_config: Any, name: str | None, source_kind: str) 
     format's usual `quantization_config` (4-bit, groups of 128) set on `hf_config`, so the
     loader draws int weights at that layout (benchmarks without a checkpoint)."""
     name = ALIASES.get(name, name)
-    if source_kind != "dummy" or name not in INT_FORMATS or quant_config_dict(hf_config):
+    if source_kind != "dummy" or name not in (*INT_FORMATS, *AT_LOAD):
+        return hf_config
+    if quant_config_dict(hf_config):
+        return hf_config
+    if name in AT_LOAD:  # gpt-oss's MXFP4 experts: random codes and scales (mxfp4.py)
+        hf_config.quantization_config = {"quant_method": name}
         return hf_config
     from pagellm.quantization.wna16_formats import default_config
 

@@ -150,16 +150,17 @@ class Mxfp4ExpertsMethod(ExpertsMethod):
                                                   layer.activation)  # fmt: skip
 
     def dummy_tensor(self, layer, param_name: str, std: float, generator: torch.Generator):
-        shape = getattr(layer, param_name).shape
+        stacked, _, kind = param_name.partition("_")
+        if kind not in ("blocks", "scales"):
+            return None  # the biases: float
+        e, n, k = layer.full_shape(stacked)  # every rank's rows and columns
+        shape = (e, n, k // 32, BLOCK_BYTES) if kind == "blocks" else (e, n, k // 32)
         device = generator.device
-        if param_name.endswith("_blocks"):
+        if kind == "blocks":
             return torch.randint(0, 256, shape, generator=generator, device=device).to(torch.uint8)
-        if param_name.endswith("_scales"):  # weights of about std: 6 * 2 ** (s - 127)
-            top = 127 + max(-120, round(math.log2(max(std, 1e-30) / 2)))
-            return torch.randint(top - 2, top + 1, shape, generator=generator, device=device).to(
-                torch.uint8
-            )
-        return None
+        top = 127 + max(-120, round(math.log2(max(std, 1e-30) / 2)))  # weights of about std
+        codes = torch.randint(top - 2, top + 1, shape, generator=generator, device=device)
+        return codes.to(torch.uint8)
 
 
 class Mxfp4GpuExperts(QuantizedExperts):
