@@ -1,4 +1,4 @@
-"""The fused-MoE expert GEMMs against cuBLAS on the same work (CUDA, bf16; or int4 / fp8
+"""The fused-MoE expert GEMMs against cuBLAS on the same work (CUDA, bf16; or int4 / fp8 / mxfp4
 experts, `--weights`, against cuBLAS in bf16).
 
     python benchmarks/moe.py                              # Qwen3-30B-A3B shapes
@@ -6,6 +6,7 @@ experts, `--weights`, against cuBLAS in bf16).
     python benchmarks/moe.py --sweep                      # tile sweep: the best config per M
     python benchmarks/moe.py --weights int4               # int4 experts (groups of 128)
     python benchmarks/moe.py --weights fp8 --tokens 1 64  # fp8 experts (128 x 128 blocks)
+    python benchmarks/moe.py --model gpt-oss-20b --weights mxfp4  # MXFP4 experts
 
 For each token count T, routing comes from random router logits (softmax, top-k, as the
 model routes). Timed, each as the median replay of a CUDA graph over enough layers' weights
@@ -42,9 +43,10 @@ from cuda_timing import graph_median_ms  # noqa: E402
 SHAPES = {  # name: (experts E, top_k, hidden H, expert intermediate I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
 }
 H200_PEAK = {"tflops": 989.0, "tb_s": 4.8}  # dense bf16 tensor cores, HBM3e
-BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5}  # an expert weight's bytes (scales not counted)
+BYTES = {"bf16": 2, "fp8": 1, "int4": 0.5, "mxfp4": 0.5}  # an expert weight's (scales not counted)
 
 
 class Problem:
@@ -94,6 +96,11 @@ def quantized_stack(e: int, n: int, k: int, kind: str):
     (symmetric, GPTQ's usual), or fp8 with 128 x 128 block scales (Qwen3-30B-A3B-FP8's)."""
     from pagellm.kernels.fused_moe_quant import QuantizedStack
 
+    if kind == "mxfp4":  # gpt-oss's: e2m1 codes, a power of two a group of 32 (about k**-0.5)
+        q = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+        top = 127 + round(math.log2(k**-0.5 / 3))
+        scales = torch.randint(top - 1, top + 1, (e, n, k // 32), device="cuda").to(torch.uint8)
+        return QuantizedStack(q, scales, None, 4, 32, mxfp4=True)
     if kind == "int4":
         q = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
         scales = torch.full((e, n, k // 128), k**-0.5 / 4.6, device="cuda")
@@ -185,7 +192,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config")
     ap.add_argument("--weights", choices=sorted(BYTES), default="bf16",
-                    help="the experts' weights: int4 / fp8 run fused_moe_quant.py")  # fmt: skip
+                    help="int4 / fp8 / mxfp4 experts run fused_moe_quant.py")  # fmt: skip
     args = ap.parse_args()
     from pagellm.kernels.fused_moe import choose_config
 
