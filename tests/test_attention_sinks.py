@@ -124,13 +124,14 @@ def test_reference_sinks_matter():
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["cpp-kernel", "gather"])
 @pytest.mark.parametrize("window", [None, 20])
-def test_torch_backend_sinks(in_place, window, monkeypatch):
+@pytest.mark.parametrize("head_dim", [32, 64])  # the C++ kernel's scalar and vector loops
+def test_torch_backend_sinks(in_place, window, head_dim, monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("the CPU paths")
     if in_place and cpu_decode.kernel() is None:
         pytest.skip("no C++ paged attention kernel here")
     monkeypatch.setattr(TorchAttentionBackend, "in_place", in_place)
-    batch = SinkBatch(*SCENARIOS["mixed"], 8, 2, 32, 16, torch.float32, window=window, seed=7)
+    batch = SinkBatch(*SCENARIOS["mixed"], 8, 2, head_dim, 16, torch.float32, window=window, seed=7)
     torch.testing.assert_close(batch.torch_backend(), batch.reference(), atol=1e-5, rtol=1e-5)
 
 

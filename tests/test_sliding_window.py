@@ -360,6 +360,8 @@ LAYER_WINDOW_CONFIGS = {
     "gemma3": ("gemma3_text", dict(sliding_window=8, sliding_window_pattern=3)),
     "phi3": ("phi3", dict(sliding_window=8, pad_token_id=0)),
     "olmo2-none": ("olmo2", dict()),
+    "gpt_oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),
+    "gpt_oss-all": ("gpt_oss", dict(sliding_window=8, layer_types=["sliding_attention"] * 4)),
 }  # fmt: skip
 
 
@@ -463,6 +465,21 @@ def test_qwen2_window_layers_match_hf(tmp_path, monkeypatch):
     stats = assert_greedy_matches_hf(
         folder, window_prompts(), device="cpu", block_size=4, num_gpu_blocks_override=80,
         max_num_batched_tokens=48,
+    )  # fmt: skip
+    assert stats["num_preemptions"] > 0
+
+
+def test_gpt_oss_all_windowed_frees_blocks_with_sinks(tmp_path, monkeypatch):
+    """gpt-oss with every layer windowed (its default alternates): 15 usable blocks of 4 hold
+    60 tokens, less than the longest request (80 + 32), so it gets through only because the
+    blocks outside the window are freed; the sinks still join every softmax."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, sliding_window=9, head_dim=16, std=0.3,
+                                layer_types=["sliding_attention"] * 2, num_local_experts=4,
+                                num_experts_per_tok=2)  # fmt: skip
+    stats = assert_greedy_matches_hf(
+        folder, window_prompts(), device="cpu", block_size=4, num_gpu_blocks_override=16,
+        max_num_batched_tokens=32,
     )  # fmt: skip
     assert stats["num_preemptions"] > 0
 
