@@ -159,7 +159,7 @@ class FusedMoE(nn.Module):
         """The experts on routing chosen elsewhere (DeepSeek's grouped top-k)."""
         kernels = _kernels(x)
         if self.quantized_experts is not None:
-            out = self.quantized_experts(x, weights, ids)
+            out = self.quantized_experts(x, weights, ids, **self._extras())
         elif kernels is not None:
             extra = self._extras()
             out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, **extra)

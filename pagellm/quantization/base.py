@@ -124,11 +124,12 @@ class LinearMethod(ABC):
 class QuantizedExperts(ABC):
     """A MoE layer's experts in a kernel's layout: `experts(x, weights, ids)` is the layer's
     output for routing (weights [T, K] float32, expert ids [T, K] int32) with the experts'
-    weights dequantized (`pagellm.layers.moe.experts_torch`), up to the method's rounding."""
+    weights dequantized (`pagellm.layers.moe.experts_torch`), up to the method's rounding;
+    `extras`: gpt-oss's `bias13`, `bias2` and `activation`, as `experts_torch` takes them."""
 
     @abstractmethod
     def __call__(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **extras: Any
     ) -> torch.Tensor: ...
 
 

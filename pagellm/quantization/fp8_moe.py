@@ -34,8 +34,8 @@ class Fp8GpuExperts(QuantizedExperts):
         self.kernels = fused_moe_quant
         self.w13, self.w2 = w13, w2  # QuantizedStack each
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernels.fused_moe_quant(x, self.w13, self.w2, weights, ids)
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **extras):
+        return self.kernels.fused_moe_quant(x, self.w13, self.w2, weights, ids, **extras)
 
 
 class Fp8ExpertsMethod(ExpertsMethod):

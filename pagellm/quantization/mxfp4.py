@@ -146,8 +146,7 @@ class Mxfp4ExpertsMethod(ExpertsMethod):
             q = blocks.reshape(*blocks.shape[:2], -1)  # [E, N, K / 2]
             scales = getattr(layer, f"{stacked}_scales").detach()
             stacks.append(QuantizedStack(q, scales.contiguous(), None, 4, 32, mxfp4=True))
-        layer.quantized_experts = Mxfp4GpuExperts(*stacks, layer.w13_bias, layer.w2_bias,
-                                                  layer.activation)  # fmt: skip
+        layer.quantized_experts = Mxfp4GpuExperts(*stacks)
 
     def dummy_tensor(self, layer, param_name: str, std: float, generator: torch.Generator):
         stacked, _, kind = param_name.partition("_")
@@ -164,17 +163,14 @@ class Mxfp4ExpertsMethod(ExpertsMethod):
 
 
 class Mxfp4GpuExperts(QuantizedExperts):
-    """MXFP4 experts on CUDA: the fused MoE kernels with MXFP4 weights, gpt-oss's biases and
-    activation."""
+    """MXFP4 experts on CUDA: the fused MoE kernels with MXFP4 weights (gpt-oss's biases and
+    activation as the layer passes them)."""
 
-    def __init__(self, w13, w2, bias13, bias2, activation) -> None:
+    def __init__(self, w13, w2) -> None:
         from pagellm.kernels import fused_moe_quant
 
         self.kernels = fused_moe_quant
         self.w13, self.w2 = w13, w2  # QuantizedStack each
-        self.bias13, self.bias2, self.activation = bias13, bias2, activation
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernels.fused_moe_quant(
-            x, self.w13, self.w2, weights, ids, None, self.bias13, self.bias2, self.activation
-        )
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **extras):
+        return self.kernels.fused_moe_quant(x, self.w13, self.w2, weights, ids, **extras)
