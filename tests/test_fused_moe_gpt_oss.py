@@ -150,3 +150,26 @@ def test_dummy_mxfp4_experts(tmp_path, monkeypatch):
     assert len(experts.w2_scales.unique()) > 1  # drawn, not left empty
     for _, logits in run_paged(ours, _prompts()[:1], num_decode_steps=1):
         assert torch.isfinite(logits).all()
+
+
+def test_mxfp4_kept_as_stored_names_a_malformed_tensor(tmp_path, monkeypatch):
+    """As stored (CUDA's path), a blocks tensor of another dtype or shape names itself."""
+    from model_utils import load_our_model, make_tiny_hf_model
+    from safetensors.torch import load_file, save_file
+    from test_gpt_oss import GPT_OSS
+    from test_mxfp4 import write_mxfp4_folder
+
+    from pagellm.loader import model_loader
+    from pagellm.quantization.mxfp4 import Mxfp4Config
+
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, **GPT_OSS)
+    write_mxfp4_folder(folder, tmp_path / "mxfp4")
+    monkeypatch.setattr(model_loader, "get_quant_config", lambda *_: Mxfp4Config())
+    path = str(tmp_path / "mxfp4" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_blocks"
+    tensors = load_file(path)
+    for bad, message in ((tensors[name].to(torch.int16), "expected uint8"),
+                         (tensors[name][:, :, :1].contiguous(), "expected")):  # fmt: skip
+        save_file({**tensors, name: bad}, path)
+        with pytest.raises(ValueError, match=f"{name}.*{message}"):
+            load_our_model(str(tmp_path / "mxfp4"))

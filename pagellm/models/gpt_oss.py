@@ -106,9 +106,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             if not isinstance(experts, FusedMoE):
                 raise ValueError(f"unexpected checkpoint tensor {name!r}: no such experts")
             if leaf.endswith(_MXFP4) and experts.quant_method is not None:  # kept as stored
-                param, value = _stored_mxfp4(leaf, tensor)
-                experts.load_full(param, value)
-                loaded.add(f"{prefix}.mlp.experts.{param}")
+                param, value = _stored_mxfp4(leaf, tensor, name)
+                loaded.add(_load_full(experts, f"{prefix}.mlp.experts", param, value, name))
                 continue
             if leaf.endswith(_MXFP4):
                 stem, kind = leaf[: -len("_blocks")], leaf[-len("blocks") :]
@@ -119,11 +118,20 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 full = pending.pop(f"{prefix}{_EXPERTS}{stem}")
                 tensor, leaf = _dequantized(full, f"{prefix}{_EXPERTS}{stem}"), f"{stem}@rows"
             param, value = _expert_tensor(leaf, tensor, name)
-            experts.load_full(param, value)
-            loaded.add(f"{prefix}.mlp.experts.{param}")
+            loaded.add(_load_full(experts, f"{prefix}.mlp.experts", param, value, name))
         if pending:
             stem, parts = next(iter(pending.items()))
             raise ValueError(f"MXFP4 tensor {stem}: the checkpoint has only its {sorted(parts)}")
+
+
+def _load_full(experts: FusedMoE, where: str, param: str, value: torch.Tensor, name: str) -> str:
+    """Every expert's part of `param` (of the experts named `where`) from `value`, for
+    checkpoint tensor `name`; the parameter's full name, loaded."""
+    try:
+        experts.load_full(param, value)
+    except ValueError as exc:
+        raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
+    return f"{where}.{param}"
 
 
 def _dequantized(pair: dict[str, CheckpointTensor], stem: str) -> torch.Tensor:
@@ -139,14 +147,19 @@ def _dequantized(pair: dict[str, CheckpointTensor], stem: str) -> torch.Tensor:
     return dequantize_mxfp4(b, s, dtype, stem)
 
 
-def _stored_mxfp4(leaf: str, tensor) -> tuple[str, torch.Tensor]:
+def _stored_mxfp4(leaf: str, tensor, name: str) -> tuple[str, torch.Tensor]:
     """(FusedMoE parameter, the [E, rows, ...] blocks or scales as stored) for the CUDA
     kernel (`Mxfp4ExpertsMethod`), gate | up rows de-interleaved."""
     stem, kind = leaf[: -len("_blocks")], leaf[-len("blocks") :]
     value = tensor.read() if isinstance(tensor, CheckpointTensor) else tensor
+    stacked = {"gate_up_proj": "w13", "down_proj": "w2"}.get(stem)
+    if stacked is None:
+        raise ValueError(f"unexpected checkpoint tensor {name!r}: no such expert weight")
+    if value.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 tensor {name}: expected uint8, got {value.dtype}")
     if stem == "gate_up_proj":
         value = torch.cat([value[:, 0::2], value[:, 1::2]], dim=1)
-    return {"gate_up_proj": "w13", "down_proj": "w2"}[stem] + f"_{kind}", value.contiguous()
+    return f"{stacked}_{kind}", value.contiguous()
 
 
 def _expert_tensor(leaf: str, tensor, name: str) -> tuple[str, torch.Tensor]:
