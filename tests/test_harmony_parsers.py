@@ -64,6 +64,24 @@ CASES = {
         "Done.",
         [],
     ),  # fmt: skip
+    "call_in_analysis": (
+        _analysis("Look it up.")
+        + "<|start|>assistant<|channel|>analysis to=functions.search json<|message|>"
+        + json.dumps(NESTED)
+        + "<|call|>",
+        "auto",
+        "Look it up.",
+        None,
+        [("search", NESTED)],
+    ),  # fmt: skip
+    "builtin_tool_in_analysis": (  # a browser call is the model's own: thinking
+        _analysis("Search first.")
+        + '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": 1}<|call|>',
+        None,
+        'Search first.\n{"q": 1}',
+        "",
+        [],
+    ),  # fmt: skip
     "no_reasoning": (
         "<|channel|>final<|message|>Plain answer.<|return|>",
         None,

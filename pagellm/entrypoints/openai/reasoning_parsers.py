@@ -58,9 +58,13 @@ class GptOssReasoningParser(ReasoningParser):
             maybe_header = not final and "<|channel|>".startswith(text.lstrip())
             return None, "" if maybe_header else text
         messages = harmony_messages(text, final)
-        thoughts = [m.content for m in messages if m.channel == "analysis"]
+        # a message to functions.NAME is a call (whatever its channel): kept whole for the tool
+        # parser; the other analysis messages (builtin tools' too) are the thinking
+        calls = [m.recipient is not None and m.recipient.startswith("functions.") for m in messages]
+        thinking = [m.channel == "analysis" and not call for m, call in zip(messages, calls)]
+        thoughts = [m.content for m, think in zip(messages, thinking) if think]
         content = "".join(
-            m.raw if m.recipient else m.content for m in messages if m.channel != "analysis"
+            m.raw if m.recipient else m.content for m, think in zip(messages, thinking) if not think
         )
         return ("\n".join(thoughts) if thoughts else None), content
 
