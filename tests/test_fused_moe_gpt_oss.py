@@ -173,3 +173,30 @@ def test_mxfp4_kept_as_stored_names_a_malformed_tensor(tmp_path, monkeypatch):
         save_file({**tensors, name: bad}, path)
         with pytest.raises(ValueError, match=f"{name}.*{message}"):
             load_our_model(str(tmp_path / "mxfp4"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_mxfp4_model_on_cuda_equals_hf(tmp_path):
+    """The tiny MXFP4 gpt-oss on CUDA in float32, as a user loads it (`Mxfp4Config` from the
+    checkpoint: experts as stored, the Triton attention with sinks and the MXFP4 fused MoE):
+    every position's logits equal HF's on the dequantized weights."""
+    from model_utils import hf_logits, hf_model, load_our_model, make_tiny_hf_model, run_paged
+    from test_gpt_oss import GPT_OSS, _prompts
+    from test_mxfp4 import write_mxfp4_folder
+
+    from pagellm.attention.triton_backend import TritonAttentionBackend
+    from pagellm.quantization.mxfp4 import Mxfp4GpuExperts
+
+    folder = make_tiny_hf_model("gpt_oss", tmp_path, **GPT_OSS)
+    encoded = write_mxfp4_folder(folder, tmp_path / "mxfp4")
+    hf = hf_model(folder)
+    with torch.no_grad():
+        for name, weight in encoded.items():
+            hf.get_parameter(name).copy_(weight)
+    ours = load_our_model(
+        str(tmp_path / "mxfp4"), device="cuda", attn_backend_cls=TritonAttentionBackend
+    )
+    assert isinstance(ours.model.layers[0].mlp.experts.quantized_experts, Mxfp4GpuExperts)
+    for tokens, logits in run_paged(ours, _prompts(), num_decode_steps=4, chunk_size=16):
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=2e-3, rtol=1e-3)
