@@ -161,8 +161,7 @@ class FusedMoE(nn.Module):
         if self.quantized_experts is not None:
             out = self.quantized_experts(x, weights, ids, **self._extras())
         elif kernels is not None:
-            extra = self._extras()
-            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
+            out = kernels.fused_moe(x, self.w13, self.w2, weights, ids, **self._extras())
         else:
             out = experts_torch(x, self.w13, self.w2, weights, ids, **self._extras())
         return all_reduce(out) if self.reduce else out
