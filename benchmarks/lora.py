@@ -157,8 +157,9 @@ def main_cpu(args: argparse.Namespace) -> dict:
             "batched_none": lambda: timed_generate(plain, many, params, None, False),
         }
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        timed_generate(lora, many[: args.num_adapters], warm, each(many)[: args.num_adapters],
-                       False)  # fmt: skip  (adapters resident, kernels built)
+        timed_generate(
+            lora, many[: args.num_adapters], warm, each(many)[: args.num_adapters], False
+        )  # fmt: skip  (adapters resident, kernels built)
         timed_generate(plain, many[:2], warm, None, False)
         result = run_rounds(runners, args.rounds)
     plain.shutdown()
