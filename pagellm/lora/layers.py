@@ -2,18 +2,21 @@
 
 A Linear with `lora` set (a `LoRASlots`) computes `out = base(x)` and then, for each adapter
 slot a row of the step uses, `out[rows, part] += (x[rows] @ A[slot]^T) @ B[slot]^T * scale`,
-PEFT's order of operations (`lora_B(lora_A(x)) * scaling`), in float32 on the CPU. A fused
+PEFT's order of operations (`lora_B(lora_A(x)) * scaling`), summed in float32 on the CPU. A fused
 projection (q | k | v, gate | up) has one (A, B) pair a part, each adding into its own output
 columns (the parts' adapters applied per slice).
 
-Adapters live in `max_loras` slots of stacked tensors, so a GPU kernel can index them by
-slot: A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; an adapter of
-rank r < R uses the first r of them (the rest are zeros). `LoRAStep` is the one object the
-slot manager sets before each forward, shared by every wrapped layer: on the CPU the step's
-rows grouped by slot (also as the C++ kernel's arrays, which the C++ decoder loop passes
-to the same kernel: a step with adapter rows stays in the loop, bit for bit these layers'); on CUDA each row's slot and each slot's scale in device buffers that
-the Triton shrink / expand kernels read (`pagellm/kernels/lora.py`: no host sync, the same
-memory every step, so a CUDA graph may replay them).
+Adapters live in `max_loras` slots of stacked tensors, so a kernel can index them by slot:
+on CUDA A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; on the CPU
+both transposed, At [max_loras, in, R] and Bt [max_loras, R, out_part], which the C++ kernel
+(`pagellm/kernels/lora_cpu.py`) reads along contiguous rows. An adapter of rank r < R uses
+the first r of them (the rest are zeros). `LoRAStep` is the one object the slot manager sets
+before each forward, shared by every wrapped layer: on the CPU the step's rows grouped by
+slot, also as the C++ kernel's arrays, which the C++ decoder loop passes to the same kernel
+(a step with adapter rows stays in the loop, bit for bit these layers' result); on CUDA each
+row's slot and each slot's scale in device buffers that the Triton shrink / expand kernels
+read (`pagellm/kernels/lora.py`: no host sync, the same memory every step, so a CUDA graph
+may replay them).
 """
 
 from __future__ import annotations
