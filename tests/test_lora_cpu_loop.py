@@ -1,4 +1,5 @@
-"""LoRA steps inside the C++ decoder loop (`pagellm.layers.cpu_decoder`): a step whose rows
+"""The CPU LoRA kernel (`pagellm/csrc/lora_cpu.cpp`) against a float64 reference, and LoRA
+steps inside the C++ decoder loop (`pagellm.layers.cpu_decoder`): a step whose rows
 mix adapters and the base model stays in the loop, which adds each projection's deltas with
 the kernel the Python layers call (`pagellm.kernels.lora_cpu`), so its logits are the
 layers' bit for bit (bf16 and float32, prefill chunks and decodes shuffled); every step
@@ -40,6 +41,40 @@ ADAPTERS = {  # name -> LoraConfig arguments
 }
 PROMPTS = [[5, 9, 33, 2, 71, 8, 100, 41, 3], [7] * 23, [60, 61, 62], list(range(40, 75)), [9] * 5]
 ASSIGNED = ("attn", None, "mlp_rs", "all", "attn")  # per prompt (None: the base model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("max_rank", [16, 8, 6])
+def test_kernel_equals_reference(dtype, max_rank):
+    """`LoRASlots` on the CPU (the kernel): rows of three slots and none, parts of widths on
+    and off the vector paths (K not a multiple of 4, columns not of 64), ranks under R, a
+    part one slot lacks."""
+    from pagellm.lora.layers import LoRASlots, LoRAStep
+
+    parts, k = {"q": (0, 136), "k": (136, 169), "v": (169, 200)}, 75
+    step = LoRAStep()
+    slots = LoRASlots(k, parts, 3, max_rank, step, torch.device("cpu"), dtype)
+    gen, ref = torch.Generator().manual_seed(0), {}
+    for slot, rank in enumerate((max_rank, 4, 1)):
+        for name, (lo, hi) in parts.items():
+            if (slot, name) != (1, "k"):
+                a = torch.randn(rank, k, generator=gen).to(dtype)
+                b = torch.randn(hi - lo, rank, generator=gen).to(dtype)
+                slots.set_part(slot, name, a, b)
+                ref[slot, name] = (a.double(), b.double())
+    rows, scales = np.array([0, -1, 1, 2, 0, 1, -1, 2, 2, 0]), [0.5, 2.0, 1.0]
+    step.set_rows(rows, scales, [max_rank, 4, 1], torch.device("cpu"))
+    x, base = torch.randn(10, k, generator=gen).to(dtype), torch.randn(10, 200, generator=gen)
+    base = base.to(dtype)
+    got = slots(x, base.clone()).double()
+    want = base.double()
+    for (slot, name), (a, b) in ref.items():
+        lo, hi = parts[name]
+        for t in np.nonzero(rows == slot)[0]:
+            want[t, lo:hi] += (x[t].double() @ a.T) @ b.T * scales[slot]
+    tol = dict(atol=1e-3, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.25, rtol=8e-3)
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[[1, 6]], want[[1, 6]])  # no adapter: untouched
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +133,7 @@ def test_mixed_lora_steps_stay_in_the_loop(adapters, our_kernels, monkeypatch, d
     folder, loras, _ = adapters
     model = load_our_model(folder, dtype=dtype)
     model.prepack_cpu_weights(batch_hint=16)  # as the runner does
-    config = LoRAConfig(max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    config = LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3)  # 16: the vector path
     manager = LoRASlotManager(model, config, torch.device("cpu"), dtype, 256)
     for i, name in enumerate(ASSIGNED):
         manager.add_request(str(i), None if name is None else loras[name])
@@ -122,7 +157,7 @@ def test_engine_mixed_adapters_in_the_loop_equal_hf_peft(adapters, our_kernels, 
     folder, loras, refs = adapters
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(folder, dtype="float32", block_size=4, max_num_batched_tokens=32,
-              enable_lora=True, max_loras=3, max_lora_rank=8)  # fmt: skip
+              enable_lora=True, max_loras=3, max_lora_rank=16)  # fmt: skip
     try:
         core = llm.llm_engine.engine_core.engine_core
         model = core.model_executor.driver_worker.model_runner.model.model
