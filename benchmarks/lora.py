@@ -12,12 +12,14 @@ with adapters (request i under adapter i mod N, one engine with `enable_lora`, `
 - `batched`: `--num-requests` (16) requests of 32-128 prompt tokens in one `generate` with
   `--max-num-seqs` (8): decode steps mix the adapters.
 Rounds alternate A B A B (this machine's speed swings); output tok/s each, with the 1-minute
-load average beside each figure; the ratio of the medians (LoRA / none).
+load average beside each figure; the ratio (LoRA / none) of the medians and of the best
+rounds. The issue's bar: >= 0.8x.
 
     python benchmarks/lora.py --threads 1                # CPU, 3 rounds
     python benchmarks/lora.py --threads 1 --rounds 1 --num-requests 8 --max-tokens 16
     python benchmarks/lora.py --device cuda              # GPU: Llama-3.1-8B shape
 
+`--model` replaces the embedded model (an HF folder: the tests' smoke run uses a tiny one).
 `--device cuda`: model `--model` (llama-3.1-8b) with `load_format="dummy"` (no download), 8
 rank-16 adapters on every projection, throughput.py's `standard` workload (256 requests,
 nano-vllm's bench.py) with request i under adapter i mod 8, against the same engine's
@@ -94,9 +96,10 @@ def make_adapters(hf_config, root: Path, count: int, rank: int) -> list:
     ]
 
 
-def make_prompts(num: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+def make_prompts(num: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randint(100, 20000) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+    top = min(20000, vocab - 1)
+    return [[rng.randint(top // 200, top) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
 
 
 def timed_generate(llm, prompts, params, loras, one_at_a_time: bool) -> tuple[float, int]:
@@ -128,24 +131,27 @@ def run_rounds(runners: dict, rounds: int) -> dict:
     return result
 
 
-def ratio(result: dict, a: str, b: str) -> float:
-    return round(
-        statistics.median(result[f"tok_s_{a}"]) / statistics.median(result[f"tok_s_{b}"]), 3
-    )
+def ratios(result: dict, workload: str) -> None:
+    """The ratio (LoRA / none) of the median rounds, and of the best rounds (the least
+    disturbed by other tenants of a shared machine), into `result`."""
+    lora, none = result[f"tok_s_{workload}_lora"], result[f"tok_s_{workload}_none"]
+    result[f"ratio_{workload}"] = round(statistics.median(lora) / statistics.median(none), 3)
+    result[f"ratio_best_{workload}"] = round(max(lora) / max(none), 3)
 
 
 def main_cpu(args: argparse.Namespace) -> dict:
     from pagellm import LLM, SamplingParams
 
-    common = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    common = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
     plain = LLM(**common)
     lora = LLM(**common, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
     hf_config = lora.llm_engine.config.model_config.hf_config
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(hf_config, Path(tmp), args.num_adapters, args.rank)
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        one = make_prompts(args.batch1_requests, 64, 64, seed=1)
-        many = make_prompts(args.num_requests, 32, 128, seed=2)
+        vocab = hf_config.vocab_size
+        one = make_prompts(args.batch1_requests, 64, 64, seed=1, vocab=vocab)
+        many = make_prompts(args.num_requests, 32, 128, seed=2, vocab=vocab)
 
         def each(prompts):
             return [adapters[i % len(adapters)] for i in range(len(prompts))]
@@ -164,9 +170,10 @@ def main_cpu(args: argparse.Namespace) -> dict:
         result = run_rounds(runners, args.rounds)
     plain.shutdown()
     lora.shutdown()
-    result["ratio_batch1"] = ratio(result, "batch1_lora", "batch1_none")
-    result["ratio_batched"] = ratio(result, "batched_lora", "batched_none")
-    print(f"LoRA / none: batch-1 {result['ratio_batch1']}x, batched {result['ratio_batched']}x")
+    ratios(result, "batch1")
+    ratios(result, "batched")
+    print(f"LoRA / none (medians): batch-1 {result['ratio_batch1']}x, batched "
+          f"{result['ratio_batched']}x (bar: >= 0.8x)")  # fmt: skip
     return result
 
 
@@ -179,7 +186,7 @@ def main_cuda(args: argparse.Namespace) -> dict:
     max_tokens = [rng.randint(100, 1024) for _ in range(256)]
     n = args.num_requests if args.num_requests_set else 256
     prompts, max_tokens = prompts[:n], max_tokens[:n]
-    llm = LLM(model=args.model, load_format="dummy", enable_lora=True,
+    llm = LLM(model=args.model or "llama-3.1-8b", load_format="dummy", enable_lora=True,
               max_loras=args.num_adapters, max_lora_rank=args.rank)  # fmt: skip
     hf_config = llm.llm_engine.config.model_config.hf_config
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
@@ -194,7 +201,7 @@ def main_cuda(args: argparse.Namespace) -> dict:
         }
         result = run_rounds(runners, args.rounds)
     llm.shutdown()
-    result["ratio_standard"] = ratio(result, "standard_lora", "standard_none")
+    ratios(result, "standard")
     result["device_name"] = torch.cuda.get_device_name()
     print(f"LoRA / none: {result['ratio_standard']}x (bar: >= 0.85x)")
     return result
@@ -210,7 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="CPU workloads")
     p.add_argument("--max-num-seqs", type=int, default=8, help="CPU engines")
     p.add_argument("--dtype", default="float32", help="CPU: the engines' (bfloat16, auto)")
-    p.add_argument("--model", default="llama-3.1-8b", help="--device cuda only")
+    p.add_argument("--model", default=None, help="CPU: the embedded model; CUDA: llama-3.1-8b")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all)")
     args = p.parse_args(argv)

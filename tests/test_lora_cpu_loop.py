@@ -183,3 +183,16 @@ def test_engine_mixed_adapters_in_the_loop_equal_hf_peft(adapters, our_kernels, 
 
 def _refuse(*args, **kwargs):
     raise AssertionError("a step left the C++ decoder loop for the Python layers")
+
+
+def test_benchmark_script_runs(adapters, monkeypatch):
+    """benchmarks/lora.py's CPU path on the tiny model (its PEFT folders, both workloads,
+    both engines), so the script cannot rot."""
+    from benchmark_modules import load
+
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    argv = ["--model", adapters[0], "--rounds", "1", "--num-requests", "3", "--max-tokens", "3",
+            "--batch1-requests", "2", "--num-adapters", "2", "--rank", "4"]  # fmt: skip
+    result = load("lora").main(argv)
+    for workload in ("batch1", "batched"):
+        assert result[f"ratio_{workload}"] > 0 and len(result[f"load_{workload}_lora"]) == 1
