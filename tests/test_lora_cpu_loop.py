@@ -45,11 +45,15 @@ ASSIGNED = ("attn", None, "mlp_rs", "all", "attn")  # per prompt (None: the base
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 @pytest.mark.parametrize("max_rank", [16, 8, 6])
-def test_kernel_equals_reference(dtype, max_rank):
-    """`LoRASlots` on the CPU (the kernel): rows of three slots and none, parts of widths on
-    and off the vector paths (K not a multiple of 4, columns not of 64), ranks under R, a
-    part one slot lacks."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_kernel_equals_reference(dtype, max_rank, kernel, monkeypatch):
+    """`LoRASlots` on the CPU (the kernel; torch where it cannot be built): rows of three
+    slots and none, parts of widths on and off the vector paths (K not a multiple of 4,
+    columns not of 64), ranks under R, a part one slot lacks."""
     from pagellm.lora.layers import LoRASlots, LoRAStep
+
+    if not kernel:
+        monkeypatch.setattr(lora_cpu, "available", lambda: False)
 
     parts, k = {"q": (0, 136), "k": (136, 169), "v": (169, 200)}, 75
     step = LoRAStep()
