@@ -11,8 +11,8 @@ It serves what those kernels cover, checked once per model (`CpuDecoder.build`):
 weights in our bf16 kernel's panels (`pagellm.kernels.panel_gemm`), RMSNorms, SiLU-and-mul,
 full rotary, optional q/k norms (Qwen3), biases, sliding windows, one tensor-parallel rank;
 and per step (`runs`): a bf16 KV cache read in place by the paged kernel. Anything else
-(fp8 caches, soft-caps, other layer classes) takes the Python layers.
-PAGELLM_CPU_DECODER_LOOP=0 turns it off.
+(float32, fp8 caches, quantized layers, soft-caps, other layer classes) takes the Python
+layers. PAGELLM_CPU_DECODER_LOOP=0 turns it off.
 
 LoRA adapters (`pagellm.lora`): a step with adapter rows stays in the loop, which adds each
 projection's deltas through the entry point the layers' `LoRASlots` call
