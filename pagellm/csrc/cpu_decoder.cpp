@@ -22,14 +22,19 @@
 //   x = a @ Wo^T (+ b)
 //   res, x = x + res, rms_norm(x + res)
 //   x = down(silu(gate) * up)                [T, I] between
-// and after the last layer x, res are the caller's (the final norm is the model's).
+// and after the last layer x, res are the caller's (the final norm is the model's). With
+// LoRA adapters (`s->lora`), each projection's output then gets its rows' adapter deltas
+// from lora_cpu.cpp's entry point, the one the Python layers call after their GEMM.
 
 #include <cstdint>
 #include <cstring>
 
+#include "lora_cpu.h"
+
 namespace {
 
 constexpr int kBlockRows = 8;  // rows of x per call of the GGUF block kernel
+constexpr int64_t kLoraParts = 3;  // a projection's adapter parts in the loop's array (q k v)
 
 using RmsNormFn = void (*)(void*, void*, const void*, const void*, const void*, int64_t,
                            int64_t, int64_t, const int64_t*, float, int);
@@ -86,6 +91,15 @@ struct PagellmDecoderLayer {  // one layer
   PagellmDecoderGemm qkv, o, gate_up, down;
 };
 
+struct PagellmDecoderLora {  // a step's adapter rows (lora_cpu.cpp's arguments)
+  PagellmLoraFn add;
+  const PagellmLoraPart* parts;  // [layers][4 projections][kLoraParts] (null `at`: none)
+  int64_t max_rank;
+  const int64_t* rows;  // sorted by group
+  const PagellmLoraGroup* groups;
+  int64_t num_groups;
+};
+
 struct PagellmDecoderStep {
   int64_t tokens;
   void* x;    // [T, hidden]: the embeddings in, the last layer's output out
@@ -104,6 +118,7 @@ struct PagellmDecoderStep {
   const int64_t* reqs;
   const int32_t* lens;
   int64_t num_rows;
+  const PagellmDecoderLora* lora;  // null: no adapter rows this step
 };
 
 }  // extern "C"
@@ -127,6 +142,14 @@ int project(const PagellmDecoderFns* f, const PagellmDecoderGemm& g, const char*
   const GemmFn gemm = kind == 1 ? f->gemm : f->gemm_f32;
   if (!g.panels || !gemm) return 1;
   return gemm(x, K, T, K, g.panels, N, g.bias, y, N) ? 1 : 0;
+}
+
+// y's rows += their adapters' deltas for projection p of layer l (qkv, o, gate_up, down)
+int add_lora(const PagellmDecoderLora* lo, int64_t l, int64_t p, const char* x, int64_t K,
+             char* y, int64_t N, int kind) {
+  if (!lo) return 0;
+  return lo->add(x, K, y, N, lo->parts + (l * 4 + p) * kLoraParts, kLoraParts, lo->max_rank,
+                 lo->rows, lo->groups, lo->num_groups, kind);
 }
 
 }  // namespace
@@ -167,6 +190,7 @@ int pagellm_decoder_layers(const PagellmDecoderFns* f, const PagellmDecoderDims*
       f->rms_norm(normed, s->res, x, s->res, L.input_norm, T, 1, H, flat, d->eps, kind);
     }
     if (project(f, L.qkv, normed, T, H, qkv_cols, qkv, kind)) return 1;
+    if (add_lora(s->lora, l, 0, normed, H, qkv, qkv_cols, kind)) return 1;
     if (L.q_norm) {  // in place, per head (the kernel reads a row before writing it)
       char* k = qkv + heads * D * es;
       f->rms_norm(qkv, nullptr, qkv, nullptr, L.q_norm, T, heads, D, heads_norm, d->eps, kind);
@@ -188,10 +212,13 @@ int pagellm_decoder_layers(const PagellmDecoderFns* f, const PagellmDecoderDims*
                  s->num_rows, attn_strides, layer_dims, nullptr, d->scale, 1.f, 0.f,
                  nullptr);  // no sinks: a model with sinks takes its layers
     if (project(f, L.o, attn, T, heads * D, H, x, kind)) return 1;
+    if (add_lora(s->lora, l, 1, attn, heads * D, x, H, kind)) return 1;
     f->rms_norm(normed, s->res, x, s->res, L.post_norm, T, 1, H, flat, d->eps, kind);
     if (project(f, L.gate_up, normed, T, H, 2 * I, gate_up, kind)) return 1;
+    if (add_lora(s->lora, l, 2, normed, H, gate_up, 2 * I, kind)) return 1;
     f->silu_and_mul(act, gate_up, T, I, silu, kind);
     if (project(f, L.down, act, T, I, H, x, kind)) return 1;
+    if (add_lora(s->lora, l, 3, act, I, x, H, kind)) return 1;
   }
   return 0;
 }

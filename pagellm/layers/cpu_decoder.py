@@ -13,6 +13,10 @@ full rotary, optional q/k norms (Qwen3), biases, sliding windows, one tensor-par
 and per step (`runs`): a bf16 KV cache read in place by the paged kernel. Anything else
 (float32, fp8 caches, quantized layers, soft-caps, other layer classes) takes the Python
 layers. PAGELLM_CPU_DECODER_LOOP=0 turns it off.
+
+LoRA adapters (`pagellm.lora`): a step with adapter rows stays in the loop, which adds each
+projection's deltas through the entry point the layers' `LoRASlots` call
+(`pagellm.kernels.lora_cpu`), on the step's rows grouped by slot (`LoRAStep`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from pagellm import cpp_build, envs
 from pagellm.attention import cpu_decode
 from pagellm.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from pagellm.kernels import cpu_fused, panel_gemm
+from pagellm.kernels import cpu_fused, lora_cpu, panel_gemm
 from pagellm.kernels.cpu_gemm import PackedWeight
 from pagellm.layers.activation import SiluAndMul
 from pagellm.layers.layernorm import RMSNorm
@@ -73,8 +77,16 @@ class _Step(ctypes.Structure):
         (n, _P) for n in ("x", "res", "normed", "qkv", "qk", "attn", "gate_up", "act",
                           "cos_sin", "slots", "block_table")
     ] + [("block_table_stride", _I64)] + [(n, _P) for n in ("rows", "reqs", "lens")] + [
-        ("num_rows", _I64)
+        ("num_rows", _I64), ("lora", _P)
     ]  # fmt: skip
+
+
+class _Lora(ctypes.Structure):  # a step's adapter rows, as lora_cpu.cpp takes them
+    _fields_ = [("add", _P), ("parts", _P), ("max_rank", _I64), ("rows", _P), ("groups", _P),
+                ("num_groups", _I64)]  # fmt: skip
+
+
+_LORA_PARTS = 3  # a projection's part entries in the loop's array (q | k | v at most)
 
 
 @functools.cache
@@ -135,6 +147,7 @@ class CpuDecoder:
         self._layers: ctypes.Array | None = None
         self._cache_ptrs: tuple[int, ...] = ()
         self._dims: _Dims | None = None
+        self._lora: tuple | None = None  # (adapter parts, LoRAStep), on the first step
 
     @classmethod
     def build(cls, model, layer_cls: type) -> CpuDecoder | None:
@@ -207,6 +220,7 @@ class CpuDecoder:
             and isinstance(metadata, TorchAttentionMetadata)
             and metadata.num_actual_tokens == t
             and kv_caches[0].dtype == self.dtype
+            and self._lora_args() is not False
         )
 
     def __call__(
@@ -235,12 +249,48 @@ class CpuDecoder:
             t, x.data_ptr(), res.data_ptr(), normed.data_ptr(), qkv.data_ptr(), qk.data_ptr(),
             attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(), cos_sin.data_ptr(),
             slots.data_ptr(), table.data_ptr(), table.stride(0), rows.rows.data_ptr(),
-            rows.reqs.data_ptr(), rows.lens.data_ptr(), rows.rows.numel(),
+            rows.reqs.data_ptr(), rows.lens.data_ptr(), rows.rows.numel(), self._lora_args(),
         )  # fmt: skip
         if self.run(ctypes.byref(self.fns), ctypes.byref(self._dims), layers, len(layers),
                     ctypes.byref(step)):  # fmt: skip
             raise ValueError(f"CpuDecoder: a GEMM could not run a step of {t} rows")
         return x, res
+
+    def _lora_args(self) -> int | None | bool:
+        """This step's adapter rows for the loop (their address; None: none this step), or
+        False where the loop cannot add them (no LoRA kernel, a projection of more parts
+        than the loop keeps, adapters of another dtype)."""
+        if self._lora is None:
+            self._lora = self._build_lora()
+        parts, step = self._lora
+        if step is None or not step.groups:
+            return None
+        if parts is None or not lora_cpu.available():
+            return False
+        args = _Lora(lora_cpu.pointer(lora_cpu.entry_point()), ctypes.addressof(parts),
+                     step.max_rank, step.kernel_rows.data_ptr(),
+                     ctypes.addressof(step.kernel_groups), len(step.kernel_groups))  # fmt: skip
+        self._lora_keep = (args, step.kernel_rows, step.kernel_groups)  # alive for the call
+        return ctypes.addressof(args)
+
+    def _build_lora(self) -> tuple[ctypes.Array | None, Any]:
+        """(every projection's adapter parts, `LoRASlots.kernel_parts`, padded to 3 entries
+        [layers][4][3], or None where the loop cannot take them; the `LoRAStep` the layers'
+        slots share, or None without LoRA)."""
+        entries, step, fits = [], None, True
+        for layer in self.model.layers:
+            for linear in _linears(layer):
+                slots = linear.lora
+                if slots is None:
+                    entries += [lora_cpu.LoraPart()] * _LORA_PARTS
+                    continue
+                step = slots.step
+                parts = slots.kernel_parts
+                fits = fits and parts is not None and len(parts) <= _LORA_PARTS
+                fits = fits and next(iter(slots.a.values())).dtype == self.dtype
+                if fits:
+                    entries += [*parts, *[lora_cpu.LoraPart()] * (_LORA_PARTS - len(parts))]
+        return ((lora_cpu.LoraPart * len(entries))(*entries) if fits else None), step
 
     def _layer_array(self, kv_caches: list[torch.Tensor]) -> ctypes.Array:
         """The layers' pointers, built once (again if the caches move)."""

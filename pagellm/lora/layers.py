@@ -2,29 +2,34 @@
 
 A Linear with `lora` set (a `LoRASlots`) computes `out = base(x)` and then, for each adapter
 slot a row of the step uses, `out[rows, part] += (x[rows] @ A[slot]^T) @ B[slot]^T * scale`,
-PEFT's order of operations (`lora_B(lora_A(x)) * scaling`), in float32 on the CPU. A fused
+PEFT's order of operations (`lora_B(lora_A(x)) * scaling`), summed in float32 on the CPU. A fused
 projection (q | k | v, gate | up) has one (A, B) pair a part, each adding into its own output
 columns (the parts' adapters applied per slice).
 
-Adapters live in `max_loras` slots of stacked tensors, so a GPU kernel can index them by
-slot: A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; an adapter of
-rank r < R uses the first r of them (the rest are zeros). `LoRAStep` is the one object the
-slot manager sets before each forward, shared by every wrapped layer: on the CPU the step's
-rows grouped by slot; on CUDA each row's slot and each slot's scale in device buffers that
-the Triton shrink / expand kernels read (`pagellm/kernels/lora.py`: no host sync, the same
-memory every step, so a CUDA graph may replay them).
+Adapters live in `max_loras` slots of stacked tensors, so a kernel can index them by slot:
+on CUDA A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; on the CPU
+both transposed, At [max_loras, in, R] and Bt [max_loras, R, out_part], which the C++ kernel
+(`pagellm/kernels/lora_cpu.py`) reads along contiguous rows. An adapter of rank r < R uses
+the first r of them (the rest are zeros). `LoRAStep` is the one object the slot manager sets
+before each forward, shared by every wrapped layer: on the CPU the step's rows grouped by
+slot, also as the C++ kernel's arrays, which the C++ decoder loop passes to the same kernel
+(a step with adapter rows stays in the loop, bit for bit these layers' result); on CUDA each
+row's slot and each slot's scale in device buffers that the Triton shrink / expand kernels
+read (`pagellm/kernels/lora.py`: no host sync, the same memory every step, so a CUDA graph
+may replay them).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagellm.kernels import lora_cpu
 from pagellm.layers.linear import Linear
 
 
@@ -37,9 +42,12 @@ class LoRAStep:
 
     def __init__(self, max_tokens: int = 256) -> None:
         self.groups: list[tuple[int, torch.Tensor | None, int, float]] = []
+        # the same groups as the C++ kernel takes them: rows sorted by slot, LoraGroup array
+        self.kernel_rows, self.kernel_groups = lora_cpu.groups_of(np.zeros(0, np.int64), [], [])
         self.token_slots: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
         self.max_tokens = max_tokens
+        self.max_rank = 0  # the slots' R (`LoRASlots` sets it)
         self._slots_buf: torch.Tensor | None = None
 
     def set_rows(
@@ -61,6 +69,7 @@ class LoRAStep:
             rows = None if mask.all() else torch.from_numpy(np.nonzero(mask)[0]).to(device)
             groups.append((int(slot), rows, ranks[slot], scales[slot]))
         self.groups = groups
+        self.kernel_rows, self.kernel_groups = lora_cpu.groups_of(token_slots, ranks, scales)
 
     def graph_rows(self, size: int, num_slots: int, device: torch.device) -> None:
         """A CUDA graph of `size` rows: its kernels read the buffers' first `size` rows (each
@@ -100,46 +109,62 @@ class LoRASlots:
     ) -> None:
         self.parts = dict(parts)
         self.step = step
-        self.a = {
-            name: torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
-            for name in parts
-        }
-        self.b = {
-            name: torch.zeros(max_loras, end - start, max_rank, device=device, dtype=dtype)
-            for name, (start, end) in parts.items()
-        }
+        self.max_rank = step.max_rank = max_rank
+        self.transposed = device.type == "cpu"  # At [S, in, R], Bt [S, R, out]: the C++ kernel's
+        zeros = functools.partial(torch.zeros, max_loras, device=device, dtype=dtype)
+        self.a, self.b = {}, {}
+        for name, (start, end) in parts.items():
+            a, b = (in_features, max_rank), (end - start, max_rank)
+            self.a[name] = zeros(*(a[::-1] if not self.transposed else a))
+            self.b[name] = zeros(*(b[::-1] if self.transposed else b))
         self.present: list[set[str]] = [set() for _ in range(max_loras)]
+        # CPU: per part, whether each slot's adapter has it (the kernel reads these in place)
+        self.present_flags = {name: torch.zeros(max_loras, dtype=torch.uint8) for name in parts}
+        self.kernel_parts = lora_cpu.parts_of([
+            (self.a[n], self.b[n], self.present_flags[n], start, end - start)
+            for n, (start, end) in self.parts.items()
+        ]) if self.transposed else None  # fmt: skip
 
     def set_part(self, slot: int, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write a part's pair into a slot: a [r, in], b [out_part, r] (PEFT's layout)."""
         r = a.shape[0]
         self.a[name][slot].zero_()
         self.b[name][slot].zero_()
-        self.a[name][slot, :r].copy_(a)
-        self.b[name][slot, :, :r].copy_(b)
+        if self.transposed:
+            self.a[name][slot, :, :r].copy_(a.t())
+            self.b[name][slot, :r].copy_(b.t())
+        else:
+            self.a[name][slot, :r].copy_(a)
+            self.b[name][slot, :, :r].copy_(b)
         self.present[slot].add(name)
+        self.present_flags[name][slot] = 1
 
     def clear_slot(self, slot: int) -> None:
         """The slot's parts zeroed: the CUDA kernels apply every part (a zero one adds 0)."""
         for name in self.present[slot]:
             self.a[name][slot].zero_()
             self.b[name][slot].zero_()
+            self.present_flags[name][slot] = 0
         self.present[slot].clear()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         # x: [T, in], out: [T, out] -> out with each row's adapter delta added
         if x.is_cuda:
             return self._on_cuda(x, out)
-        for slot, rows, rank, scale in self.step.groups:
-            names = self.present[slot]
-            if not names:
-                continue
+        step = self.step
+        if not step.groups:
+            return out
+        if lora_cpu.available() and x.dtype in lora_cpu.KINDS and out.stride(1) == 1:
+            return lora_cpu.add(
+                x, out, self.kernel_parts, self.max_rank, step.kernel_rows, step.kernel_groups
+            )
+        for slot, rows, rank, scale in step.groups:  # torch: no C++ kernel here
             xs = x if rows is None else x.index_select(0, rows)
-            for name in names:
+            for name in self.present[slot]:
                 start, end = self.parts[name]
-                a = self.a[name][slot, :rank]  # [r, in]
-                b = self.b[name][slot, :, :rank]  # [out_part, r]
-                delta = F.linear(F.linear(xs, a), b) * scale  # [n, out_part]
+                a = self.a[name][slot, :, :rank]  # [in, r]
+                b = self.b[name][slot, :rank]  # [r, out_part]
+                delta = (xs @ a) @ b * scale  # [n, out_part]
                 if rows is None:
                     out[:, start:end] += delta
                 else:

@@ -8,9 +8,9 @@ cut of every adapter, A or B sharded as the base layer is (`rank_parts`). Before
 `max_cpu_loras` adapters, or read from its folder), evicting the least recently used slot
 that this step does not use (the scheduler admits at most `max_loras` adapters at once), and
 groups the step's token rows by slot. On CUDA the slot and scale buffers are the engine's
-for its life, so decode steps replay CUDA graphs with any mix of adapters. The C++ one-call
-CPU decoder runs the steps without adapter rows; the others take the layers' own forward,
-which adds the deltas (the C++ loop has no LoRA).
+for its life, so decode steps replay CUDA graphs with any mix of adapters. On the CPU the
+C++ one-call decoder runs steps with adapter rows too: it adds the deltas through the
+kernel the layers' own forward calls (`pagellm.kernels.lora_cpu`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ class LoRASlotManager:
         self.adapters: dict[int, LoRAAdapter] = {}  # adapter id -> the one in its slot
 
     def _attach(self, model: nn.Module) -> None:
-        decoder = self.decoder = model.model
-        decoder.cpu_decoder_allowed = False  # until a step without adapter rows
-        for i, layer in enumerate(decoder.layers):
+        for i, layer in enumerate(model.model.layers):
             for module, target in lora_targets(layer).items():
                 linear = layer.get_submodule(target.linear)
                 if linear.lora is None:
@@ -123,8 +121,6 @@ class LoRASlotManager:
             ranks[slot] = self.adapters[adapter_id].rank
         token_slots = np.repeat(row_slots, num_scheduled)
         self.step.set_rows(token_slots, scales, ranks, self.device, pad_to)
-        # a step without adapter rows may take the C++ loop (bit for bit the layers' forward)
-        self.decoder.cpu_decoder_allowed = self.device.type == "cpu" and not self.step.groups
 
     def _slot(self, adapter_id: int, used: set[int]) -> int:
         slot = self.resident.get(adapter_id)

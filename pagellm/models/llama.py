@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
         self.embed_scale: float | None = None  # the embeddings times this (Granite's multiplier)
         self.cpu_decoder: CpuDecoder | None = None  # built on the first CPU forward
         self._cpu_decoder_built = False
-        self.cpu_decoder_allowed = True  # False: the layers' own forward (LoRA adds deltas there)
+        self.cpu_decoder_allowed = True  # False: the layers' own forward
         # an EAGLE-3 head's inputs (pagellm/spec_decode/eagle3.py): the residual stream entering
         # these layers, kept by each forward as `aux_hidden_states` [T, len * hidden]
         self.aux_hidden_layers: tuple[int, ...] = ()
