@@ -129,3 +129,10 @@ def cpu_quant_max_rows(default: int) -> int:
     dense GEMM (docs/notes.md, the GGUF block kernel)."""
     value = os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS")
     return default if value is None else int(value)
+
+
+def lora_cuda_graphs() -> bool:
+    """PAGELLM_LORA_CUDA_GRAPHS=1: a LoRA engine on CUDA replays CUDA graphs for decode steps
+    (the slot and scale buffers filled before each replay). Off by default: its GPU test
+    (tests/test_lora_gpu.py) failed on its first run, so LoRA steps run eagerly."""
+    return _bool("PAGELLM_LORA_CUDA_GRAPHS", False)
