@@ -222,17 +222,19 @@ def compile_fused_moe_gpt_oss() -> None:
 
 
 def compile_lora() -> None:
-    """The multi-LoRA shrink and expand on bf16 activations and slots, as `lora_shrink` /
-    `lora_expand` launch them (rank 16)."""
+    """The multi-LoRA shrink and expand on bf16 and float32 activations and slots, as
+    `lora_shrink` / `lora_expand` launch them (rank 16)."""
     from pagellm.kernels.lora import _expand_kernel, _shrink_kernel
 
-    types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "h_ptr": "*fp32", "slots_ptr": "*i32",
-             "scale_ptr": "*fp32"}  # fmt: skip
-    _compile(_shrink_kernel, types, dict(BLOCK_M=16, BLOCK_K=32, BLOCK_R=16),
-             ("K", "stride_xt", "stride_al", "stride_ar"))  # fmt: skip
-    types = {"h_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "slots_ptr": "*i32"}
-    _compile(_expand_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16),
-             ("N", "stride_bl", "stride_ot"))  # fmt: skip
+    for dtype, ieee in (("bf16", False), ("fp32", True)):  # a float32 model: IEEE products
+        types = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "h_ptr": "*fp32",
+                 "slots_ptr": "*i32", "scale_ptr": "*fp32"}  # fmt: skip
+        _compile(_shrink_kernel, types, dict(BLOCK_M=16, BLOCK_K=32, BLOCK_R=16, IEEE=ieee),
+                 ("K", "stride_xt", "stride_al", "stride_ar"))  # fmt: skip
+        types = {"h_ptr": "*fp32", "b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                 "slots_ptr": "*i32"}  # fmt: skip
+        _compile(_expand_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, IEEE=ieee),
+                 ("N", "stride_bl", "stride_ot"))  # fmt: skip
 
 
 def compile_mla_decode() -> None:

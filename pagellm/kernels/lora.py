@@ -24,7 +24,7 @@ import triton.language as tl
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, slots_ptr, scale_ptr, T, K, R,
     stride_xt, stride_al, stride_ar, stride_ht,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m, slot = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -40,7 +40,10 @@ def _shrink_kernel(
                     mask=mine[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
         a = tl.load(a_ptr + slot * stride_al + ranks[None, :] * stride_ar + ks[:, None],
                     mask=(ranks[None, :] < R) & (ks[:, None] < K), other=0.0)  # fmt: skip
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32))  # [M, K] @ [K, R]
+        if IEEE:  # a float32 model: float32 products (not TF32), as HF + PEFT's
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.float32), a.to(tl.float32))  # [M, K] @ [K, R]
     acc *= tl.load(scale_ptr + slot)
     tl.store(h_ptr + rows[:, None] * stride_ht + ranks[None, :], acc,
              mask=mine[:, None] & (ranks[None, :] < R))  # fmt: skip
@@ -50,7 +53,7 @@ def _shrink_kernel(
 def _expand_kernel(
     h_ptr, b_ptr, out_ptr, slots_ptr, T, N, R, col0,
     stride_ht, stride_bl, stride_bn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,7 +67,10 @@ def _expand_kernel(
                 mask=mine[:, None] & (ranks[None, :] < R), other=0.0)  # fmt: skip
     b = tl.load(b_ptr + slot * stride_bl + cols[None, :] * stride_bn + ranks[:, None],
                 mask=(cols[None, :] < N) & (ranks[:, None] < R), other=0.0)  # fmt: skip
-    delta = tl.dot(h, b.to(tl.float32))  # [M, R] @ [R, N]
+    if IEEE:
+        delta = tl.dot(h, b.to(tl.float32), input_precision="ieee")  # [M, R] @ [R, N]
+    else:
+        delta = tl.dot(h, b.to(tl.float32))
     out_ptrs = out_ptr + rows[:, None] * stride_ot + col0 + cols[None, :]
     keep = mine[:, None] & (cols[None, :] < N)
     out = tl.load(out_ptrs, mask=keep, other=0.0)
@@ -92,6 +98,7 @@ def lora_shrink(
     _shrink_kernel[grid](
         x, a, h, token_slots, scales, t, k, r, x.stride(0), a.stride(0), a.stride(1),
         h.stride(0), BLOCK_M=block_m, BLOCK_K=32, BLOCK_R=_block_r(r),
+        IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return h
 
@@ -112,5 +119,6 @@ def lora_expand(
     _expand_kernel[grid](
         h, b, out, token_slots, t, n, r, col0, h.stride(0), b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(r),
+        IEEE=out.dtype == torch.float32,
     )  # fmt: skip
     return out
