@@ -63,6 +63,20 @@ def _unpack(words, col, BITS: tl.constexpr, PLACED: tl.constexpr):
 
 
 @triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, offs_k, KW, G, stride_qn,
+                  BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] float32 (q - zero) * scale of rows offs_n, columns k0 + offs_k (one
+    group: BLOCK_K divides GROUP)."""
+    words = k0 // (32 // BITS) + tl.arange(0, offs_k.shape[0] // (32 // BITS))
+    qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
+                 mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
+    g = k0 // GROUP
+    scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
+    zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
+    return (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+
+
+@triton.jit
 def _wna16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_qn, stride_ym,
@@ -117,24 +131,17 @@ def _wna16_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    per: tl.constexpr = 32 // BITS
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_K // per)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
                     mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)  # fmt: skip
-        words = k0 // per + offs_w
-        qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
-                     mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
-        zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
-        w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, offs_k, KW, G, stride_qn,
+                          BITS, GROUP)  # fmt: skip
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # w: [BLOCK_N, BLOCK_K]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -150,18 +157,12 @@ def _wna16_dequant_kernel(
     """w[n, k] = (q - zero) * scale in w's dtype: the weight a many-row product hands to
     cuBLAS (BLOCK_K divides GROUP)."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    per: tl.constexpr = 32 // BITS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     k0 = pid_k * BLOCK_K
-    words = k0 // per + tl.arange(0, BLOCK_K // per)
-    qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
-                 mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
-    g = k0 // GROUP
-    scale = tl.load(s_ptr + offs_n * G + g, mask=n_mask, other=0.0)
-    zero = tl.load(z_ptr + offs_n * G + g, mask=n_mask, other=0).to(tl.float32)
-    w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+    w = _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, offs_k, KW, G, stride_qn, BITS,
+                      GROUP)  # fmt: skip
     cols = k0 + offs_k
     tl.store(w_ptr + offs_n[:, None] * stride_wn + cols[None, :], w.to(w_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (cols < K)[None, :])  # fmt: skip
