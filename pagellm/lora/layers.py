@@ -31,6 +31,7 @@ from torch import nn
 
 from pagellm.kernels import lora_cpu
 from pagellm.layers.linear import Linear
+from pagellm.utils import to_device
 
 
 class LoRAStep:
@@ -88,8 +89,9 @@ class LoRAStep:
             self.scales = torch.zeros(len(scales), dtype=torch.float32, device=device)
         host = np.full(rows, -1, dtype=np.int32)
         host[: len(token_slots)] = token_slots
-        self._slots_buf[:rows].copy_(torch.from_numpy(host))
-        self.scales.copy_(torch.tensor(list(scales), dtype=torch.float32))
+        # through pinned memory: a pageable copy would wait for the step in flight
+        self._slots_buf[:rows].copy_(to_device(host, device))
+        self.scales.copy_(to_device(np.asarray(scales, dtype=np.float32), device))
         self.token_slots = self._slots_buf[:rows]
 
 
