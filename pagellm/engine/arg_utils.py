@@ -197,12 +197,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device=str(device),
             seed=self.seed,
-            # an EAGLE-3 head reads hidden states that CUDA-graph replays do not keep; LoRA
-            # steps replay graphs only with PAGELLM_LORA_CUDA_GRAPHS=1 (not yet seen right on
-            # a GPU: its first test there failed)
-            enforce_eager=self.enforce_eager
-            or (self.enable_lora and device.type == "cuda" and not envs.lora_cuda_graphs())
-            or (speculative_config is not None and speculative_config.method == "eagle3"),
+            enforce_eager=self._enforce_eager(device, speculative_config),
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
@@ -303,6 +298,14 @@ class EngineArgs:
             draft = eagle3_head_config(target, draft)
         check_draft_model(target, draft)
         return dataclasses.replace(draft, max_model_len=target.max_model_len)
+
+    def _enforce_eager(self, device: torch.device, speculative_config) -> bool:
+        """No CUDA graphs: asked for; an EAGLE-3 head (it reads hidden states that graph
+        replays do not keep); LoRA on CUDA unless PAGELLM_LORA_CUDA_GRAPHS=1 (the graph path
+        is not yet seen right on a GPU: its first test there failed)."""
+        eagle3 = speculative_config is not None and speculative_config.method == "eagle3"
+        lora = self.enable_lora and device.type == "cuda" and not envs.lora_cuda_graphs()
+        return self.enforce_eager or eagle3 or lora
 
     def _parallel_config(self, model_config: ModelConfig, device: torch.device) -> ParallelConfig:
         """None picks "uni" for one rank, else "ray" when the caller is connected to a Ray
