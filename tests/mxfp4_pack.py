@@ -17,9 +17,12 @@ def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     amax = groups.abs().amax(-1).clamp(min=2.0**-100)
     exponent = torch.ceil(torch.log2(amax / 6.0))  # [..., G]
     scaled = groups / torch.exp2(exponent)[..., None]
-    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # [..., G, 32] in 0..7
+    # the nearest magnitude, ties to the smaller (the midpoints between neighbours); on w's
+    # device, no [..., 8] distance tensor (a 20B layer's experts are 0.5G weights)
+    table = E2M1.to(w.device)
+    magnitude = torch.bucketize(scaled.abs(), (table[1:] + table[:-1]) / 2)  # [..., G, 32] 0..7
     codes = magnitude | ((scaled < 0).long() << 3)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     sign = torch.where(scaled < 0, -1.0, 1.0)
-    encoded = sign * E2M1[magnitude] * torch.exp2(exponent)[..., None]
+    encoded = sign * table[magnitude] * torch.exp2(exponent)[..., None]
     return blocks, (exponent + 127).to(torch.uint8), encoded.flatten(-2)

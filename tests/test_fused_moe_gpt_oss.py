@@ -63,9 +63,9 @@ def test_fused_moe_bf16_at_gpt_oss_20b_shapes(num_tokens):
 
 def _mxfp4_stack(w: torch.Tensor) -> tuple[fq.QuantizedStack, torch.Tensor]:
     """[E, N, K] float -> its MXFP4 stack on DEVICE and the float32 weight it encodes."""
-    blocks, scales, encoded = pack_mxfp4(w.float().cpu())
-    q = blocks.reshape(*blocks.shape[:2], -1).contiguous().to(DEVICE)
-    return fq.QuantizedStack(q, scales.to(DEVICE), None, 4, 32, mxfp4=True), encoded.to(DEVICE)
+    blocks, scales, encoded = pack_mxfp4(w.float().to(DEVICE))
+    q = blocks.reshape(*blocks.shape[:2], -1).contiguous()
+    return fq.QuantizedStack(q, scales, None, 4, 32, mxfp4=True), encoded
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

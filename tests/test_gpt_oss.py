@@ -147,3 +147,22 @@ def test_shipped_gpt_oss_20b_config_builds_at_real_size():
         model = cls(config.hf_config, TorchAttentionBackend)
     assert sum(p.numel() for p in model.parameters()) == 20_914_757_184
     assert cls.sliding_windows(config.hf_config) == (128, None) * 12
+
+
+def test_a_config_without_swiglu_alpha_takes_hfs_constant():
+    """transformers 5.17's GptOssConfig has no `swiglu_alpha` (its model hard-codes 1.702),
+    nor do the checkpoints' config.json files: the layer takes 1.702, not an AttributeError."""
+    from transformers import GptOssConfig
+
+    from pagellm.models.gpt_oss import GptOssMoE
+
+    class Without(GptOssConfig):  # as 5.17's config reads
+        def __getattribute__(self, key):
+            if key == "swiglu_alpha":
+                raise AttributeError(key)
+            return super().__getattribute__(key)
+
+    config = Without(**{**GPT_OSS, "swiglu_limit": 5.0})
+    with torch.device("meta"):
+        moe = GptOssMoE(config)
+    assert (moe.experts.activation.alpha, moe.experts.activation.limit) == (1.702, 5.0)
