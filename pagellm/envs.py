@@ -132,7 +132,7 @@ def cpu_quant_max_rows(default: int) -> int:
 
 
 def lora_cuda_graphs() -> bool:
-    """PAGELLM_LORA_CUDA_GRAPHS=1: a LoRA engine on CUDA replays CUDA graphs for decode steps
-    (the slot and scale buffers filled before each replay). Off by default: its GPU test
-    (tests/test_lora_gpu.py) failed on its first run, so LoRA steps run eagerly."""
-    return _bool("PAGELLM_LORA_CUDA_GRAPHS", False)
+    """A LoRA engine on CUDA replays CUDA graphs for decode steps (the slot and scale buffers
+    filled before each replay; tests/test_lora_gpu.py). PAGELLM_LORA_CUDA_GRAPHS=0: LoRA
+    steps run eagerly (the rest of the engine keeps its graphs off too)."""
+    return _bool("PAGELLM_LORA_CUDA_GRAPHS", True)

@@ -4,8 +4,8 @@ padding rows -1). A tiny Llama in float32 serves three adapters over two slots, 
 base-model requests; the graphs engine's greedy ids equal the eager engine's and HF + PEFT's
 (on the CPU), and graphs were replayed. The second call puts an adapter of MLP targets only
 into the slot of one with attention targets too: the slot's old parts must read as zero.
-Needs a CUDA device (the merger's H100); skipped elsewhere. Graphs with LoRA are opt-in
-(PAGELLM_LORA_CUDA_GRAPHS=1) until this test passes on a GPU: it failed on its first run."""
+Needs a CUDA device (the merger's H100); skipped elsewhere. Graphs with LoRA are the default
+(PAGELLM_LORA_CUDA_GRAPHS=0 turns them off)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _serve(folder, loras, prompts, monkeypatch, enforce_eager: bool):
 
     monkeypatch.setattr(CudaGraphRunner, "replay", counted)
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")  # the runner in this process
-    monkeypatch.setenv("PAGELLM_LORA_CUDA_GRAPHS", "1")  # off by default until this passes
+    monkeypatch.delenv("PAGELLM_LORA_CUDA_GRAPHS", raising=False)  # the default: graphs
     ids = []
     with LLM(
         folder, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=8,

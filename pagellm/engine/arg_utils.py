@@ -301,8 +301,7 @@ class EngineArgs:
 
     def _enforce_eager(self, device: torch.device, speculative_config) -> bool:
         """No CUDA graphs: asked for; an EAGLE-3 head (it reads hidden states that graph
-        replays do not keep); LoRA on CUDA unless PAGELLM_LORA_CUDA_GRAPHS=1 (the graph path
-        is not yet seen right on a GPU: its first test there failed)."""
+        replays do not keep); LoRA on CUDA with PAGELLM_LORA_CUDA_GRAPHS=0."""
         eagle3 = speculative_config is not None and speculative_config.method == "eagle3"
         lora = self.enable_lora and device.type == "cuda" and not envs.lora_cuda_graphs()
         return self.enforce_eager or eagle3 or lora
