@@ -181,15 +181,22 @@ def block_k(group: int, wanted: int) -> int:
 def gemv_config(n: int, k: int, bits: int, group: int) -> dict:
     """The GEMV's tiles (decode rows): BLOCK_N outputs a program, a K step of BLOCK_K columns
     (sub-blocks of whole groups, or one group's part), num_warps. `config=` overrides them:
-    `benchmarks/wna16.py --sweep` times the candidates."""
-    return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4}
+    `benchmarks/wna16.py --sweep` times the candidates. From its run on an H100 at
+    Llama-3.1-8B's projections (2026-12-06): narrow layers (N <= 8192) want more programs
+    (8 outputs each), long rows longer K steps."""
+    block_k = 2048 if k >= 2048 else 1024
+    return {"BLOCK_N": 8 if n <= 8192 else 16, "BLOCK_K": block_k, "num_warps": 4}
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
-    """The tensor-core GEMM's tiles for M rows (BLOCK_K is cut to divide the group)."""
+    """The tensor-core GEMM's tiles for M rows (BLOCK_K is cut to divide the group); the
+    sweep's best on an H100 at Llama-3.1-8B's projections: at M <= 16 a narrow layer's
+    64-wide tiles leave SMs idle (4096 / 64 = 64 programs on 132 SMs)."""
     if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+        block_n = 32 if n <= 4096 else 64
+        return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    block_n = 128 if n >= 16384 else 64
+    return {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 
 
 def wna16_gemm(
