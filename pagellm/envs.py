@@ -110,6 +110,12 @@ def cpu_decoder_loop() -> bool:
     return _bool("PAGELLM_CPU_DECODER_LOOP", True)
 
 
+def cpu_greedy_head() -> bool:
+    """PAGELLM_CPU_GREEDY_HEAD=0: greedy CPU steps compute every logit, not the argmax from an
+    8-bit copy of a tied LM head and its few candidate rows (`pagellm.sample.greedy_head`)."""
+    return _bool("PAGELLM_CPU_GREEDY_HEAD", True)
+
+
 def pdl() -> bool:
     """PAGELLM_PDL=0: no programmatic dependent launch on Hopper GPUs (`pagellm.kernels.pdl`:
     by default the batch-1 fp8 GEMVs launch while the kernel before them finishes)."""

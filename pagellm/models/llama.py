@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.distributed.parallel_state import get_tp_group
 from pagellm.kernels.cpu_gemm import PackedWeight
 from pagellm.layers.attention import Attention
 from pagellm.layers.cpu_decoder import CpuDecoder
@@ -309,6 +310,18 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_tied_head is not None:
             return self.packed_tied_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)
+
+    def greedy_head_weight(self) -> torch.Tensor | None:
+        """The float [vocab, hidden] weight whose product with the final hidden states is
+        every logit (`pagellm.sample.greedy_head`): a tied head, one rank, logits computed as
+        here (a family that scales or caps them overrides compute_logits), not quantized."""
+        cls = type(self)
+        plain = (cls.compute_logits is LlamaForCausalLM.compute_logits
+                 and cls._rank_logits is LlamaForCausalLM._rank_logits)  # fmt: skip
+        float_head = self.packed_tied_head is None or isinstance(self.packed_tied_head, PackedWeight)
+        if not (self.tie_word_embeddings and plain and float_head) or get_tp_group().size > 1:
+            return None
+        return self.model.embed_tokens.weight
 
     def prepack_cpu_weights(self, batch_hint: int) -> None:
         """Pack every Linear weight (x86 CPUs; see `pagellm.layers.linear`); a tied

@@ -41,10 +41,11 @@ from pagellm.layers.attention import Attention
 from pagellm.layers.linear import heads_per_rank
 from pagellm.layers.rope import long_rope
 from pagellm.lora.slots import LoRASlotManager
+from pagellm.sample.greedy_head import GreedyHead
 from pagellm.sample.logits_processor.penalties import Penalties
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rank0_sampler import Rank0Sampler
-from pagellm.sample.sampler import Sampler
+from pagellm.sample.sampler import Sampler, SamplerOutput
 from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
@@ -107,6 +108,13 @@ class ModelRunner:
         max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
+        # greedy CPU steps: the argmax from an 8-bit copy of the LM head and a few float rows
+        self.greedy_head = (
+            GreedyHead.build(self.model)
+            if self.device.type == "cpu" and envs.cpu_greedy_head()
+            and self.model_config.runner != "pooling" and config.speculative_config is None
+            else None
+        )  # fmt: skip
         self.kv_caches: list[torch.Tensor] = []
         self.profiled: ProfiledMemory | None = None  # a GPU's, once its KV budget is found
         self.graphs: CudaGraphRunner | None = None
@@ -401,11 +409,13 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return AsyncModelRunnerOutput(output)
         rows = batch.rows[sample_idx]
-        logits = self.model.compute_logits(hidden[self._logits_index(batch, sample_idx)])
+        last = hidden[self._logits_index(batch, sample_idx)]
         req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
         # constrained rows' disallowed tokens go to -inf in the sampler (its grammar mask)
         meta = ib.sampling_metadata(rows, self.device, req_ids, grammar)
-        result = self.sampler(logits, meta)  # [S, vocab]
+        result = self._greedy_head_sample(last, meta)
+        if result is None:
+            result = self.sampler(self.model.compute_logits(last), meta)  # [S, vocab]
         if meta.processors:  # e.g. penalties count the samples on the device
             meta.record(result.sampled)
         positions = ib.num_tokens[rows]
@@ -413,6 +423,16 @@ class ModelRunner:
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
         self.pending.record(sampled)
         return AsyncModelRunnerOutput(output, sampled, self._read_back)
+
+    def _greedy_head_sample(self, last: torch.Tensor, meta: SamplingMetadata):
+        """The sampler's result for a step of greedy rows and nothing else (no logits
+        processor, no logprobs) from `GreedyHead`, or None: the logits are needed."""
+        if self.greedy_head is None or not meta.all_greedy or meta.processors:
+            return None
+        if meta.max_num_logprobs is not None:
+            return None
+        ids = self.greedy_head.argmax(last)
+        return None if ids is None else SamplerOutput(ids)
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""

@@ -1,0 +1,100 @@
+"""Greedy steps on the CPU without reading the whole float LM head: the same argmax, exactly.
+
+At batch 1 on the CPU the LM head is a large share of a decode step's bytes: SmolLM2-135M's
+tied head is 49,152 x 576 float32 (113 MB a token, more than its int4 layers together). A
+step whose rows are all greedy, with nothing between the logits and the argmax (no logits
+processor: grammar, bans, bias, penalties; no logprobs), needs only the index of the largest
+logit. `GreedyHead` finds it in two passes:
+
+1. Approximate logits from an 8-bit copy of the head (Q8_0 blocks of 32, made once at load,
+   a quarter of float32's bytes), by the GGUF block kernel (`pagellm.quantization.
+   gguf_kernel`, exact products of the stored integers with x, float32 sums).
+2. Each approximate logit a_r is within a bound B_r of the model's own logit: the row's
+   largest quantization error times |x|_1, plus float32 rounding of both sums (and of bf16
+   outputs for a bf16 model). The argmax is then among the rows with a_r + B_r >=
+   max_j (a_j - B_j): a few rows, whose logits are computed from the float head and compared.
+
+The winner is the full head's argmax up to float32 summation order (the same difference as
+one BLAS against another), ties to the lower id as `argmax` breaks them. When the bound is too
+wide to help (more than a quarter of the vocabulary survives, or non-finite values), the
+caller computes every logit as before. Built for tied heads (the embedding's float weight is
+at hand for the exact rows; an untied head's weight lives only in its packed copy) of models
+whose logits are that one product; `PAGELLM_CPU_GREEDY_HEAD=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.quantization import gguf_kernel
+
+logger = logging.getLogger(__name__)
+
+_BLOCK = gguf_kernel.BLOCK
+_MAX_SHARE = 4  # more candidates than vocab / this: compute the full logits instead
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[gguf_kernel.BlockPlanes, torch.Tensor]:
+    """w [V, H] float -> (Q8_0 planes of w, each row's largest |w - dequantized| [V] float32).
+    Per block of 32: d = max |w| / 127 in fp16, q = round(w / d) within +-127."""
+    v, h = w.shape
+    blocks = w.float().reshape(v, h // _BLOCK, _BLOCK)
+    d = (blocks.abs().amax(-1) / 127.0).to(torch.float16)  # [V, H / 32]
+    d32 = d.float()
+    safe = torch.where(d32 > 0, d32, torch.ones_like(d32))
+    q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    error = (blocks - q.float() * d32[..., None]).abs().amax(-1).amax(-1)  # [V]
+    return gguf_kernel.BlockPlanes(q.reshape(v, h).contiguous(), d.contiguous(), None), error
+
+
+class GreedyHead:
+    def __init__(self, weight: torch.Tensor) -> None:
+        # weight: [V, H] float32 / bfloat16 on the CPU, the head the model's logits come from
+        self.weight = weight
+        self.planes, error = quantize_q8_0(weight)
+        v, h = weight.shape
+        # float32 sums of H products, in the approximation and in the exact logits: each off
+        # the real value by at most ~H * 2^-24 * sum |x w| (<= |x|_1 max |w|); 2.2 covers both
+        rounding = 2.2 * h * 2.0**-24 * weight.float().abs().amax(-1)
+        self.row_bound = (error + rounding).contiguous()  # [V]: times |x|_1 bounds |a_r - l_r|
+        # bf16 logits are rounded to 8 bits, the approximation's and the model's (2^-8 each,
+        # with room to spare)
+        self.relative = 2.0**-6 if weight.dtype == torch.bfloat16 else 0.0
+        self.max_candidates = v // _MAX_SHARE
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> GreedyHead | None:
+        """For a model that names its head's float weight (`greedy_head_weight`), where the
+        block kernel runs; else None."""
+        get = getattr(model, "greedy_head_weight", None)
+        weight = get() if get is not None else None
+        if weight is None or weight.device.type != "cpu" or not gguf_kernel.supported():
+            return None
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] % _BLOCK:
+            return None
+        head = cls(weight)
+        logger.info(
+            "greedy steps read an 8-bit copy of the LM head (%.0f MB, the float head %.0f MB) "
+            "and the few rows that can win from the float head",
+            head.planes.qs.numel() * 1.0625 / 1e6, weight.numel() * weight.element_size() / 1e6,
+        )  # fmt: skip
+        return head
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [S, H] (the final norm's output) -> [S] int64 ids of the largest logit of
+        hidden @ weight^T per row, or None: compute the logits (the bound did not narrow)."""
+        approx = gguf_kernel.block_gemm(hidden, self.planes).float()  # [S, V]
+        bound = hidden.float().abs().sum(-1, keepdim=True) * self.row_bound  # [S, V]
+        if self.relative:
+            bound += self.relative * (approx.abs() + bound)
+        floor = (approx - bound).amax(-1, keepdim=True)  # no row can be below the winner's
+        can_win = approx + bound >= floor  # [S, V]; all False on a row with inf / nan
+        candidates = can_win.any(0).nonzero()[:, 0]  # ascending ids
+        if candidates.numel() > self.max_candidates or not can_win.any(-1).all():
+            return None
+        exact = F.linear(hidden, self.weight.index_select(0, candidates)).float()  # [S, C]
+        exact.masked_fill_(~can_win[:, candidates], float("-inf"))
+        return candidates[exact.argmax(-1)]

@@ -1,0 +1,113 @@
+"""Greedy CPU steps from an 8-bit copy of a tied LM head (`pagellm.sample.greedy_head`): the
+bound holds at any scale, the argmax is the float head's (ties to the lower id), it steps
+aside when it cannot narrow, and an engine with it gives the ids of one without it (and HF's)
+with greedy, sampled, logprob and penalised requests mixed in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_utils import hf_generate_greedy, hf_model, make_tiny_hf_model
+
+from pagellm import LLM, SamplingParams
+from pagellm.quantization import gguf_kernel
+from pagellm.sample.greedy_head import GreedyHead
+
+pytestmark = pytest.mark.skipif(not gguf_kernel.supported(), reason="needs the GGUF block kernel")
+
+
+def _head(v: int, h: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # rows of different scales: each row's own error bound matters
+    scale = torch.rand(v, 1, generator=g) * 0.2 + 0.01
+    return (torch.randn(v, h, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_scale", [1e-3, 1.0, 1e3])
+def test_every_approximate_logit_is_within_its_bound(dtype, x_scale):
+    w = _head(1000, 96, dtype)
+    head = GreedyHead(w)
+    x = (torch.randn(8, 96) * x_scale).to(dtype)
+    x[0, :5] = 40 * x_scale  # an outlier feature, as final norms give
+    approx = gguf_kernel.block_gemm(x, head.planes).float()
+    exact = F.linear(x.double(), w.double())  # the real value; the model's is within rounding
+    bound = x.float().abs().sum(-1, keepdim=True) * head.row_bound
+    if head.relative:
+        bound += head.relative * (approx.abs() + bound)
+    assert ((approx.double() - exact).abs() <= bound.double()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_equals_the_float_heads(dtype):
+    w = _head(4096, 128, dtype, seed=1)
+    head = GreedyHead(w)
+    for seed in range(5):
+        x = torch.randn(6, 128, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        got = head.argmax(x)
+        assert got is not None and got.dtype == torch.int64
+        assert got.tolist() == F.linear(x, w).float().argmax(-1).tolist()
+
+
+def test_a_tie_goes_to_the_lower_id_and_near_ties_to_the_larger_logit():
+    w = _head(2048, 64, torch.float32, seed=2)
+    x = torch.randn(3, 64)
+    top = F.linear(x, w).argmax(-1)
+    # row 0: the winner copied to a higher id (an exact tie); row 1: copied to a lower id
+    w[2000] = w[top[0]]
+    w[3] = w[top[1]]
+    # row 2: a near-twin 1e-4 above the winner along x, well inside the 8-bit error
+    w[1000] = w[top[2]] + 1e-4 * x[2] / x[2].norm() ** 2
+    head = GreedyHead(w)
+    full = F.linear(x, w).argmax(-1)
+    assert full.tolist() == [top[0].item(), 3, 1000]
+    assert head.argmax(x).tolist() == full.tolist()
+
+
+def test_it_steps_aside_when_it_cannot_narrow():
+    w = _head(512, 64, torch.float32, seed=3)
+    head = GreedyHead(w)
+    x = torch.randn(2, 64)
+    x[1, 0] = float("nan")
+    assert head.argmax(x) is None  # a non-finite row
+    flat = GreedyHead(torch.ones(512, 64) * 0.01 + torch.randn(512, 64) * 1e-4)
+    assert flat.argmax(torch.randn(1, 64)) is None  # every row within the bound: too many
+
+
+def test_engine_ids_equal_without_it_and_hf(tmp_path, monkeypatch):
+    """A tied tiny Llama in float32: greedy requests alone take the shortcut; a batch that
+    mixes sampled, logprob and penalised requests computes the logits (the sampler's
+    results unchanged); greedy ids equal the engine's without it and HF's."""
+    from pagellm.sample import greedy_head
+
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model("llama", tmp_path, std=0.3, tie_word_embeddings=True)
+    prompts = [[5 + i, 17, 3 * i + 2, 40, 9] for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    mixed = [
+        greedy,
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+    ]
+    calls = []
+    argmax = greedy_head.GreedyHead.argmax
+    monkeypatch.setattr(greedy_head.GreedyHead, "argmax", lambda s, h: calls.append(1) or argmax(s, h))
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_CPU_GREEDY_HEAD", flag)
+        with LLM(folder, dtype="float32", max_model_len=64, max_num_seqs=8) as llm:
+            assert (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+                    .model_runner.greedy_head is not None) == (flag == "1")  # fmt: skip
+            plain = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            n_plain = len(calls)
+            out = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], mixed, use_tqdm=False)
+        runs[flag] = [o.outputs[0].token_ids for o in plain + out]
+        runs[flag + "lp"] = out[2].outputs[0].logprobs
+        if flag == "1":
+            assert n_plain >= 12 and len(calls) == n_plain  # the mixed batch never took it
+    assert runs["1"] == runs["0"]
+    assert len(runs["1lp"]) == 12 and runs["1lp"] == runs["0lp"]
+    hf = hf_model(folder, torch.float32)
+    assert runs["1"][:6] == hf_generate_greedy(hf, prompts, 12)
