@@ -26,6 +26,16 @@ from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.models.registry import kv_sliding_window
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _hf_reads_swiglu_limit() -> bool:
+    """transformers 5.25's GptOss reads `swiglu_limit` from its config; 5.17's (the GPU
+    machines') has no such field and clamps at a hard-coded 7.0, whatever the config says."""
+    from transformers import GptOssConfig
+
+    return hasattr(GptOssConfig(), "swiglu_limit")
+
+
 GPT_OSS = dict(
     num_hidden_layers=3,
     layer_types=[SLIDING, FULL, SLIDING],
@@ -33,7 +43,9 @@ GPT_OSS = dict(
     head_dim=16,
     num_local_experts=4,
     num_experts_per_tok=2,
-    swiglu_limit=2.0,  # gate and up pass it often at these weights: both clamps matter
+    # gate and up pass 2.0 often at these weights: both clamps matter (where HF reads it;
+    # else HF's and our 7.0)
+    **({"swiglu_limit": 2.0} if _hf_reads_swiglu_limit() else {}),
     rope_parameters={
         "rope_type": "yarn",
         "factor": 4.0,
@@ -149,20 +161,25 @@ def test_shipped_gpt_oss_20b_config_builds_at_real_size():
     assert cls.sliding_windows(config.hf_config) == (128, None) * 12
 
 
-def test_a_config_without_swiglu_alpha_takes_hfs_constant():
-    """transformers 5.17's GptOssConfig has no `swiglu_alpha` (its model hard-codes 1.702),
-    nor do the checkpoints' config.json files: the layer takes 1.702, not an AttributeError."""
+def test_a_config_without_swiglu_fields_takes_hfs_constants():
+    """transformers 5.17's GptOssConfig has no `swiglu_alpha` nor `swiglu_limit` (its model
+    hard-codes 1.702 and 7.0), and the checkpoints' config.json files have no alpha: the
+    layer takes HF's constants, not an AttributeError."""
     from transformers import GptOssConfig
 
     from pagellm.models.gpt_oss import GptOssMoE
 
     class Without(GptOssConfig):  # as 5.17's config reads
+        hidden: tuple[str, ...] = ()
+
         def __getattribute__(self, key):
-            if key == "swiglu_alpha":
+            if key in type(self).hidden:
                 raise AttributeError(key)
             return super().__getattribute__(key)
 
-    config = Without(**{**GPT_OSS, "swiglu_limit": 5.0})
-    with torch.device("meta"):
-        moe = GptOssMoE(config)
-    assert (moe.experts.activation.alpha, moe.experts.activation.limit) == (1.702, 5.0)
+    for hidden, limit in ((("swiglu_alpha",), 5.0), (("swiglu_alpha", "swiglu_limit"), 7.0)):
+        Without.hidden = hidden
+        config = Without(**{**GPT_OSS, "swiglu_limit": 5.0})
+        with torch.device("meta"):
+            moe = GptOssMoE(config)
+        assert (moe.experts.activation.alpha, moe.experts.activation.limit) == (1.702, limit)

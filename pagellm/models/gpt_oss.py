@@ -49,10 +49,11 @@ class GptOssMoE(nn.Module):
         hidden, num_experts = config.hidden_size, num_experts_of(config)
         self.router = Linear(hidden, num_experts, bias=True)
         self.router.quantizable = False
-        # gpt-oss's checkpoints carry no `swiglu_alpha`: 5.25's config supplies 1.702, 5.17's
-        # config has no such field (its model hard-codes the value, as ClampedSwiGLU does)
+        # gpt-oss's checkpoints carry no `swiglu_alpha` (5.25's config supplies 1.702); 5.17's
+        # config has neither field (its model hard-codes 1.702 and 7.0, as ClampedSwiGLU does)
         alpha = getattr(config, "swiglu_alpha", ClampedSwiGLU.alpha)
-        activation = ClampedSwiGLU(alpha, config.swiglu_limit)
+        limit = getattr(config, "swiglu_limit", ClampedSwiGLU.limit)
+        activation = ClampedSwiGLU(alpha, limit)
         # softmax over the top-k logits: `renormalize` of a softmax over all, then the top k
         self.experts = FusedMoE(
             num_experts, config.num_experts_per_tok, hidden, config.intermediate_size,
