@@ -88,3 +88,24 @@ def test_clear_400s_and_the_server_serves_on(server, reference):
     error_of(post(server, "/v1/embeddings", {"input": "hi"}, headers={}), 401)
     ok = post(server, "/v1/embeddings", {"input": TEXTS[2]}).json()
     close(ok["data"][0]["embedding"], reference[2])
+
+
+def test_bench_serve_embeddings(server):
+    """`pagellm bench serve --backend openai-embeddings` (vLLM's name) loads /v1/embeddings:
+    requests counted, latencies measured; a prompt over the model's length fails, counted."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pagellm", "bench", "serve", "--url", server.url,
+           "--backend", "openai-embeddings", "--num-prompts", "6", "--concurrency", "3",
+           "--token-range", "3", "60", "--api-key", API_KEY]  # fmt: skip
+    out = subprocess.run(cmd + ["--input-len", "8"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["input_throughput"] > 0 and summary["e2el_ms_p50"] > 0
+    assert summary["output_throughput"] == 0 and "E2EL" in out.stdout and "TTFT" not in out.stdout
+    long = subprocess.run(cmd + ["--input-len", "40"], capture_output=True, text=True, timeout=120)
+    summary = json.loads(long.stdout.strip().splitlines()[-1])
+    assert long.returncode == 1 and summary["failed"] == 6 and "HTTP 400" in summary["first_error"]

@@ -5,6 +5,10 @@
 after one warm-up request that is not counted. Prints request throughput, output tokens/s,
 time to first token (TTFT), inter-token latency (ITL: the gap between two streamed chunks) and
 time per output token (TPOT), then one JSON line with the same numbers.
+
+`--backend openai-embeddings` (vLLM's name) posts each prompt to `/v1/embeddings` instead (an
+embedding model's server; no output tokens): request throughput, input tokens/s and the
+end-to-end latency of a request (E2EL).
 """
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ _TOKEN_RANGE = (1000, 20000)  # random prompt token ids: ordinary tokens in any 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--backend", default="openai", choices=["openai", "openai-embeddings"],
+                   help="openai: streamed /v1/completions; openai-embeddings: /v1/embeddings")  # fmt: skip
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    p.add_argument("--token-range", type=int, nargs=2, default=list(_TOKEN_RANGE),
+                   metavar=("LOW", "HIGH"), help="random prompt ids in [LOW, HIGH)")  # fmt: skip
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
 
@@ -62,12 +70,13 @@ async def benchmark(ns: argparse.Namespace) -> dict[str, Any]:
         model = ns.model or await _first_model(client)
         rng = random.Random(ns.seed)
         prompts = [
-            [rng.randrange(*_TOKEN_RANGE) for _ in range(ns.input_len)]
+            [rng.randrange(*ns.token_range) for _ in range(ns.input_len)]
             for _ in range(ns.num_prompts)
         ]
-        await _request(client, model, prompts[0][:8], 2)  # warm-up, not counted
+        request = _embed if ns.backend == "openai-embeddings" else _request
+        await request(client, model, prompts[0][:8], 2)  # warm-up, not counted
         start = time.perf_counter()
-        results = await _run_clients(client, model, prompts, ns.output_len, ns.concurrency)
+        results = await _run_clients(request, client, model, prompts, ns.output_len, ns.concurrency)
         duration = time.perf_counter() - start
     return summarize(results, duration, ns)
 
@@ -79,7 +88,7 @@ async def _first_model(client: Any) -> str:
 
 
 async def _run_clients(
-    client: Any, model: str, prompts: list[list[int]], output_len: int, concurrency: int
+    request, client: Any, model: str, prompts: list[list[int]], output_len: int, concurrency: int
 ) -> list[RequestResult]:
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
@@ -88,7 +97,7 @@ async def _run_clients(
 
     async def worker() -> None:
         while not queue.empty():
-            results.append(await _request(client, model, queue.get_nowait(), output_len))
+            results.append(await request(client, model, queue.get_nowait(), output_len))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -117,6 +126,25 @@ async def _request(client: Any, model: str, prompt: list[int], output_len: int) 
         return result
     result.latency = time.perf_counter() - start
     result.ok = result.output_tokens > 0
+    return result
+
+
+async def _embed(client: Any, model: str, prompt: list[int], _output_len: int) -> RequestResult:
+    """One /v1/embeddings request of a token-id prompt; ok when a vector came back."""
+    result = RequestResult()
+    start = time.perf_counter()
+    try:
+        response = await client.post("/v1/embeddings", json={"model": model, "input": prompt})
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:200]!r}"
+            return result
+        data = response.json().get("data") or [{}]
+        result.ok = bool(data[0].get("embedding"))
+        result.error = "" if result.ok else "no embedding in the response"
+    except Exception as e:  # a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.latency = time.perf_counter() - start
     return result
 
 
@@ -150,6 +178,7 @@ def summarize(
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     summary: dict[str, Any] = {
         "url": ns.url,
+        "backend": ns.backend,
         "num_prompts": ns.num_prompts,
         "concurrency": ns.concurrency,
         "input_len": ns.input_len,
@@ -158,11 +187,13 @@ def summarize(
         "failed": len(results) - len(done),
         "duration_s": round(duration, 3),
         "request_throughput": round(len(done) / duration, 3),
+        "input_throughput": round(len(done) * ns.input_len / duration, 2),
         "output_throughput": round(output_tokens / duration, 2),
         "tpot_ms_mean": round(1000 * float(np.mean(tpots)), 2) if tpots else None,
     }
     summary.update(_percentiles("ttft_ms", [r.ttft for r in done]))
     summary.update(_percentiles("itl_ms", [x for r in done for x in r.itls]))
+    summary.update(_percentiles("e2el_ms", [r.latency for r in done]))
     errors = [r.error for r in results if not r.ok]
     if errors:
         summary["first_error"] = errors[0]
@@ -181,9 +212,13 @@ def _percentiles(name: str, values: list[float]) -> dict[str, float | None]:
 def _print_summary(s: dict[str, Any]) -> None:
     print(f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']} s")
     print(f"request throughput: {s['request_throughput']} req/s")
-    print(f"output throughput:  {s['output_throughput']} tok/s")
-    print(f"time per output token (mean): {s['tpot_ms_mean']} ms")
-    for name, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
+    print(f"input throughput:   {s['input_throughput']} tok/s")
+    labels = [("e2el_ms", "E2EL")]
+    if s["backend"] == "openai":
+        print(f"output throughput:  {s['output_throughput']} tok/s")
+        print(f"time per output token (mean): {s['tpot_ms_mean']} ms")
+        labels = [("ttft_ms", "TTFT"), ("itl_ms", "ITL")] + labels
+    for name, label in labels:
         values = ", ".join(f"p{p} {s[f'{name}_p{p}']}" for p in _PERCENTILES)
         print(f"{label} (ms): {values}")
     if "first_error" in s:
