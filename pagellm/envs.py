@@ -112,7 +112,8 @@ def cpu_decoder_loop() -> bool:
 
 def cpu_greedy_head() -> bool:
     """PAGELLM_CPU_GREEDY_HEAD=0: greedy CPU steps compute every logit, not the argmax from an
-    8-bit copy of a tied LM head and its few candidate rows (`pagellm.sample.greedy_head`)."""
+    8-bit copy of a tied float32 LM head and its few candidate rows (up to 3 rows a step;
+    `pagellm.sample.greedy_head`)."""
     return _bool("PAGELLM_CPU_GREEDY_HEAD", True)
 
 

@@ -108,7 +108,7 @@ class ModelRunner:
         max_tokens = max(sc.max_num_batched_tokens, sc.max_num_seqs)
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
-        # greedy CPU steps: the argmax from an 8-bit copy of the LM head and a few float rows
+        # small greedy CPU steps: the argmax from an 8-bit copy of the LM head, a few float rows
         self.greedy_head = (
             GreedyHead.build(self.model)
             if self.device.type == "cpu" and envs.cpu_greedy_head()
