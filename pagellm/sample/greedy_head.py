@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.quantization import gguf_kernel
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,14 @@ class GreedyHead:
             head.planes.qs.numel() * 1.0625 / 1e6, weight.numel() * weight.element_size() / 1e6,
         )  # fmt: skip
         return head
+
+    def sample(self, hidden: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput | None:
+        """The sampler's result for a step of greedy rows and nothing else (no logits
+        processor, no logprobs), or None: the step needs the logits."""
+        if not meta.all_greedy or meta.processors or meta.max_num_logprobs is not None:
+            return None
+        ids = self.argmax(hidden)
+        return None if ids is None else SamplerOutput(ids)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [S, H] float32 (the final norm's output) -> [S] int64 ids of the largest

@@ -45,7 +45,7 @@ from pagellm.sample.greedy_head import GreedyHead
 from pagellm.sample.logits_processor.penalties import Penalties
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rank0_sampler import Rank0Sampler
-from pagellm.sample.sampler import Sampler, SamplerOutput
+from pagellm.sample.sampler import Sampler
 from pagellm.structured_output.bitmask import GrammarBitmask
 from pagellm.utils import cpu_bf16_units, to_device
 from pagellm.worker.async_output import AsyncModelRunnerOutput, PendingTokens, SampledTokens
@@ -413,7 +413,7 @@ class ModelRunner:
         req_ids = [batch.req_ids[i] for i in sample_idx.tolist()]
         # constrained rows' disallowed tokens go to -inf in the sampler (its grammar mask)
         meta = ib.sampling_metadata(rows, self.device, req_ids, grammar)
-        result = self._greedy_head_sample(last, meta)
+        result = None if self.greedy_head is None else self.greedy_head.sample(last, meta)
         if result is None:
             result = self.sampler(self.model.compute_logits(last), meta)  # [S, vocab]
         if meta.processors:  # e.g. penalties count the samples on the device
@@ -423,16 +423,6 @@ class ModelRunner:
         ib.num_tokens[rows] += 1  # a placeholder until the id is read back
         self.pending.record(sampled)
         return AsyncModelRunnerOutput(output, sampled, self._read_back)
-
-    def _greedy_head_sample(self, last: torch.Tensor, meta: SamplingMetadata):
-        """The sampler's result for a step of greedy rows and nothing else (no logits
-        processor, no logprobs) from `GreedyHead`, or None: the logits are needed."""
-        if self.greedy_head is None or not meta.all_greedy or meta.processors:
-            return None
-        if meta.max_num_logprobs is not None:
-            return None
-        ids = self.greedy_head.argmax(last)
-        return None if ids is None else SamplerOutput(ids)
 
     def _read_back(self, output: ModelRunnerOutput, sampled: SampledTokens) -> None:
         """Wait for a step's sampled ids; put them in the output and in their rows."""
