@@ -41,26 +41,26 @@ QWEN3_EMBEDDING_06B = dict(
     num_key_value_heads=8, head_dim=128, vocab_size=151669, max_position_embeddings=32768,
     rope_theta=1000000.0, tie_word_embeddings=True,
 )  # fmt: skip
-BERT_SHAPES = {
-    "bge-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
-                      intermediate_size=4096, vocab_size=30522),
-    "tiny": dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
-                 intermediate_size=128, vocab_size=512),
-}  # fmt: skip
+
+
+def _pooling_bench():
+    """This folder's pooling.py (BERT shapes, the folder it saves, its word list), by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pooling_bench", _HERE / "pooling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pooling = _pooling_bench()
 
 
 def save_model(folder: Path, shape: str) -> str:
     """The shape's model with random weights and ST's files (see the module doc)."""
-    import importlib.util
-
     import torch
 
-    # this folder's pooling.py (the BERT folder and its word list), loaded by path
-    spec = importlib.util.spec_from_file_location("pooling_bench", _HERE / "pooling.py")
-    pooling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pooling)
-    if shape in BERT_SHAPES:
-        pooling.SHAPES.setdefault(shape, BERT_SHAPES[shape])
+    if shape in pooling.SHAPES:
         return pooling.save_model(folder, shape)
     from transformers import AutoModel, Qwen3Config
 
@@ -104,9 +104,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: str, timeout: float) -> 
 
 def server_commands(args, folder: str) -> dict[str, tuple[list[str], dict]]:
     common = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
-    gpu = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if args.device == "cuda" else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    ours = [sys.executable, "-m", "pagellm", "serve", folder, "--device", args.device, *common, *gpu]
+    gpu = []
+    if args.device == "cuda":
+        gpu = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    path = os.pathsep.join([str(_HERE.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    ours = [sys.executable, "-m", "pagellm", "serve", folder, "--device", args.device]
+    ours += common + gpu
     commands = {"pagellm": (ours, env)}
     if args.peer == "vllm":
         peer = [args.peer_python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -168,14 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
         "e2el_ms_p50": {n: [r["e2el_ms_p50"] for r in rs] for n, rs in rounds.items()},
     }  # fmt: skip
     if "vllm" in rates:
-        summary["ratio"] = round(statistics.median(rates["pagellm"]) / statistics.median(rates["vllm"]), 3)
+        ratio = statistics.median(rates["pagellm"]) / statistics.median(rates["vllm"])
+        summary["ratio"] = round(ratio, 3)
     print(json.dumps(summary))
     return summary
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="bge-large", choices=[*BERT_SHAPES, "qwen3-embedding-0.6b"])
+    p.add_argument("--shape", default="bge-large",
+                   choices=[*pooling.SHAPES, "qwen3-embedding-0.6b"])  # fmt: skip
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--peer", default="none", choices=["none", "vllm"])

@@ -71,11 +71,13 @@ political air question making office brought whose special heard major problems 
 federal moment study available known result street economic boy position reason change
 south board individual job areas society west close turn love community true court force
 full seemed""".split()
-SHAPES = {  # BertConfig kwargs: MiniLM-L6-v2's and bge-small-en-v1.5's shapes
+SHAPES = {  # BertConfig kwargs: MiniLM-L6-v2's, bge-small-en-v1.5's and bge-large's shapes
     "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12,
                    intermediate_size=1536, vocab_size=30522),
     "bge-small": dict(num_hidden_layers=12, hidden_size=384, num_attention_heads=12,
                       intermediate_size=1536, vocab_size=30522),
+    "bge-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16,
+                      intermediate_size=4096, vocab_size=30522),
     "tiny": dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
                  intermediate_size=128, vocab_size=512),
 }  # fmt: skip

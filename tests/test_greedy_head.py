@@ -106,9 +106,10 @@ def test_engine_ids_equal_without_it_and_hf(tmp_path, monkeypatch):
         with LLM(folder, dtype="float32", max_model_len=64, max_num_seqs=MAX_ROWS) as llm:
             assert (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
                     .model_runner.greedy_head is not None) == (flag == "1")  # fmt: skip
-            plain = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            batch = [{"prompt_token_ids": p} for p in prompts]
+            plain = llm.generate(batch, greedy, use_tqdm=False)
             n_plain = len(calls)
-            out = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], mixed, use_tqdm=False)
+            out = llm.generate(batch[:4], mixed, use_tqdm=False)
         runs[flag] = [o.outputs[0].token_ids for o in plain + out]
         runs[flag + "lp"] = out[2].outputs[0].logprobs
         if flag == "1":  # every greedy step found it; the mixed batch never asked
@@ -119,5 +120,7 @@ def test_engine_ids_equal_without_it_and_hf(tmp_path, monkeypatch):
     assert runs["1"][:6] == hf_generate_greedy(hf, prompts, 12)
     monkeypatch.setenv("PAGELLM_CPU_GREEDY_HEAD", "1")
     with LLM(folder, dtype="bfloat16", max_model_len=64) as llm:
-        assert llm.llm_engine.engine_core.engine_core.model_executor.driver_worker \
-            .model_runner.greedy_head is None
+        assert (
+            llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.greedy_head
+            is None
+        )

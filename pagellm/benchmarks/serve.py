@@ -28,8 +28,12 @@ _TOKEN_RANGE = (1000, 20000)  # random prompt token ids: ordinary tokens in any 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    p.add_argument("--backend", default="openai", choices=["openai", "openai-embeddings"],
-                   help="openai: streamed /v1/completions; openai-embeddings: /v1/embeddings")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        default="openai",
+        choices=["openai", "openai-embeddings"],
+        help="openai: streamed /v1/completions; openai-embeddings: /v1/embeddings",
+    )
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")

@@ -318,7 +318,8 @@ class LlamaForCausalLM(nn.Module):
         cls = type(self)
         plain = (cls.compute_logits is LlamaForCausalLM.compute_logits
                  and cls._rank_logits is LlamaForCausalLM._rank_logits)  # fmt: skip
-        float_head = self.packed_tied_head is None or isinstance(self.packed_tied_head, PackedWeight)
+        head = self.packed_tied_head
+        float_head = head is None or isinstance(head, PackedWeight)
         if not (self.tie_word_embeddings and plain and float_head) or get_tp_group().size > 1:
             return None
         return self.model.embed_tokens.weight
