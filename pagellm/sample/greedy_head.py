@@ -15,7 +15,10 @@ logit. `GreedyHead` finds it in two passes:
    computed from the float head and compared.
 
 The winner is the full head's argmax up to float32 summation order (the same difference as
-one BLAS against another), ties to the lower id as `argmax` breaks them. When the bound is too
+one BLAS against another: two rows equal in real arithmetic may come out a bit apart, in either
+order, from the full head as from the candidates' product; equal values go to the lower id
+as `argmax` breaks them). A weight block whose scale overflows fp16 makes every bound NaN,
+so the step computes the logits. When the bound is too
 wide to help (more than a quarter of the vocabulary survives, or non-finite values), the
 caller computes every logit as before. Built for tied float32 heads (the embedding's weight
 is at hand for the exact rows; an untied head's weight lives only in its packed copy) of models
