@@ -70,6 +70,8 @@ def test_it_steps_aside_when_it_cannot_narrow_or_rows_are_many():
     x = torch.randn(2, 64)
     x[1, 0] = float("nan")
     assert head.argmax(x) is None  # a non-finite row
+    w[5] = 1e7  # its blocks' scales overflow fp16
+    assert GreedyHead(w).argmax(torch.randn(1, 64)) is None
     flat = GreedyHead(torch.ones(512, 64) * 0.01 + torch.randn(512, 64) * 1e-4)
     assert flat.argmax(torch.randn(1, 64)) is None  # every row within the bound: too many
 
