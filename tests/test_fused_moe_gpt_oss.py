@@ -93,22 +93,17 @@ def test_mxfp4_kept_as_stored_through_the_model(tmp_path, monkeypatch):
     """The tiny MXFP4 gpt-oss loaded as on CUDA (`Mxfp4Config`: blocks and scales as stored,
     gate | up rows de-interleaved), run on the CPU under the interpreter: every layer's
     experts are the MXFP4 kernel's and the logits equal HF's on the dequantized weights."""
-    from model_utils import hf_logits, hf_model, load_our_model, make_tiny_hf_model, run_paged
+    from model_utils import hf_logits, load_our_model, run_paged
     from test_gpt_oss import GPT_OSS, _prompts
-    from test_mxfp4 import write_mxfp4_folder
+    from test_mxfp4 import mxfp4_and_hf
 
     from pagellm.loader import model_loader
     from pagellm.quantization.mxfp4 import Mxfp4Config, Mxfp4GpuExperts
 
-    two_layers = {**GPT_OSS, "num_hidden_layers": 2, "layer_types": GPT_OSS["layer_types"][:2]}
-    folder = make_tiny_hf_model("gpt_oss", tmp_path, **two_layers)
-    encoded = write_mxfp4_folder(folder, tmp_path / "mxfp4")
-    hf = hf_model(folder)
-    with torch.no_grad():
-        for name, weight in encoded.items():
-            hf.get_parameter(name).copy_(weight)
+    folder, hf = mxfp4_and_hf(tmp_path, num_hidden_layers=2,
+                              layer_types=GPT_OSS["layer_types"][:2])  # fmt: skip
     monkeypatch.setattr(model_loader, "get_quant_config", lambda *_: Mxfp4Config())
-    ours = load_our_model(str(tmp_path / "mxfp4"))
+    ours = load_our_model(folder)
     assert all(
         isinstance(layer.mlp.experts.quantized_experts, Mxfp4GpuExperts)
         for layer in ours.model.layers
@@ -181,22 +176,15 @@ def test_mxfp4_model_on_cuda_equals_hf(tmp_path):
     """The tiny MXFP4 gpt-oss on CUDA in float32, as a user loads it (`Mxfp4Config` from the
     checkpoint: experts as stored, the Triton attention with sinks and the MXFP4 fused MoE):
     every position's logits equal HF's on the dequantized weights."""
-    from model_utils import hf_logits, hf_model, load_our_model, make_tiny_hf_model, run_paged
-    from test_gpt_oss import GPT_OSS, _prompts
-    from test_mxfp4 import write_mxfp4_folder
+    from model_utils import hf_logits, load_our_model, run_paged
+    from test_gpt_oss import _prompts
+    from test_mxfp4 import mxfp4_and_hf
 
     from pagellm.attention.triton_backend import TritonAttentionBackend
     from pagellm.quantization.mxfp4 import Mxfp4GpuExperts
 
-    folder = make_tiny_hf_model("gpt_oss", tmp_path, **GPT_OSS)
-    encoded = write_mxfp4_folder(folder, tmp_path / "mxfp4")
-    hf = hf_model(folder)
-    with torch.no_grad():
-        for name, weight in encoded.items():
-            hf.get_parameter(name).copy_(weight)
-    ours = load_our_model(
-        str(tmp_path / "mxfp4"), device="cuda", attn_backend_cls=TritonAttentionBackend
-    )
+    folder, hf = mxfp4_and_hf(tmp_path)
+    ours = load_our_model(folder, device="cuda", attn_backend_cls=TritonAttentionBackend)
     assert isinstance(ours.model.layers[0].mlp.experts.quantized_experts, Mxfp4GpuExperts)
     for tokens, logits in run_paged(ours, _prompts(), num_decode_steps=4, chunk_size=16):
         torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=2e-3, rtol=1e-3)

@@ -57,20 +57,26 @@ def write_mxfp4_folder(folder: str, out: Path) -> dict[str, torch.Tensor]:
     return encoded
 
 
-@pytest.fixture(scope="module")
-def mxfp4(tmp_path_factory):
-    """(MXFP4 folder, HF model with the encoded weights, one engine on the folder)."""
-    root = tmp_path_factory.mktemp("mxfp4")
-    folder = make_tiny_hf_model("gpt_oss", root, **GPT_OSS)
+def mxfp4_and_hf(root: Path, **config) -> tuple[str, torch.nn.Module]:
+    """A tiny gpt-oss (`config` over GPT_OSS) written as MXFP4 under root / "mxfp4", and HF's
+    float32 model on the weights that folder encodes."""
+    folder = make_tiny_hf_model("gpt_oss", root, **{**GPT_OSS, **config})
     encoded = write_mxfp4_folder(folder, root / "mxfp4")
     hf = hf_model(folder)
     with torch.no_grad():
         for name, weight in encoded.items():
             hf.get_parameter(name).copy_(weight)
+    return str(root / "mxfp4"), hf
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """(MXFP4 folder, HF model with the encoded weights, one engine on the folder)."""
+    folder, hf = mxfp4_and_hf(tmp_path_factory.mktemp("mxfp4"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
-        llm = LLM(str(root / "mxfp4"), dtype="float32", block_size=4, max_num_batched_tokens=32)
-    yield root / "mxfp4", hf, llm
+        llm = LLM(folder, dtype="float32", block_size=4, max_num_batched_tokens=32)
+    yield Path(folder), hf, llm
     llm.shutdown()
 
 
