@@ -36,6 +36,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from pagellm import envs
+from pagellm.config import EngineConfig
 from pagellm.quantization import gguf_kernel
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import SamplerOutput
@@ -73,9 +75,14 @@ class GreedyHead:
         self.max_candidates = v // _MAX_SHARE
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> GreedyHead | None:
-        """For a model that names its head's float weight (`greedy_head_weight`), where the
-        block kernel runs; else None."""
+    def build(cls, model: torch.nn.Module, config: EngineConfig) -> GreedyHead | None:
+        """For a CPU engine that samples (not pooling, no speculative decoding: its verify
+        steps need the logits) of a model that names its head's float weight
+        (`greedy_head_weight`), where the block kernel runs; else None."""
+        if torch.device(config.device).type != "cpu" or not envs.cpu_greedy_head():
+            return None
+        if config.model_config.runner == "pooling" or config.speculative_config is not None:
+            return None
         get = getattr(model, "greedy_head_weight", None)
         weight = get() if get is not None else None
         if weight is None or weight.device.type != "cpu" or not gguf_kernel.supported():

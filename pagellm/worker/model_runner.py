@@ -109,12 +109,7 @@ class ModelRunner:
         self.inputs = StepInputs(max_tokens, sc.max_num_seqs, max_blocks, self.device)
         self.sampler = Sampler() if get_tp_group().size == 1 else Rank0Sampler(Sampler())
         # small greedy CPU steps: the argmax from an 8-bit copy of the LM head, a few float rows
-        self.greedy_head = (
-            GreedyHead.build(self.model)
-            if self.device.type == "cpu" and envs.cpu_greedy_head()
-            and self.model_config.runner != "pooling" and config.speculative_config is None
-            else None
-        )  # fmt: skip
+        self.greedy_head = GreedyHead.build(self.model, config)
         self.kv_caches: list[torch.Tensor] = []
         self.profiled: ProfiledMemory | None = None  # a GPU's, once its KV budget is found
         self.graphs: CudaGraphRunner | None = None
