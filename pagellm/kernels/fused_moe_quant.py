@@ -12,8 +12,8 @@ written back to memory in bf16).
                          float32 [E, N] (a row's) or [E, ceil(N / 128), ceil(K / 128)] (128 x
                          128 blocks: BLOCK_K divides 128)
     mxfp4 (gpt-oss)      q [E, N, K / 2] uint8 (two e2m1 codes a byte, column 2j low), scales
-                         uint8 [E, N, K / 32] (E8M0: 2 ** (s - 127)); each column reads its
-                         group's scale, so BLOCK_K is free; values and powers of two built
+                         uint8 [E, N, K / 32] (E8M0: 2 ** (s - 127)); BLOCK_K a multiple of 32
+                         (a K step reads whole groups); values and powers of two built
                          exactly (a scale byte 0, 2 ** -127, reads as 0)
 
 gpt-oss's expert biases and clamped SwiGLU are `fused_moe.py`'s switches, in the same
@@ -72,7 +72,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_ok, k0, offs_k, stride_w
     """[BLOCK_K, BLOCK_N]: columns k0 + offs_k of the expert's rows offs_n, in `dtype`."""
     if MXFP4:
         w = _mxfp4_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok,
-                        k0 + offs_k, stride_wn, stride_sn, dtype)  # fmt: skip
+                        k0, stride_wn, stride_sn, dtype, BLOCK_K)  # fmt: skip
     elif BITS == 0:
         w = _fp8_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok, k0,
                       stride_wn, stride_sn, dtype, GROUP, BLOCK_K, PTX_CVT)  # fmt: skip
@@ -97,19 +97,26 @@ def _fp8_tile(w_ptr, s_ptr, offs_n, n_ok, k0, stride_wn, stride_sn, dtype, GROUP
 
 
 @triton.jit
-def _mxfp4_tile(q_ptr, s_ptr, offs_n, n_ok, cols, stride_qn, stride_sn, dtype):
-    """e2m1 codes of rows offs_n, columns `cols`, times their group's power of two: exact
-    float32 values (2 + m) * {0.5, 1, 2} or 0.5 m, a scale byte's float32 bit pattern."""
-    qb = tl.load(q_ptr + offs_n[None, :] * stride_qn + cols[:, None] // 2,
-                 mask=n_ok[None, :], other=0).to(tl.int32)  # fmt: skip
-    code = (qb >> ((cols[:, None] & 1) * 4)) & 15
-    exponent, mantissa = (code >> 1) & 3, (code & 1).to(tl.float32)
-    step = tl.where(exponent == 1, 0.5, tl.where(exponent == 2, 1.0, 2.0))
-    value = tl.where(exponent == 0, 0.5 * mantissa, (2.0 + mantissa) * step)
-    value = tl.where(code >= 8, -value, value)
-    s = tl.load(s_ptr + offs_n[None, :] * stride_sn + cols[:, None] // 32,
-                mask=n_ok[None, :], other=127).to(tl.int32)  # fmt: skip
-    return (value * (s << 23).to(tl.float32, bitcast=True)).to(dtype)
+def _mxfp4_tile(q_ptr, s_ptr, offs_n, n_ok, k0, stride_qn, stride_sn, dtype,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """Rows offs_n, columns k0 .. k0 + BLOCK_K (BLOCK_K a multiple of 32): e2m1 codes times
+    their group's power of two, exact in float32, as [BLOCK_K, BLOCK_N] in `dtype`. Codes and
+    scales are read as the row-major [BLOCK_N, bytes] tiles they are stored as (wide loads);
+    a code's magnitude bits placed in a float16 (exponent e, mantissa m: 2^(e - 15) (1 + m/2),
+    or m 2^-15 when e = 0) are its value times 2^-14, folded into the scale."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    qb = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=n_ok[:, None],
+                 other=0).to(tl.int32)  # fmt: skip
+    code = tl.interleave(qb & 15, qb >> 4)  # [BLOCK_N, BLOCK_K]: column 2j is byte j's low
+    half = ((code & 7) << 9) | ((code & 8) << 12)
+    value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=n_ok[:, None],
+                other=127).to(tl.int32)  # fmt: skip
+    scale = (s << 23).to(tl.float32, bitcast=True) * 16384.0  # 2^(s - 127) * 2^14
+    for _ in tl.static_range(5):  # each group's scale repeated over its 32 columns
+        scale = tl.interleave(scale, scale)
+    return tl.trans((value * scale).to(dtype))
 
 
 @triton.jit
@@ -190,12 +197,19 @@ def _moe_quant_gemm_kernel(
 
 
 def _block_k(config: MoEConfig, w: QuantizedStack, k: int) -> int:
-    """The config's K step, halved until it divides K and the weight's scale groups."""
-    step, unit = config.block_k, k if w.mxfp4 else (w.group or k)  # mxfp4: per-column scales
-    while step > 16 and (k % step or unit % step):
+    """The config's K step, halved until it divides K and the weight's scale groups (mxfp4:
+    until it is whole groups of 32 that divide K)."""
+
+    def fits(step: int) -> bool:
+        groups = step % w.group == 0 if w.mxfp4 else (w.group or k) % step == 0
+        return k % step == 0 and groups
+
+    step = config.block_k
+    while step > 16 and not fits(step):
         step //= 2
-    if k % step or unit % step:
-        raise ValueError(f"fused_moe_quant: K={k} and scale groups of {unit} need a multiple of 16")
+    if not fits(step):
+        raise ValueError(f"fused_moe_quant: K={k} and scale groups of {w.group} need a multiple "
+                         "of 16 (mxfp4: of 32)")  # fmt: skip
     return step
 
 
