@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     _patch_interpreter_for_numpy_2_4()  # the shrink loops to a runtime bound
 
-from pagellm.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from pagellm.kernels.lora import lora_expand, lora_shrink, rows_by_slot  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,16 +50,26 @@ def _case(t, k, r, n, num_slots, dtype, seed=0, col0=3, extra=5):
     return x, a, b, slots, scales, out, col0
 
 
-CASES = [(37, 48, 8, 40), (5, 32, 16, 70), (1, 20, 4, 9)]  # (T, in, R, N)
+CASES = [(37, 48, 8, 40), (5, 32, 16, 70), (1, 20, 4, 9), (40, 600, 16, 33)]  # (T, in, R, N)
+# (the last: a shrink of three K steps, the last one partial)
+
+
+def test_rows_by_slot_groups_rows_in_order():
+    rows, starts = rows_by_slot(np.array([2, -1, 0, 2, 0, -1, 2]), 4)
+    assert rows.tolist() == [2, 4, 0, 3, 6, -1, -1]  # slot 0's rows, slot 2's, then none
+    assert starts.tolist() == [0, 2, 2, 5, 5]
+    assert rows.dtype == starts.dtype == np.int32
+    rows, starts = rows_by_slot(np.full(3, -1), 2)  # no row has an adapter
+    assert rows.tolist() == [-1, -1, -1] and starts.tolist() == [0, 0, 0]
 
 
 def check_case(t, k, r, n, dtype) -> None:
     x, a, b, slots, scales, out, col0 = _case(t, k, r, n, 3, dtype)
     expected = _reference(x, a, b, slots, scales, out, col0)
     before = out.clone()
-    h = lora_shrink(x, a, slots, scales)
-    assert torch.all(h[slots < 0] == 0)
-    lora_expand(h, b, slots, out, col0)
+    rows, starts = (torch.from_numpy(v).to(DEVICE) for v in rows_by_slot(slots.cpu().numpy(), 3))
+    h = lora_shrink(x, a, rows, starts, scales)
+    lora_expand(h, b, rows, starts, out, col0)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tol * 10, rtol=tol)
     untouched = slots < 0
@@ -67,9 +78,27 @@ def check_case(t, k, r, n, dtype) -> None:
     assert torch.equal(out[:, col0 + n :], before[:, col0 + n :])
 
 
+def check_step_buffers() -> None:
+    """The kernels on a `LoRAStep`'s engine-lifetime buffers as a CUDA step fills them (rows
+    grouped by slot, starts and scales in one copy each), two steps in a row: the second's
+    rows overwrite the first's; padding rows (a graph's) have no slot."""
+    from pagellm.lora.layers import LoRAStep
+
+    step = LoRAStep(max_tokens=64)
+    for seed in (4, 5):
+        x, a, b, slots, scales, out, col0 = _case(37, 40, 8, 24, 3, torch.float32, seed=seed)
+        step._set_device_rows(slots.numpy(), scales.tolist(), torch.device("cpu"), 40)
+        assert step.num_rows == 40 and step.rows.shape == (64,) and step.starts.shape == (4,)
+        expected = _reference(x, a, b, slots, scales, out, col0)
+        h = lora_shrink(x, a, step.rows, step.starts, step.scales)
+        lora_expand(h, b, step.rows, step.starts, out, col0)
+        torch.testing.assert_close(out, expected, atol=1e-3, rtol=1e-4)
+
+
 def check_all() -> None:
     for case, dtype in itertools.product(CASES, (torch.float32, torch.float16)):
         check_case(*case, dtype)
+    check_step_buffers()
 
 
 def test_shrink_expand_equal_torch():

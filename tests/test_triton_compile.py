@@ -228,11 +228,11 @@ def compile_lora() -> None:
 
     for dtype, ieee in (("bf16", False), ("fp32", True)):  # a float32 model: IEEE products
         types = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "h_ptr": "*fp32",
-                 "slots_ptr": "*i32", "scale_ptr": "*fp32"}  # fmt: skip
-        _compile(_shrink_kernel, types, dict(BLOCK_M=16, BLOCK_K=32, BLOCK_R=16, IEEE=ieee),
+                 "rows_ptr": "*i32", "starts_ptr": "*i32", "scale_ptr": "*fp32"}  # fmt: skip
+        _compile(_shrink_kernel, types, dict(BLOCK_M=16, BLOCK_K=256, BLOCK_R=16, IEEE=ieee),
                  ("K", "stride_xt", "stride_al", "stride_ar"))  # fmt: skip
         types = {"h_ptr": "*fp32", "b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-                 "slots_ptr": "*i32"}  # fmt: skip
+                 "rows_ptr": "*i32", "starts_ptr": "*i32"}  # fmt: skip
         _compile(_expand_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, IEEE=ieee),
                  ("N", "stride_bl", "stride_ot"))  # fmt: skip
 

@@ -1,36 +1,65 @@
 """Multi-LoRA shrink and expand (Triton), punica's two halves of `x @ A^T @ B^T * scale`.
 
-Each token row carries a slot index (`token_slots` [T] int32; -1: no adapter). The grid has a
-slot axis: program (m, s) takes a block of BLOCK_M rows and does the work of the rows whose
-slot is s, the other rows masked (a block with none returns at once). The grid depends on T
-and max_loras only, and no value is read back to the host, so a CUDA graph replays it for
-any mix of adapters.
+A step's token rows are grouped by the slot of their adapter (`rows_by_slot`): `rows` [T]
+int32 lists the rows of slot 0, then of slot 1, ... (rows without an adapter are left out),
+and `starts` [L + 1] int32 says where each slot's run begins. Program (m, s) of the grid takes
+the m-th block of BLOCK_M rows of slot s's run (a block past its end returns at once), so
+each row is read and written by one program, and a block of rows shares one adapter's A or
+B tile. The grid depends on T and max_loras only, and no value is read back to the host, so
+a CUDA graph replays it for any mix of adapters.
 
     shrink  h[t, :R]            = (x[t] @ A[s]^T) * scale[s]   A: [max_loras, R, in]
     expand  out[t, lo:lo + N]  += h[t] @ B[s]^T                B: [max_loras, N, R]
 
 Ranks below R are zero-padded in the slots, so R (max_lora_rank) is every adapter's width.
-`h` is float32; `out` is updated in place, each row by the one program of its slot.
+`h` is float32 and holds values only in the rows that have an adapter; `out` is updated in
+place. The shrink's K loop takes long steps (up to 256 columns): a decode step's few rows
+per adapter leave few programs, each as long as its loop.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 
+def rows_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [T] int32: the rows of slot 0, then slot 1, ..., in order, -1 after the last;
+    starts [num_slots + 1] int32: slot s's rows are rows[starts[s]:starts[s + 1]]). A slot
+    of -1 (no adapter) is left out."""
+    token_slots = np.asarray(token_slots)
+    slots = np.where(token_slots >= 0, token_slots, num_slots)  # no adapter: last, dropped
+    order = np.argsort(slots, kind="stable")
+    counts = np.bincount(slots, minlength=num_slots + 1)[:num_slots]
+    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    np.cumsum(counts, out=starts[1:])
+    rows = np.full(len(token_slots), -1, dtype=np.int32)
+    rows[: starts[-1]] = order[: starts[-1]]
+    return rows, starts
+
+
+@triton.jit
+def _slot_block(rows_ptr, starts_ptr, pid_m, slot, BLOCK_M: tl.constexpr):
+    """Block pid_m of slot's rows: (row indices, which of them exist, any at all)."""
+    start = tl.load(starts_ptr + slot)
+    count = tl.load(starts_ptr + slot + 1) - start
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = offs < count
+    rows = tl.load(rows_ptr + start + offs, mask=ok, other=0)
+    return rows, ok, pid_m * BLOCK_M < count
+
+
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, h_ptr, slots_ptr, scale_ptr, T, K, R,
+    x_ptr, a_ptr, h_ptr, rows_ptr, starts_ptr, scale_ptr, K, R,
     stride_xt, stride_al, stride_ar, stride_ht,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m, slot = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
-    mine = row_slots == slot
-    if tl.sum(mine.to(tl.int32)) == 0:
+    rows, mine, any_rows = _slot_block(rows_ptr, starts_ptr, pid_m, slot, BLOCK_M)
+    if not any_rows:
         return
     ranks = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -41,9 +70,9 @@ def _shrink_kernel(
         a = tl.load(a_ptr + slot * stride_al + ranks[None, :] * stride_ar + ks[:, None],
                     mask=(ranks[None, :] < R) & (ks[:, None] < K), other=0.0)  # fmt: skip
         if IEEE:  # a float32 model: float32 products (not TF32), as HF + PEFT's
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(tl.float32), a.to(tl.float32))  # [M, K] @ [K, R]
+            acc += tl.dot(x, a, input_precision="ieee")
+        else:  # bf16 / fp16: exact products, float32 sums
+            acc += tl.dot(x, a)  # [M, K] @ [K, R]
     acc *= tl.load(scale_ptr + slot)
     tl.store(h_ptr + rows[:, None] * stride_ht + ranks[None, :], acc,
              mask=mine[:, None] & (ranks[None, :] < R))  # fmt: skip
@@ -51,15 +80,13 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, b_ptr, out_ptr, slots_ptr, T, N, R, col0,
+    h_ptr, b_ptr, out_ptr, rows_ptr, starts_ptr, N, R, col0,
     stride_ht, stride_bl, stride_bn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_slots = tl.load(slots_ptr + rows, mask=rows < T, other=-1)
-    mine = row_slots == slot
-    if tl.sum(mine.to(tl.int32)) == 0:
+    rows, mine, any_rows = _slot_block(rows_ptr, starts_ptr, pid_m, slot, BLOCK_M)
+    if not any_rows:
         return
     ranks = tl.arange(0, BLOCK_R)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,42 +109,46 @@ def _block_r(rank: int) -> int:
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+    scales: torch.Tensor,
 ) -> torch.Tensor:
-    """h [T, R] float32 = (x @ A[slot]^T) * scale[slot] for each row (0 where slot is -1).
-    x [T, in] (rows contiguous), a [L, R, in] contiguous, token_slots [T] int32, scales [L]."""
+    """h [T, R] float32 = (x @ A[slot]^T) * scale[slot] for each row that has a slot (the
+    other rows of h are left unset). x [T, in] (rows contiguous), a [L, R, in] contiguous,
+    rows [>= T] and starts [L + 1] int32 from `rows_by_slot`, scales [L]."""
     t, k = x.shape
     num_slots, r, k_a = a.shape
     assert k_a == k and a.is_contiguous() and x.stride(1) == 1, (x.shape, a.shape)
-    assert token_slots.shape == (t,) and scales.shape == (num_slots,)
-    h = torch.zeros(t, r, device=x.device, dtype=torch.float32)
+    assert rows.shape[0] >= t and starts.shape == (num_slots + 1,) and scales.shape == (num_slots,)
+    h = torch.empty(t, r, device=x.device, dtype=torch.float32)
     if t == 0:
         return h
     block_m = 16
     grid = (triton.cdiv(t, block_m), num_slots)
     _shrink_kernel[grid](
-        x, a, h, token_slots, scales, t, k, r, x.stride(0), a.stride(0), a.stride(1),
-        h.stride(0), BLOCK_M=block_m, BLOCK_K=32, BLOCK_R=_block_r(r),
-        IEEE=x.dtype == torch.float32,
+        x, a, h, rows, starts, scales, k, r, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
+        BLOCK_M=block_m, BLOCK_K=min(256, max(16, triton.next_power_of_2(k))),
+        BLOCK_R=_block_r(r), IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return h
 
 
 def lora_expand(
-    h: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, col0: int = 0
-) -> torch.Tensor:
+    h: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+    out: torch.Tensor, col0: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """out[:, col0:col0 + N] += h @ B[slot]^T for each row with a slot (in place; returned).
-    h [T, R] float32, b [L, N, R] contiguous, out [T, >= col0 + N] (rows contiguous)."""
+    h [T, R] float32, b [L, N, R] contiguous, rows / starts as `lora_shrink` takes them,
+    out [T, >= col0 + N] (rows contiguous)."""
     t, r = h.shape
     num_slots, n, r_b = b.shape
     assert r_b == r and b.is_contiguous() and out.stride(1) == 1, (h.shape, b.shape)
-    assert out.shape[0] == t and out.shape[1] >= col0 + n and token_slots.shape == (t,)
+    assert out.shape[0] == t and out.shape[1] >= col0 + n and starts.shape == (num_slots + 1,)
     if t == 0:
         return out
     block_m, block_n = 16, 64
     grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n), num_slots)
     _expand_kernel[grid](
-        h, b, out, token_slots, t, n, r, col0, h.stride(0), b.stride(0), b.stride(1),
+        h, b, out, rows, starts, n, r, col0, h.stride(0), b.stride(0), b.stride(1),
         out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(r),
         IEEE=out.dtype == torch.float32,
     )  # fmt: skip

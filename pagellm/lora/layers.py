@@ -36,20 +36,24 @@ from pagellm.utils import to_device
 
 class LoRAStep:
     """The current step's rows by adapter. CPU: `groups`, (slot, rows [n] int64 or None for
-    every row, rank, scale), empty when no row has an adapter. CUDA: `token_slots` [T] int32
-    (-1: none) and `scales` [max_loras] float32, views of buffers kept for the engine's life
-    (`max_tokens` rows, a step's most), which captured CUDA graphs read: each step writes
-    its rows' slots (a graph's padding rows -1) and the slots' scales before the replay."""
+    every row, rank, scale), empty when no row has an adapter. CUDA: the rows grouped by
+    slot as the kernels take them (`kernels.lora.rows_by_slot`: `rows` [max_tokens] int32,
+    `starts` [max_loras + 1] int32) and `scales` [max_loras] float32, views of buffers kept
+    for the engine's life (`max_tokens` rows, a step's most), which captured CUDA graphs
+    read: each step writes them before the replay (a graph's padding rows have no slot);
+    `num_rows` is the step's (or the graph's) T."""
 
     def __init__(self, max_tokens: int = 256) -> None:
         self.groups: list[tuple[int, torch.Tensor | None, int, float]] = []
         # the same groups as the C++ kernel takes them: rows sorted by slot, LoraGroup array
         self.kernel_rows, self.kernel_groups = lora_cpu.groups_of(np.zeros(0, np.int64), [], [])
-        self.token_slots: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.starts: torch.Tensor | None = None
         self.scales: torch.Tensor | None = None
+        self.num_rows: int | None = None
         self.max_tokens = max_tokens
         self.max_rank = 0  # the slots' R (`LoRASlots` sets it)
-        self._slots_buf: torch.Tensor | None = None
+        self._meta_buf: torch.Tensor | None = None  # rows, then starts
 
     def set_rows(
         self,
@@ -73,26 +77,32 @@ class LoRAStep:
         self.kernel_rows, self.kernel_groups = lora_cpu.groups_of(token_slots, ranks, scales)
 
     def graph_rows(self, size: int, num_slots: int, device: torch.device) -> None:
-        """A CUDA graph of `size` rows: its kernels read the buffers' first `size` rows (each
-        replay's step fills them). The warm-up before a capture makes them (all -1); inside
-        the capture nothing is copied from the host (a capture may not)."""
+        """A CUDA graph of `size` rows: its kernels read the buffers (each replay's step
+        fills them). The warm-up before a capture makes them (no row has a slot); inside the
+        capture nothing is copied from the host (a capture may not)."""
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             self._set_device_rows(np.full(size, -1), [0.0] * num_slots, device, size)
-        self.token_slots = self._slots_buf[:size]
+        self.num_rows = size
 
     def _set_device_rows(self, token_slots: np.ndarray, scales, device, rows: int) -> None:
-        if self._slots_buf is None:  # once: captured graphs read this memory
-            self._slots_buf = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=device)
+        from pagellm.kernels.lora import rows_by_slot
+
+        num_slots = len(scales)
+        if self._meta_buf is None:  # once: captured graphs read this memory
+            self._meta_buf = torch.full((self.max_tokens + num_slots + 1,), -1,
+                                        dtype=torch.int32, device=device)  # fmt: skip
+            self.rows, self.starts = self._meta_buf.split([self.max_tokens, num_slots + 1])
+            self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         if rows > self.max_tokens:  # the step buffers' size (`StepInputs`) bounds every step
             raise ValueError(f"a step of {rows} tokens; LoRA rows are kept for {self.max_tokens}")
-        if self.scales is None:
-            self.scales = torch.zeros(len(scales), dtype=torch.float32, device=device)
-        host = np.full(rows, -1, dtype=np.int32)
-        host[: len(token_slots)] = token_slots
+        grouped, starts = rows_by_slot(token_slots, num_slots)
+        host = np.full(self._meta_buf.shape[0], -1, dtype=np.int32)
+        host[: len(grouped)] = grouped
+        host[self.max_tokens :] = starts
         # through pinned memory: a pageable copy would wait for the step in flight
-        self._slots_buf[:rows].copy_(to_device(host, device))
+        self._meta_buf.copy_(to_device(host, device))
         self.scales.copy_(to_device(np.asarray(scales, dtype=np.float32), device))
-        self.token_slots = self._slots_buf[:rows]
+        self.num_rows = rows
 
 
 class LoRASlots:
@@ -178,12 +188,12 @@ class LoRASlots:
         from pagellm.kernels.lora import lora_expand, lora_shrink
 
         step = self.step
-        if step.token_slots is None or step.token_slots.shape[0] != x.shape[0]:
+        if step.num_rows != x.shape[0]:
             return out  # no adapter was ever set up for rows of this step (profiling)
         x = x.contiguous()
         for name, (start, _) in self.parts.items():
-            h = lora_shrink(x, self.a[name], step.token_slots, step.scales)
-            lora_expand(h, self.b[name], step.token_slots, out, start)
+            h = lora_shrink(x, self.a[name], step.rows, step.starts, step.scales)
+            lora_expand(h, self.b[name], step.rows, step.starts, out, start)
         return out
 
 
