@@ -170,6 +170,28 @@ def test_greedy_ids_equal_hf_batched_chunked_and_preempted(family):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GREEDY.max_tokens)
 
 
+def test_v2_mlp_bias_and_moe_layer_freq_as_hf_reads_them(tmp_path):
+    """V2's `mlp_bias` (biases on the dense MLP and the shared experts) and a
+    `moe_layer_freq` of 2, which HF ignores (experts on every layer from
+    `first_k_dense_replace`): the logits of HF's checkpoint."""
+    folder = make_tiny_deepseek("deepseek_v2", tmp_path, mlp_bias=True, moe_layer_freq=2)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_our_model(folder)
+    assert [isinstance(layer.mlp, DeepseekMoE) for layer in ours.model.layers] == [
+        False,
+        True,
+        True,
+    ]
+    for tokens, logits in run_paged(ours, _prompts(9, 4), num_decode_steps=3, block_size=4):
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+
+
+def test_an_activation_the_experts_cannot_run_is_refused(tmp_path):
+    folder = make_tiny_deepseek("deepseek_v2", tmp_path, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load_our_model(folder)
+
+
 def test_kv_budget_counts_one_latent_row_a_token(family):
     """The budget buys exactly NUM_BLOCKS blocks of latent rows (per-head K and V would have
     bought H * (dn + P + dv) / (R + P) = 4.4x fewer)."""

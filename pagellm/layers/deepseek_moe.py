@@ -92,7 +92,7 @@ class DeepseekMoE(nn.Module):
         self.gate = DeepseekRouter(config, sigmoid)
         self.experts = FusedMoE(config.n_routed_experts, self.gate.top_k, h, i, renormalize=False)
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = GatedMLP(h, i * shared) if shared else None
+        self.shared_experts = GatedMLP(h, i * shared, bias=mlp_bias(config)) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -104,9 +104,14 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    """Dense before `first_k_dense_replace`, then every `moe_layer_freq`-th layer sparse."""
+    """Dense before `first_k_dense_replace`, sparse from there on. HF transformers' V2 and V3
+    ignore `moe_layer_freq` (DeepSeek's own code reads it; every released config has 1), and
+    HF is the reference for the checkpoint's layout."""
     if not getattr(config, "n_routed_experts", None):
         return False
-    first = getattr(config, "first_k_dense_replace", None) or 0
-    freq = getattr(config, "moe_layer_freq", None) or 1
-    return layer_idx >= first and layer_idx % freq == 0
+    return layer_idx >= (getattr(config, "first_k_dense_replace", None) or 0)
+
+
+def mlp_bias(config: PretrainedConfig) -> bool:
+    """V2's `mlp_bias`: biases on the dense MLP and the shared experts (V3 has none)."""
+    return bool(getattr(config, "mlp_bias", False))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
-from pagellm.layers.deepseek_moe import DeepseekMoE, is_moe_layer
+from pagellm.layers.deepseek_moe import DeepseekMoE, is_moe_layer, mlp_bias
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.mla import LatentAttention
 from pagellm.layers.mlp import GatedMLP
@@ -45,8 +45,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn = LatentAttention(config)
         if is_moe_layer(config, layer_idx):
             self.mlp: nn.Module = DeepseekMoE(config, sigmoid)
-        else:
-            self.mlp = GatedMLP(h, config.intermediate_size)
+        else:  # V2's `mlp_bias` (HF's dense MLP and shared experts take it; V3 has none)
+            self.mlp = GatedMLP(h, config.intermediate_size, bias=mlp_bias(config))
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
 
@@ -102,6 +102,10 @@ class DeepseekV2ForCausalLM(MoEWeights, LlamaForCausalLM):
     ) -> nn.Module:
         """The decoder; latent attention runs on its own (`pagellm/attention/mla.py`), reading
         the step's metadata of whichever backend the runner built it with."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":  # the fused experts run SiLU; HF would run `act` everywhere
+            raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported "
+                             "(only 'silu', as every released DeepSeek config has)")  # fmt: skip
         return DeepseekModel(config, self.sigmoid_router)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
