@@ -188,7 +188,7 @@ def test_v2_mlp_bias_and_moe_layer_freq_as_hf_reads_them(tmp_path):
 
 def test_an_activation_the_experts_cannot_run_is_refused(tmp_path):
     folder = make_tiny_deepseek("deepseek_v2", tmp_path, hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+    with pytest.raises(ValueError, match="hidden_act .gelu. is not supported"):
         load_our_model(folder)
 
 

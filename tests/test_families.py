@@ -210,3 +210,20 @@ def test_multimodal_gemma3_checkpoint_serves_its_language_model(tmp_path):
         expected = hf_logits(hf, tokens)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-5)
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("arch, act", [("llama", "gelu"), ("qwen2", "gelu_new"), ("olmo2", "gelu")])
+def test_the_configs_hidden_act_is_the_mlps(tmp_path, arch, act):
+    """A dense family's MLP runs the config's `hidden_act` (HF's ACT2FN), not always SiLU."""
+    folder = make_tiny_hf_model(arch, tmp_path, hidden_act=act)
+    hf = hf_model(folder)
+    ours = load_our_model(folder)
+    for tokens, logits in run_paged(ours, _prompts()[:2], num_decode_steps=2, block_size=4):
+        torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_fused_experts_refuse_another_activation(tmp_path, arch):
+    folder = make_tiny_hf_model(arch, tmp_path, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        load_our_model(folder)

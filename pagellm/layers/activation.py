@@ -1,6 +1,6 @@
 """The gated activations of an MLP: SiLU-and-mul (fused on CUDA and the CPU, its fp8 output
-for a w8a8 down projection), Gemma's GeGLU (gelu-tanh and mul) and gpt-oss's clamped SwiGLU
-(its experts')."""
+for a w8a8 down projection), GeGLU (exact gelu, or Gemma's gelu-tanh, and mul) and gpt-oss's
+clamped SwiGLU (its experts')."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ class SiluAndMul(nn.Module):
             return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up with the exact (erf) gelu: HF's `hidden_act` "gelu"."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * I] (gate | up) -> [T, I]
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate) * up
 
 
 class GeluTanhAndMul(nn.Module):
@@ -55,6 +64,18 @@ class ClampedSwiGLU:
 # HF `hidden_act` / `hidden_activation` -> the gated activation of the MLP
 GATED_ACTIVATIONS = {
     "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu": GeluAndMul,
     "gelu_pytorch_tanh": GeluTanhAndMul,
     "gelu_tanh": GeluTanhAndMul,
+    "gelu_new": GeluTanhAndMul,
 }
+
+
+def require_silu(config: Any, what: str) -> None:
+    """Fused experts run SiLU-and-mul: a config whose `hidden_act` is another is refused
+    (HF would run it in every expert)."""
+    act = getattr(config, "hidden_act", None) or "silu"
+    if GATED_ACTIVATIONS.get(act) is not SiluAndMul:
+        raise ValueError(f"{what}: hidden_act {act!r} is not supported (its fused experts run "
+                         "'silu')")  # fmt: skip

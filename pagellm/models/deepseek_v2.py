@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.layers.activation import require_silu
 from pagellm.layers.deepseek_moe import DeepseekMoE, is_moe_layer, mlp_bias
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.mla import LatentAttention
@@ -102,10 +103,7 @@ class DeepseekV2ForCausalLM(MoEWeights, LlamaForCausalLM):
     ) -> nn.Module:
         """The decoder; latent attention runs on its own (`pagellm/attention/mla.py`), reading
         the step's metadata of whichever backend the runner built it with."""
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":  # the fused experts run SiLU; HF would run `act` everywhere
-            raise ValueError(f"{type(self).__name__}: hidden_act {act!r} is not supported "
-                             "(only 'silu', as every released DeepSeek config has)")  # fmt: skip
+        require_silu(config, type(self).__name__)
         return DeepseekModel(config, self.sigmoid_router)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

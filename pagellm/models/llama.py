@@ -162,7 +162,8 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, config: PretrainedConfig) -> nn.Module:
         """The layer's MLP (Gemma: GeGLU; StarCoder2: a plain one)."""
         bias = getattr(config, "mlp_bias", False)
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias)
+        act = getattr(config, "hidden_act", None) or "silu"
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=bias, act=act)
 
     def make_norm(self, config: PretrainedConfig) -> nn.Module:
         """One of its two norms (Gemma: (1 + w); StarCoder2: LayerNorm)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.layers.activation import require_silu
 from pagellm.layers.moe import SparseMoeBlock, num_experts_of, use_sparse_mlps
 from pagellm.layers.moe_weights import MoEWeights
 from pagellm.models.llama import MistralForCausalLM
@@ -25,6 +26,7 @@ class MixtralForCausalLM(MoEWeights, MistralForCausalLM):
 
 
 def mixtral_block(config: PretrainedConfig) -> SparseMoeBlock:
+    require_silu(config, "Mixtral")
     return SparseMoeBlock(
         config.hidden_size,
         num_experts_of(config),

@@ -107,7 +107,8 @@ class Olmo2DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Olmo2Attention(config, attn_backend_cls, options)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        act = getattr(config, "hidden_act", None) or "silu"
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, act=act)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagellm.attention.base import AttentionBackend
+from pagellm.layers.activation import require_silu
 from pagellm.layers.moe import (
     SparseMoeBlock,
     is_sparse_layer,
@@ -32,6 +33,7 @@ def qwen_moe_block(config: PretrainedConfig, layer_idx: int) -> SparseMoeBlock |
     the config has one); None for a dense layer."""
     if not is_sparse_layer(config, layer_idx):
         return None
+    require_silu(config, "Qwen-MoE")
     return SparseMoeBlock(
         config.hidden_size,
         num_experts_of(config),
