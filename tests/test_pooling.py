@@ -141,3 +141,29 @@ def test_pooler_config_from_sentence_transformers_files(tmp_path):
     with pytest.raises(ValueError, match="supports dimensions \\[8, 16\\]"):
         params.verify_for_model("embed", 64, True, [8, 16], "m")
     assert resolve_runner("auto", None, hf) == "generate"
+
+
+def test_sentence_transformers_length_case_and_modules(tmp_path):
+    """sentence_bert_config.json's max_seq_length and do_lower_case are read (ST truncates to
+    the length and lowercases); a module after Pooling that is not Normalize (a Dense
+    projection) is refused rather than skipped."""
+    from types import SimpleNamespace
+
+    from pagellm.loader.pooler_config import load_pooler_config
+
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    settings = {"max_seq_length": 8, "do_lower_case": True}
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(settings))
+    hf = SimpleNamespace(architectures=["BertModel"])
+    config = load_pooler_config(str(tmp_path), hf)
+    assert (config.max_seq_length, config.lowercase) == (8, True)
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense",
+                    "type": "sentence_transformers.models.Dense"})  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense"):
+        load_pooler_config(str(tmp_path), hf)

@@ -84,3 +84,24 @@ def test_attention_per_request_equals_the_padded_batch():
     torch.testing.assert_close(sliced[:5], alone)
     assert RequestSlices.use_slices(qsl, torch.device("cpu"))
     assert not RequestSlices.use_slices(np.arange(40), torch.device("cpu"))
+
+
+def test_sentence_transformers_max_seq_length_bounds_the_model(folder, tmp_path):
+    """ST truncates to its max_seq_length (all-MiniLM-L6-v2: 256 of 512 positions): the
+    engine's max_model_len follows it, and a truncated embedding is ST's."""
+    import json
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    copy = shutil.copytree(folder, tmp_path / "short")
+    settings = json.loads((copy / "sentence_bert_config.json").read_text())
+    (copy / "sentence_bert_config.json").write_text(json.dumps({**settings, "max_seq_length": 8}))
+    text = "the cat sat on the mat why is the sky blue"
+    reference = SentenceTransformer(str(copy), device="cpu").encode([text])[0]
+    with LLM(str(copy), dtype="float32", kv_cache_memory_bytes=1 << 24) as llm:
+        assert llm.llm_engine.config.model_config.max_model_len == 8
+        (out,) = llm.embed(text, use_tqdm=False, truncate_prompt_tokens=-1)
+    close(out.outputs.embedding, reference)
+    with pytest.raises(ValueError, match="max_seq_length"):
+        LLM(str(copy), dtype="float32", max_model_len=16)

@@ -66,3 +66,30 @@ def test_classify_and_truncated_pairs(llm, hf):
     with torch.no_grad():
         expected = torch.sigmoid(hf(**encoded).logits[0, 0])
     assert out.outputs.score == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_token_types_outside_the_table_are_refused_and_the_engine_serves(llm):
+    for prompt, match in (
+        ({"prompt_token_ids": [2, 9, 3], "token_type_ids": [0, 5, 5]}, "type_vocab_size"),
+        ({"prompt_token_ids": [2, 9, 10, 3], "token_type_ids": [0, 1]}, "2 for 4 prompt tokens"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.classify(prompt, use_tqdm=False)
+    assert len(llm.classify(DOCS[0], use_tqdm=False)[0].outputs.probs) == 1
+
+
+def test_the_configs_cross_encoder_activation(folder, hf, tmp_path):
+    """ST's `activation_fn` (and <4.0's `sbert_ce_default_activation_function`, which the
+    ms-marco rerankers carry): Identity scores are the raw logits, as CrossEncoder.predict."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(folder, tmp_path / "identity")
+    config = json.loads((copy / "config.json").read_text())
+    config["sbert_ce_default_activation_function"] = "torch.nn.modules.linear.Identity"
+    (copy / "config.json").write_text(json.dumps(config))
+    with LLM(str(copy), dtype="float32", max_model_len=32, kv_cache_memory_bytes=1 << 24) as llm:
+        tokenizer = llm.get_tokenizer()
+        scores = [s.outputs.score for s in llm.score(QUERY, DOCS[:2], use_tqdm=False)]
+    logits = [float(_logits(hf, tokenizer, QUERY, doc)[0]) for doc in DOCS[:2]]
+    assert scores == pytest.approx(logits, abs=1e-5)

@@ -72,6 +72,13 @@ class PoolerConfig:
     matryoshka_dimensions: list[int] | None = None  # the ones it was trained for (None: any)
     num_labels: int = 0  # a classifier's outputs
     encoder: bool = False  # attends both ways, no KV cache, each prompt in one step
+    # sentence-transformers' Transformer module: inputs truncated to max_seq_length tokens,
+    # lowercased first with do_lower_case
+    max_seq_length: int | None = None
+    lowercase: bool = False
+    # a cross-encoder's activation as its config names it (ST's activation_fn): "sigmoid",
+    # "softmax" or "identity"; None: softmax (sigmoid for one label)
+    activation: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:

@@ -249,6 +249,15 @@ class EngineArgs:
         rope = long_rope(hf_config)
         folder = source.path if source.kind == "hf" else None
         runner = resolve_runner(self.runner, folder, hf_config)
+        pooler = load_pooler_config(folder, hf_config) if runner == "pooling" else None
+        st_len = pooler.max_seq_length if pooler is not None else None
+        if st_len is not None and max_len > st_len:
+            if isinstance(self.max_model_len, int):
+                raise ValueError(
+                    f"max_model_len={max_len} is more than the sentence-transformers "
+                    f"max_seq_length ({st_len}) the model truncates to"
+                )
+            max_len = st_len
         return ModelConfig(
             model=source.name,
             source=source,
@@ -264,7 +273,7 @@ class EngineArgs:
             quantization=quantization,
             long_rope_switch=None if rope is None else rope[0],
             runner=runner,
-            pooler_config=load_pooler_config(folder, hf_config) if runner == "pooling" else None,
+            pooler_config=pooler,
         )
 
     def create_draft_model_config(

@@ -119,15 +119,25 @@ class InputProcessor:
                 f"truncate_prompt_tokens ({keep}) is more than the maximum model length "
                 f"({mc.max_model_len}): pass at most that, or -1"
             )
+        if pc.lowercase and isinstance(prompt, str):  # ST's do_lower_case
+            prompt = prompt.lower()
+        elif pc.lowercase and isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            prompt = {**prompt, "prompt": prompt["prompt"].lower()}
         text, token_ids = self._tokenize(prompt, keep)
         if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
             token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
         self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")
         types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
         if types is not None:  # a pair's (LLM.score): as many as its ids, which it ends with
-            params = msgspec.structs.replace(
-                params, token_type_ids=_as_prompt_token_ids(types)[-len(token_ids) :]
-            )
+            types = _as_prompt_token_ids(types)[-len(token_ids) :]
+            n_types = getattr(mc.hf_config, "type_vocab_size", None)
+            if len(types) != len(token_ids):
+                raise ValueError(f"token_type_ids: {len(types)} for {len(token_ids)} prompt tokens")
+            if n_types is not None and not all(0 <= t < n_types for t in types):
+                raise ValueError(
+                    f"token_type_ids must be in [0, {n_types}) (the model's type_vocab_size)"
+                )
+            params = msgspec.structs.replace(params, token_type_ids=types)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -131,7 +131,12 @@ class PoolingMethods:
         tokenizer = self.get_tokenizer()
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
-        prompts = [pair_prompt(tokenizer, a, b, keep) for a, b in zip(texts_1, texts_2)]
+        if mc.pooler_config.lowercase:
+            texts_1, texts_2 = [t.lower() for t in texts_1], [t.lower() for t in texts_2]
+        # a model with one token type (XLM-R's, type_vocab_size=1) reads none: a BERT
+        # tokenizer's pair types (1 for text 2) would index past its table
+        typed = getattr(mc.hf_config, "type_vocab_size", 2) > 1
+        prompts = [pair_prompt(tokenizer, a, b, keep, typed) for a, b in zip(texts_1, texts_2)]
         outputs = self.encode(prompts, params, use_tqdm, pooling_task="score")
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
@@ -142,7 +147,7 @@ def cosine_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
 
 
 def pair_prompt(
-    tokenizer: Any, text_1: str, text_2: str, max_length: int | None
+    tokenizer: Any, text_1: str, text_2: str, max_length: int | None, typed: bool = True
 ) -> dict[str, list[int]]:
     """The two texts as the tokenizer encodes a pair (a cross-encoder's input: its ids and,
     where it has them, token types), truncated (the longer text first) to `max_length`."""
@@ -151,7 +156,7 @@ def pair_prompt(
     else:
         encoded = tokenizer(text_1, text_2, truncation=True, max_length=max_length)
     prompt = {"prompt_token_ids": encoded["input_ids"]}
-    if encoded.get("token_type_ids") is not None:
+    if typed and encoded.get("token_type_ids") is not None:
         prompt["token_type_ids"] = encoded["token_type_ids"]
     return prompt
 

@@ -30,6 +30,9 @@ RUNNERS = ("auto", "generate", "pooling")
 # a module's "type" ends with its class: sentence_transformers.models.Pooling (up to 5.x),
 # sentence_transformers.sentence_transformer.modules.pooling.Pooling (6.x)
 _POOLING, _NORMALIZE = "Pooling", "Normalize"
+_SERVED_MODULES = ("Transformer", _POOLING, _NORMALIZE)  # any other (Dense, ...) is refused
+# a CrossEncoder's activation_fn (config.sentence_transformers, or <4.0's key) -> ours
+_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax"}
 _MODES = {  # the ST Pooling mode -> vLLM's pooling type
     "lasttoken": "LAST",
     "mean": "MEAN",
@@ -61,6 +64,13 @@ def resolve_runner(runner: str, folder: str | None, hf_config: Any) -> str:
 def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     arch = architecture_of(hf_config)
     modules = _st_modules(folder)
+    unserved = [str(m.get("type")) for m in modules if _kind(m) not in _SERVED_MODULES]
+    if unserved:
+        raise ValueError(
+            f"{folder}/modules.json: modules {unserved}; pagellm serves Transformer, Pooling "
+            "and Normalize only (a Dense projection after pooling is not applied)"
+        )
+    st = _st_transformer_config(folder) if modules else {}
     pooling = next((m for m in modules if _kind(m) == _POOLING), None)
     encoder = is_encoder_architecture(arch)
     default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
@@ -68,7 +78,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
         default_type = hf_config.classifier_pooling.upper()
     if is_classifier(arch):
         return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
-                            num_labels=num_labels(hf_config), encoder=encoder)  # fmt: skip
+                            num_labels=num_labels(hf_config), encoder=encoder,
+                            activation=_cross_encoder_activation(hf_config))  # fmt: skip
     pooling_type = default_type
     if pooling is not None:
         pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))
@@ -80,6 +91,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
         matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
         matryoshka_dimensions=list(dims) if dims else None,
         encoder=encoder,
+        max_seq_length=st.get("max_seq_length"),
+        lowercase=bool(st.get("do_lower_case", False)),
     )
 
 
@@ -119,6 +132,37 @@ def _st_modules(folder: str | None) -> list[dict[str, Any]]:
     if not isinstance(modules, list):
         raise ValueError(f"{path}: expected a list of sentence-transformers modules")
     return [m for m in modules if isinstance(m, dict)]
+
+
+def _st_transformer_config(folder: str) -> dict[str, Any]:
+    """sentence_bert_config.json's max_seq_length and do_lower_case (5.x writes both there;
+    6.x keeps the length as the tokenizer's model_max_length, which it truncates to)."""
+    config: dict[str, Any] = {}
+    path = os.path.join(folder, "sentence_bert_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    if config.get("max_seq_length") is None:
+        tok = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(tok):
+            with open(tok) as f:
+                length = json.load(f).get("model_max_length")
+            if isinstance(length, int) and length < 1 << 30:  # HF's "no limit" is ~1e30
+                config["max_seq_length"] = length
+    return config
+
+
+def _cross_encoder_activation(hf_config: Any) -> str | None:
+    st = getattr(hf_config, "sentence_transformers", None) or {}
+    name = st.get("activation_fn") or getattr(
+        hf_config, "sbert_ce_default_activation_function", None
+    )
+    if not name:
+        return None
+    kind = _ACTIVATIONS.get(str(name).rpartition(".")[2])
+    if kind is None:
+        raise ValueError(f"the config's cross-encoder activation {name!r} is not served")
+    return kind
 
 
 def _kind(module: dict[str, Any]) -> str:

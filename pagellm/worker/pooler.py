@@ -121,4 +121,11 @@ class Pooler:
             return F.normalize(values, dim=-1) if normalize else values
         if params.use_activation is False:
             return values
+        activation = self.config.activation
+        if activation == "identity":
+            return values
+        if activation == "softmax" and values.numel() > 1:
+            return torch.softmax(values, dim=-1)
+        if activation == "sigmoid":
+            return torch.sigmoid(values)
         return torch.sigmoid(values) if values.numel() == 1 else torch.softmax(values, dim=-1)
