@@ -303,3 +303,67 @@ def test_two_ranks_same_greedy_ids_as_one(tmp_path, monkeypatch):
                  kv_cache_memory_bytes=1 << 22) as llm:  # fmt: skip
             ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert ids[0] == ids[1]
+
+
+# ---------------------------------------------------------------- configs as others write them
+
+
+def _logits_match(folder: str, reference: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    fed, got = run_paged(load_our_model(folder), [[3, 17, 99, 250, 7]], num_decode_steps=2)[0]
+    torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+
+
+def test_act_order_spellings_and_a_g_idx_the_config_denies(tmp_path):
+    """compressed-tensors' `actorder: "dynamic"` is its alias of "group" (the g_idx is read);
+    a GPTQ config saying desc_act false over a permuted g_idx is an error, not dropped."""
+    actorder = Packing("compressed-tensors", 4, 32, False, True)
+    folder, reference = _packed(tmp_path, "qwen2", actorder)
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "dynamic"
+    json.dump(config, open(path, "w"))
+    _logits_match(folder, reference)
+    folder, _ = _packed(tmp_path / "gptq", "llama", Packing("gptq", 4, 32, False, True))
+    _set_config(folder, desc_act=False)
+    with pytest.raises(ValueError, match="states no act-order .* g_idx is not k // group_size"):
+        load_our_model(folder)
+
+
+def test_ignore_entries_as_transformers_and_compressed_tensors_read_them(tmp_path):
+    """A module above the layer ("model.layers.1", transformers' prefix rule) and a "re:"
+    pattern matched from the start (compressed-tensors' re.match) leave those layers float;
+    one part of a fused layer left float alone is a clear error."""
+    folder, reference = _packed(tmp_path, "llama", Packing("gptq", 4, 32, False))
+    float_state = load_file(os.path.join(reference, "model.safetensors"))
+
+    def floats(prefixes):
+        def edit(state):
+            for name in [n for n in state if n.startswith(prefixes)]:
+                del state[name]
+            for name in [n for n in float_state if n.startswith(prefixes)]:
+                state[name] = float_state[name]
+
+        return edit
+
+    _write(folder, floats(("model.layers.1.",)))
+    _set_config(folder, modules_to_not_convert=["model.layers.1"])
+    _logits_match(folder, reference)
+    folder, reference = _packed(tmp_path / "ct", "qwen3", Packing("compressed-tensors", 4, 32))
+    float_state = load_file(os.path.join(reference, "model.safetensors"))
+    _write(folder, floats(tuple(f"model.layers.{i}.mlp.down_proj." for i in range(2))))
+    _set_config(folder, ignore=["lm_head", "re:.*down"])
+    _logits_match(folder, reference)
+    folder, reference = _packed(tmp_path / "awq", "llama", Packing("awq", 4, 32, False))
+    float_state = load_file(os.path.join(reference, "model.safetensors"))
+    _write(folder, floats(("model.layers.1.self_attn.k_proj.",)))
+    _set_config(folder, modules_to_not_convert=["model.layers.1.self_attn.k_proj"])
+    with pytest.raises(ValueError, match="not the other parts of the fused layer"):
+        load_our_model(folder)
+
+
+def test_a_folder_named_with_glob_characters(tmp_path):
+    folder = make_tiny_hf_model("llama", tmp_path / "run[1]", std=0.1, **TINY)
+    assert load_our_model(folder) is not None

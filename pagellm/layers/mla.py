@@ -40,6 +40,7 @@ class LatentProjection(ColumnParallelLinear):
     and is dequantized once (`dense_weight`); on the CPU the fp8 path dequantizes at load."""
 
     _dense: torch.Tensor | None = None
+    dense_only = True  # int weight-only methods dequantize it at load
 
     def prepack(self, batch_hint: int) -> None:
         return None

@@ -45,7 +45,7 @@ def _files_of(folder: str, fmt: str) -> list[str]:
         if missing:
             raise ValueError(f"{index} names shards that are not in the folder: {missing[:3]}")
         return [os.path.join(folder, n) for n in names]
-    files = sorted(glob.glob(os.path.join(folder, _PATTERNS[fmt])))
+    files = sorted(glob.glob(os.path.join(glob.escape(folder), _PATTERNS[fmt])))
     return [f for f in files if os.path.basename(f) not in _NOT_WEIGHTS]
 
 

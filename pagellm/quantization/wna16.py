@@ -129,7 +129,7 @@ class WNA16LinearMethod(LinearMethod):
             if perm is not None:
                 qweight, g_idx = permute_columns(qweight, s.bits, perm), None
         weight = None
-        if g_idx is None and not self.config.dequantize:
+        if g_idx is None and not self.config.dequantize and not getattr(layer, "dense_only", False):
             weight = self.config.kernel_weight(qweight, scales, zeros, group, perm)
         if weight is None:  # dequantized: the runner packs it like any float weight
             dense = self._dequantized(layer, qweight, scales, zeros, group, g_idx, perm)
@@ -234,10 +234,32 @@ class WNA16Config(QuantizationConfig):
         return shapes[stacked] if shapes and stacked else None
 
     def _ignored(self, prefix: str, layer) -> bool:
-        names = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]
+        """Whether the config leaves the layer unquantized. An entry names a module, its last
+        names ("down_proj") or a module above it ("model.layers.1", as transformers reads
+        modules_to_not_convert); "re:" patterns match from the name's start (compressed-
+        tensors' re.match). A fused layer is left whole or not at all: by its own name (a
+        checkpoint storing it fused: Phi-3's qkv_proj) or every part's."""
+        parts = [n.removesuffix(".weight") for n in checkpoint_names(prefix, layer)]
+        if self._listed(prefix):
+            return True
+        listed = [n for n in parts if self._listed(n)]
+        if listed and len(listed) < len(parts):
+            raise ValueError(
+                f"{prefix}: the {self.name} config leaves {listed} unquantized but not the "
+                f"other parts of the fused layer ({sorted(set(parts) - set(listed))})"
+            )
+        return bool(listed)
+
+    def _listed(self, module: str) -> bool:
         for entry in self.scheme.ignore:
-            pattern = entry[3:] if entry.startswith("re:") else re.escape(entry)
-            if any(re.fullmatch(pattern, n) or n.endswith("." + entry) for n in names):
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module):
+                    return True
+            elif (
+                module == entry
+                or module.endswith("." + entry)
+                or module.startswith(entry.rstrip(".") + ".")
+            ):
                 return True
         return False
 
@@ -253,7 +275,15 @@ class WNA16Config(QuantizationConfig):
             return None
         role = {v: k for k, v in self.scheme.names.items()}.get(leaf)
         if role == "g_idx" and not self.scheme.act_order:
-            return None  # without act-order the groups are k // group_size (as vLLM reads it)
+            # without act-order the groups are k // group_size (as vLLM reads it): a g_idx
+            # saying otherwise is a config that lost its act-order, not one to drop silently
+            trivial = torch.arange(shape[1]) // self.scheme.group(shape[1])
+            if tuple(tensor.shape) != (shape[1],) or not torch.equal(tensor.long(), trivial):
+                raise ValueError(
+                    f"{name}: the {self.name} config states no act-order (desc_act / actorder) "
+                    f"but this g_idx is not k // group_size"
+                )
+            return None
         if role is None:
             if leaf == "weight" and tensor.is_floating_point():
                 raise ValueError(f"{name}: a float weight where the {self.name} checkpoint's "

@@ -29,6 +29,7 @@ rows and tensor-parallel ranks cut rows or groups of columns like any weight):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -146,13 +147,21 @@ def _compressed_tensors(cfg: dict) -> WNA16Scheme:
     return WNA16Scheme(
         "compressed-tensors", int(w.get("num_bits", 4)), size, bool(w.get("symmetric", True)),
         ignore=ignore, lm_head=_targets_lm_head(group, ignore),
-        act_order=w.get("actorder") == "group",
+        act_order=str(w.get("actorder")).lower() in ("group", "dynamic", "true"),
         names=CHECKPOINT_NAMES["compressed-tensors"],
     )  # fmt: skip
 
 
 def _targets_lm_head(group: dict, ignore: tuple[str, ...]) -> bool:
-    return "lm_head" in (group.get("targets") or ()) and "lm_head" not in ignore
+    """compressed-tensors quantizes the LM head where a target names it or its class
+    ("Linear") and no ignore entry does (names exactly, "re:" patterns by re.match)."""
+
+    def names_it(entries) -> bool:
+        return any(e == "lm_head" or (e.startswith("re:") and re.match(e[3:], "lm_head"))
+                   for e in entries)  # fmt: skip
+
+    targets = group.get("targets") or ()
+    return (names_it(targets) or "Linear" in targets) and not names_it(ignore)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
