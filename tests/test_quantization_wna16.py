@@ -367,3 +367,22 @@ def test_ignore_entries_as_transformers_and_compressed_tensors_read_them(tmp_pat
 def test_a_folder_named_with_glob_characters(tmp_path):
     folder = make_tiny_hf_model("llama", tmp_path / "run[1]", std=0.1, **TINY)
     assert load_our_model(folder) is not None
+
+
+def test_deepseek_with_every_linear_quantized(tmp_path, monkeypatch):
+    """GPTQ / AWQ / llm-compressor quantize every Linear of DeepSeek-V2, `kv_b_proj` too,
+    which latent attention absorbs: dequantized at load, the dequantized model's logits."""
+    import wna16_pack
+
+    monkeypatch.setattr(
+        wna16_pack, "PROJECTIONS", (*wna16_pack.PROJECTIONS, "kv_a_proj_with_mqa", "kv_b_proj")
+    )
+    latent = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                  n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None,
+                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_group=1,
+                  topk_group=1)  # fmt: skip
+    folder, reference = _packed(tmp_path, "deepseek_v2", Packing("gptq", 4, 32), **latent)
+    assert "model.layers.0.self_attn.kv_b_proj.qweight" in load_file(
+        os.path.join(folder, "model.safetensors")
+    )
+    _logits_match(folder, reference)
