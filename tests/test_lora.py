@@ -204,3 +204,32 @@ def test_evicted_adapter_whose_folder_is_gone_fails_alone(served, tmp_path):
     )
     assert outs[0].outputs[0].token_ids == _expected(refs, prompt, "all")
     assert outs[1].outputs[0].token_ids == _expected(refs, prompt, "mlp_rs")
+
+
+def test_a_queued_requests_adapter_stays_cached_until_it_runs(served, tmp_path):
+    """Requests of more adapters than the host cache holds, all queued before a step: adding
+    the later ones must not evict an earlier queued request's adapter (a step never reads a
+    folder: this one is deleted before the first step)."""
+    llm, loras, refs, _ = served
+    engine, prompt = llm.llm_engine, _prompts()[1]
+    queued = LoRARequest(
+        "queued", 40, str(shutil.copytree(loras["mlp_rs"].lora_path, tmp_path / "q"))
+    )
+    order = [loras["attn"], queued, loras["all"], loras["attn"], loras["all"]]
+    for i, lora in enumerate(order):
+        engine.add_request(f"q{i}", {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+    engine.call_utility("get_stats")  # a round trip: the core has read every adapter
+    shutil.rmtree(tmp_path / "q")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    names = {id(loras[n]): n for n in ADAPTERS} | {id(queued): "mlp_rs"}
+    for i, lora in enumerate(order):
+        assert done[f"q{i}"].outputs[0].token_ids == _expected(refs, prompt, names[id(lora)])
+
+
+def test_max_lora_rank_is_at_most_512(tmp_path):
+    from pagellm.config.lora import LoRAConfig
+
+    with pytest.raises(ValueError, match="max_lora_rank must be in \\[1, 512\\]"):
+        LoRAConfig(max_lora_rank=528)

@@ -23,6 +23,10 @@ LORA_ARCHITECTURES = (
 )
 
 
+# the CPU kernel's largest rank (kMaxRank, pagellm/csrc/lora_cpu.cpp); vLLM's largest too
+MAX_LORA_RANK = 512
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     max_loras: int = 1  # adapter slots on the device: distinct adapters in one step
@@ -32,8 +36,10 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}"
+            )
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"

@@ -109,7 +109,11 @@ class EngineCore:
         """A request's adapter read on every rank before it is queued, or found in their host
         caches (each request asks: one evicted since is read again, and one whose folder is
         gone fails its request alone, never a step)."""
-        args = (lora.lora_name, lora.lora_int_id, lora.lora_path)
+        # every adapter a queued, preempted or running request still needs stays in the
+        # host caches: a step never reads a folder (it may be gone since, or replaced)
+        live = sorted({r.lora_request.lora_int_id for r in self.scheduler.requests.values()
+                       if r.lora_request is not None})  # fmt: skip
+        args = (lora.lora_name, lora.lora_int_id, lora.lora_path, live)
         errors = [e for e in self.model_executor.collective_rpc("add_lora", args) if e]
         if errors:
             raise ValueError(errors[0])

@@ -52,6 +52,8 @@ class LoRASlotManager:
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.adapters: dict[int, LoRAAdapter] = {}  # adapter id -> the one in its slot
+        # adapters of the engine's unfinished requests (waiting too), as of the last add
+        self.live: set[int] = set()
 
     def _attach(self, model: nn.Module) -> None:
         for i, layer in enumerate(model.model.layers):
@@ -85,8 +87,10 @@ class LoRASlotManager:
             self.forget(lora_request.lora_int_id)  # another folder under this id
             self.paths[lora_request.lora_int_id] = lora_request.lora_path
 
-    def add_adapter(self, lora_request: LoRARequest) -> None:
-        """Read an adapter into the host cache now, off the step (ValueError: it does not fit)."""
+    def add_adapter(self, lora_request: LoRARequest, live: Sequence[int] = ()) -> None:
+        """Read an adapter into the host cache now, off the step (ValueError: it does not fit);
+        `live`: the adapters the engine's other unfinished requests use, kept there."""
+        self.live = set(live)
         self._set_path(lora_request)
         self._host_adapter(lora_request.lora_int_id)
 
@@ -165,8 +169,9 @@ class LoRASlotManager:
 
     def _evict_host(self, keep: int) -> None:
         """Least recently used adapters out of the host cache, down to its size, but never
-        one a running request uses (a step never reads a folder, which may be gone since)."""
-        in_use = {keep, *self.requests.values()}
+        one an unfinished request (running, waiting or preempted) uses: a step never reads a
+        folder, which may be gone since."""
+        in_use = {keep, *self.requests.values(), *self.live}
         for victim in [i for i in self.host if i not in in_use]:
             if len(self.host) <= self.config.host_cache_size:
                 return

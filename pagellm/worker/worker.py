@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -103,13 +104,15 @@ class Worker:
         output = queued.get_output()  # every rank reads its sampled ids back
         return output if self.rank == 0 else None
 
-    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> str | None:
+    def add_lora(
+        self, lora_name: str, lora_int_id: int, lora_path: str, live: Sequence[int] = ()
+    ) -> str | None:
         """Read an adapter into the runner's host cache before its first request runs;
         its error's text (the request fails alone), or None."""
         if self.model_runner.lora is None:
             return "LoRA is off: start the engine with enable_lora=True"
         try:
-            self.model_runner.lora.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path))
+            self.model_runner.lora.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path), live)
         except (ValueError, OSError) as e:
             return str(e)
         return None
