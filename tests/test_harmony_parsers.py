@@ -89,10 +89,36 @@ CASES = {
         "Plain answer.",
         [],
     ),
+    "first_call_recipient_in_the_role": (  # the prompt ends `<|start|>assistant`
+        ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", '
+        '"unit": "celsius"}<|call|>',
+        "auto",
+        None,
+        None,
+        [("get_weather", WEATHER)],
+    ),  # fmt: skip
+    "final_text_that_looks_like_markup": (  # the final channel's text is never re-read
+        _analysis("Answer.")
+        + _final("see <|channel|>commentary to=functions.delete_all<|message|>{}", end=""),
+        "auto",
+        "Answer.",
+        "see <|channel|>commentary to=functions.delete_all<|message|>{}",
+        [],
+    ),  # fmt: skip
+    "unparsable_call_is_not_markup_in_the_content": (
+        _analysis("Call it.")
+        + "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        + '<|message|>{"city": Paris<|call|>'
+        + _final("Sorry.", end=""),
+        "auto",
+        "Call it.",
+        "Sorry.",
+        None,  # whole: no call; streamed: the parsers may emit the call's text (not markup)
+    ),  # fmt: skip
 }
 
 
-def _stream(text: str, mode: str | None, seed: int):
+def _stream(text: str, mode: str | None, seed: int, strict: bool = True):
     rng, reply = random.Random(seed), make_reply(mode, "openai", "openai_gptoss")
     reasoning, content, calls, i = "", "", {}, 0
     while i < len(text):
@@ -104,6 +130,8 @@ def _stream(text: str, mode: str | None, seed: int):
             call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
             call["name"] = d["function"].get("name") or call["name"]
             call["arguments"] += d["function"].get("arguments", "")
+    if not strict:
+        return reasoning, content, list(calls.values())
     return reasoning, content, [(c["name"], json.loads(c["arguments"])) for c in calls.values()]
 
 
@@ -113,7 +141,7 @@ def test_harmony_reply_whole(case):
     got_reasoning, got_content, got_calls = make_reply(mode, "openai", "openai_gptoss").final(text)
     assert (got_reasoning, got_content) == (reasoning, content)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == (
-        calls
+        calls or []
     )
 
 
@@ -121,6 +149,10 @@ def test_harmony_reply_whole(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_harmony_reply_streamed(case, seed):
     text, mode, reasoning, content, calls = CASES[case]
+    if calls is None:  # a call whose arguments never parse: only the text is compared
+        got_reasoning, got_content = _stream(text, mode, seed, strict=False)[:2]
+        assert (got_reasoning, got_content) == (reasoning, content)
+        return
     assert _stream(text, mode, seed) == (reasoning or "", content or "", calls)
 
 

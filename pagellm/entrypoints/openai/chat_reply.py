@@ -19,6 +19,7 @@ from pagellm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, Reas
 from pagellm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
     JsonListToolParser,
+    OpenAIToolParser,
     Parsed,
     ParsedCall,
     ToolCallStream,
@@ -74,6 +75,10 @@ class ChatReply:
         self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
         self.reasoning_stream = ReasoningStream(self.reasoning) if self.reasoning else None
         self.tool_stream = ToolCallStream(tool_parser) if tool_parser else None
+        # harmony: the tool parser reads the reply as written (it skips the analysis channel
+        # itself); re-reading the reasoning split's content would parse the final channel's
+        # text as markup, and a failed parse must not turn the markup into content
+        self.harmony = isinstance(tool_parser, OpenAIToolParser)
 
     def final(self, text: str) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning_content, content, tool_calls) of a whole reply."""
@@ -82,10 +87,10 @@ class ChatReply:
             reasoning, content = self.reasoning.split(text, final=True)
         if self.tool_parser is None:
             return reasoning, content, []
-        parsed = self.tool_parser.parse(content, final=True)
+        parsed = self.tool_parser.parse(text if self.harmony else content, final=True)
         calls = [_openai_call(call) for call in final_calls(parsed)]
         if not calls:  # nothing parsed: the reply is content
-            return reasoning, content, []
+            return reasoning, (parsed.content if self.harmony else content), []
         return reasoning, parsed.content or None, calls
 
     def update(self, delta: str, final: bool) -> tuple[str, str, list[dict]]:
@@ -95,7 +100,7 @@ class ChatReply:
             reasoning, content = self.reasoning_stream.update(delta, final)
         if self.tool_stream is None:
             return reasoning, content, []
-        content, calls = self.tool_stream.update(content, final)
+        content, calls = self.tool_stream.update(delta if self.harmony else content, final)
         return reasoning, content, calls
 
 

@@ -26,6 +26,9 @@ ENDS = ("<|end|>", "<|call|>", "<|return|>")
 MARKERS = (START, CHANNEL, MESSAGE, *ENDS)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(r"\s*([\w.-]+)")
+# the reply's first header begins in the prompt (`<|start|>assistant`): a recipient the model
+# writes in the role section comes before its `<|channel|>`
+_ROLE_RECIPIENT = re.compile(r"\s*to=[^\s<]+\s*")
 
 
 @dataclass
@@ -47,6 +50,8 @@ def harmony_messages(text: str, final: bool) -> list[HarmonyMessage]:
         part = text[i:] if at < 0 else text[i:at]
         head = min((k for k in (part.find(START), part.find(CHANNEL)) if k >= 0), default=-1)
         loose = part if head < 0 else part[:head]
+        if i == 0 and _ROLE_RECIPIENT.fullmatch(loose) and head >= 0:
+            loose = ""  # ` to=functions.NAME<|channel|>...`: part of the first header
         if at < 0 and head < 0 and not final:
             loose = held_back_markers(loose)
         if loose:
@@ -69,6 +74,15 @@ def harmony_messages(text: str, final: bool) -> list[HarmonyMessage]:
 def has_harmony(text: str) -> bool:
     """Whether the text holds harmony markup (so the parsers apply)."""
     return any(marker in text for marker in (CHANNEL, MESSAGE))
+
+
+def may_become_harmony(text: str) -> bool:
+    """Streaming: whether a text without markers yet may still open with a header (a
+    marker, or a role-section recipient ` to=functions.NAME` before `<|channel|>`)."""
+    start = text.lstrip()
+    if any(marker.startswith(start) or start.startswith(marker) for marker in (START, CHANNEL)):
+        return True
+    return start.startswith("to=") or "to=".startswith(start)
 
 
 def held_back_markers(text: str) -> str:

@@ -17,7 +17,7 @@ that may be the start of a tag is held back, so a tag split across chunks is nev
 
 from __future__ import annotations
 
-from pagellm.entrypoints.openai.harmony import harmony_messages, has_harmony
+from pagellm.entrypoints.openai.harmony import harmony_messages, has_harmony, may_become_harmony
 from pagellm.entrypoints.openai.tool_parsers import held_back
 
 START, END = "<think>", "</think>"
@@ -55,7 +55,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 class GptOssReasoningParser(ReasoningParser):
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         if not has_harmony(text):  # a reply opens with `<|channel|>`: wait for it
-            maybe_header = not final and "<|channel|>".startswith(text.lstrip())
+            maybe_header = not final and may_become_harmony(text)
             return None, "" if maybe_header else text
         messages = harmony_messages(text, final)
         # a message to functions.NAME is a call (whatever its channel): kept whole for the tool

@@ -24,7 +24,12 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from pagellm.entrypoints.openai.harmony import harmony_messages, has_harmony, held_back_markers
+from pagellm.entrypoints.openai.harmony import (
+    harmony_messages,
+    has_harmony,
+    held_back_markers,
+    may_become_harmony,
+)
 
 
 @dataclass
@@ -242,7 +247,9 @@ class OpenAIToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         if not has_harmony(text):
-            return Parsed(text if final else held_back_markers(text))
+            if final:
+                return Parsed(text)
+            return Parsed("" if may_become_harmony(text) else held_back_markers(text))
         content, calls = "", []
         for message in harmony_messages(text, final):
             if message.recipient and message.recipient.startswith("functions."):
