@@ -93,3 +93,13 @@ def test_the_configs_cross_encoder_activation(folder, hf, tmp_path):
         scores = [s.outputs.score for s in llm.score(QUERY, DOCS[:2], use_tqdm=False)]
     logits = [float(_logits(hf, tokenizer, QUERY, doc)[0]) for doc in DOCS[:2]]
     assert scores == pytest.approx(logits, abs=1e-5)
+
+
+def test_truncation_below_the_special_tokens_is_refused(llm):
+    """HF cannot cut a pair below its [CLS] / [SEP]s and returns it whole: scoring its last
+    token would be a number about nothing."""
+    with pytest.raises(ValueError, match="fewer than a pair's special tokens \\(3\\)"):
+        llm.score(QUERY, DOCS[0], truncate_prompt_tokens=1, use_tqdm=False)
+    with pytest.raises(ValueError, match="fewer than the tokenizer's special tokens \\(2\\)"):
+        llm.classify(DOCS[0], PoolingParams(truncate_prompt_tokens=1), use_tqdm=False)
+    assert len(llm.classify(DOCS[0], use_tqdm=False)[0].outputs.probs) == 1

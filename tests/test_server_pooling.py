@@ -71,6 +71,14 @@ def test_score_and_rerank(server, reference):
         assert [r["index"] for r in results] == [best]
         assert results[0]["document"]["text"] == TEXTS[1 + best]
         assert results[0]["relevance_score"] == pytest.approx(cosines[best], abs=1e-5)
+        usage = post(server, path, body).json()["usage"]
+        assert usage["prompt_tokens"] == usage["total_tokens"] > 0  # vLLM's RerankUsage
+    # vLLM's other spellings of the two sides
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        body = {first: TEXTS[0], second: TEXTS[1:]}
+        assert [d["score"] for d in post(server, "/score", body).json()["data"]] == pytest.approx(
+            cosines, abs=1e-5
+        )
 
 
 def test_clear_400s_and_the_server_serves_on(server, reference):
@@ -85,6 +93,8 @@ def test_clear_400s_and_the_server_serves_on(server, reference):
     error = error_of(post(server, "/classify", {"input": "hi"}), 400)
     assert "it can embed, not classify" in error["message"]
     error_of(post(server, "/score", {"text_1": "hi"}), 400)
+    error = error_of(post(server, "/v1/embeddings", {"input": "\ud800 hi"}), 400)
+    assert "valid Unicode" in error["message"]
     error_of(post(server, "/v1/embeddings", {"input": "hi"}, headers={}), 401)
     ok = post(server, "/v1/embeddings", {"input": TEXTS[2]}).json()
     close(ok["data"][0]["embedding"], reference[2])

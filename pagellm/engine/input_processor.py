@@ -124,6 +124,12 @@ class InputProcessor:
         elif pc.lowercase and isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             prompt = {**prompt, "prompt": prompt["prompt"].lower()}
         text, token_ids = self._tokenize(prompt, keep)
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        if keep is not None and from_text and len(token_ids) > keep:  # HF could not truncate
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is fewer than the tokenizer's special tokens "
+                f"({self.tokenizer.num_special_tokens_to_add()}): pass more, or -1"
+            )
         if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
             token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
         self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")

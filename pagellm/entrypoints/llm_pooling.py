@@ -155,6 +155,11 @@ def pair_prompt(
         encoded = tokenizer(text_1, text_2)
     else:
         encoded = tokenizer(text_1, text_2, truncation=True, max_length=max_length)
+        if len(encoded["input_ids"]) > max_length:  # HF could not: fewer than its specials
+            raise ValueError(
+                f"truncate_prompt_tokens ({max_length}) is fewer than a pair's special tokens "
+                f"({tokenizer.num_special_tokens_to_add(pair=True)}): pass more, or -1"
+            )
     prompt = {"prompt_token_ids": encoded["input_ids"]}
     if typed and encoded.get("token_type_ids") is not None:
         prompt["token_type_ids"] = encoded["token_type_ids"]

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
-from pagellm.entrypoints.openai.protocol import IntIn, OpenAIModel, RequestModel, SamplingInt
+from pagellm.entrypoints.openai.protocol import (
+    IntIn,
+    OpenAIModel,
+    RequestModel,
+    SamplingInt,
+    Text,
+)
 from pagellm.entrypoints.openai.response_models import UsageInfo
 from pagellm.sampling_params import INT32_MAX
 
 MAX_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
 TokenIds = list[IntIn(0, INT32_MAX)]
-Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
-Inputs = str | Texts | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+Inputs = Text | Texts | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
 # keep the first n tokens of a text (the last n of token ids); -1: max_model_len
 Truncate = Literal[-1] | SamplingInt("truncate_prompt_tokens") | None
 
@@ -40,14 +46,17 @@ class ScoreRequest(RequestModel):
     """`text_1` against each of `text_2` (one to many, or N to N)."""
 
     model: str | None = None
-    text_1: str | Texts
-    text_2: str | Texts
+    # vLLM's spellings too: queries / documents, queries / items, data_1 / data_2
+    text_1: Text | Texts = Field(validation_alias=AliasChoices("text_1", "queries", "data_1"))
+    text_2: Text | Texts = Field(
+        validation_alias=AliasChoices("text_2", "documents", "items", "data_2")
+    )
     truncate_prompt_tokens: Truncate = None
 
 
 class RerankRequest(RequestModel):
     model: str | None = None
-    query: str
+    query: Text
     documents: Texts
     top_n: IntIn(0, INT32_MAX) | None = None  # None or 0: every document
     return_documents: bool = True
@@ -110,7 +119,8 @@ class RerankResult(OpenAIModel):
     relevance_score: float
 
 
-class RerankUsage(OpenAIModel):
+class RerankUsage(OpenAIModel):  # vLLM's: both counts
+    prompt_tokens: int
     total_tokens: int
 
 

@@ -115,8 +115,8 @@ class OpenAIServingPooling(OpenAIServing):
             for i in order
         ]
         tokens = _usage(outputs).prompt_tokens
-        body = RerankResponse(id=random_id("rerank"), model=model,
-                              usage=RerankUsage(total_tokens=tokens), results=results)  # fmt: skip
+        usage = RerankUsage(prompt_tokens=tokens, total_tokens=tokens)
+        body = RerankResponse(id=random_id("rerank"), model=model, usage=usage, results=results)
         return JSONResponse(body.model_dump())
 
     async def _scores(
