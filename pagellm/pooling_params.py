@@ -66,7 +66,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
         task = self.task or ("embed" if model_task == "embed" else "classify")
         if (task == "embed") != (model_task == "embed"):
             can = "embed" if model_task == "embed" else "classify and score"
-            raise ValueError(f"{model!r} is a {model_task} model: it can {can}, not {task}")
+            kind = "an embedding" if model_task == "embed" else "a classification"
+            raise ValueError(f"{model!r} is {kind} model: it can {can}, not {task}")
         if self.dimensions is None:
             return
         if task != "embed":

@@ -98,7 +98,7 @@ def test_refusals_leave_the_engine_serving(llm):
         llm.embed(TEXTS[0], PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(ValueError, match="pooling model.*does not generate"):
         llm.generate(TEXTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(ValueError, match="embed model: it can embed, not classify"):
+    with pytest.raises(ValueError, match="an embedding model: it can embed, not classify"):
         llm.classify(TEXTS[0], use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions must be at least 1"):
         PoolingParams(dimensions=0)
