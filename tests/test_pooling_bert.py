@@ -105,3 +105,13 @@ def test_sentence_transformers_max_seq_length_bounds_the_model(folder, tmp_path)
     close(out.outputs.embedding, reference)
     with pytest.raises(ValueError, match="max_seq_length"):
         LLM(str(copy), dtype="float32", max_model_len=16)
+
+
+def test_an_encoder_is_not_split_over_ranks(folder):
+    """Encoders build plain Linears: under tensor_parallel_size=2 every rank would hold and
+    run the whole model, so it is refused at start-up."""
+    from pagellm import EngineArgs
+
+    args = EngineArgs(model=folder, tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="is an encoder, which is not split over ranks"):
+        args.create_engine_config()

@@ -40,6 +40,7 @@ from pagellm.engine.draft_config import (
     eagle3_head_config,
     mtp_head_config,
 )
+from pagellm.models.registry import is_encoder_architecture
 from pagellm.quantization import resolve_quantization, with_dummy_quantization
 from pagellm.utils import cpu_bf16_units
 
@@ -324,6 +325,12 @@ class EngineArgs:
         if backend is None:
             backend = "uni" if tp == 1 else ("ray" if address else "mp")
         config = ParallelConfig(tp, backend, address if backend == "ray" else None)
+        if tp > 1 and is_encoder_architecture(model_config.architecture):
+            raise ValueError(
+                f"tensor_parallel_size={tp}: {model_config.architecture} is an encoder, which "
+                "is not split over ranks (every rank would hold and run the whole model); "
+                "use tensor_parallel_size=1"
+            )
         check_heads(model_config.hf_config, tp)
         if backend == "mp" and device.type == "cuda" and torch.cuda.device_count() < tp:
             raise ValueError(
