@@ -80,6 +80,10 @@ class PoolerConfig:
     # "softmax" or "identity"; None: softmax (sigmoid for one label)
     activation: str | None = None
 
+    def st_text(self, text: str) -> str:
+        """A text input as sentence-transformers reads it (do_lower_case: lowercased)."""
+        return text.lower() if self.lowercase else text
+
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(

@@ -162,18 +162,7 @@ class EngineArgs:
         structured_outputs_config = StructuredOutputsConfig.of(self.structured_outputs_config)
         speculative_config = SpeculativeConfig.of(self.speculative_config)
         model_config = self.create_model_config(device)
-        if model_config.architecture == EAGLE3_HEAD:
-            raise ValueError(
-                f"{model_config.model!r} is an EAGLE-3 head: serve its target model with "
-                "speculative_config={'method': 'eagle3', 'model': <this head>}"
-            )
-        if model_config.architecture == MTP_HEAD:
-            raise ValueError(f"{MTP_HEAD} is an MTP head: serve its checkpoint's own model")
-        if model_config.kv_parts == 1 and cache_config.cache_dtype.startswith("fp8"):
-            raise ValueError(
-                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported for latent "
-                "attention (MLA): its cache holds the model's dtype"
-            )
+        _check_servable(model_config, cache_config)
         draft_model_config = self.create_draft_model_config(
             speculative_config, model_config, device
         )
@@ -251,14 +240,8 @@ class EngineArgs:
         folder = source.path if source.kind == "hf" else None
         runner = resolve_runner(self.runner, folder, hf_config)
         pooler = load_pooler_config(folder, hf_config) if runner == "pooling" else None
-        st_len = pooler.max_seq_length if pooler is not None else None
-        if st_len is not None and max_len > st_len:
-            if isinstance(self.max_model_len, int):
-                raise ValueError(
-                    f"max_model_len={max_len} is more than the sentence-transformers "
-                    f"max_seq_length ({st_len}) the model truncates to"
-                )
-            max_len = st_len
+        if pooler is not None and pooler.max_seq_length is not None:
+            max_len = _within_st_length(max_len, pooler.max_seq_length, self.max_model_len)
         return ModelConfig(
             model=source.name,
             source=source,
@@ -339,6 +322,35 @@ class EngineArgs:
                 "distributed_executor_backend='ray')"
             )
         return config
+
+
+def _check_servable(model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    """Checkpoints served only through another one, and latent attention's fp8 cache."""
+    if model_config.architecture == EAGLE3_HEAD:
+        raise ValueError(
+            f"{model_config.model!r} is an EAGLE-3 head: serve its target model with "
+            "speculative_config={'method': 'eagle3', 'model': <this head>}"
+        )
+    if model_config.architecture == MTP_HEAD:
+        raise ValueError(f"{MTP_HEAD} is an MTP head: serve its checkpoint's own model")
+    if model_config.kv_parts == 1 and cache_config.cache_dtype.startswith("fp8"):
+        raise ValueError(
+            f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported for latent "
+            "attention (MLA): its cache holds the model's dtype"
+        )
+
+
+def _within_st_length(max_len: int, st_len: int, asked: int | str | None) -> int:
+    """max_model_len bounded by the sentence-transformers max_seq_length the model truncates
+    to: a larger length asked for is refused, a derived one cut."""
+    if max_len <= st_len:
+        return max_len
+    if isinstance(asked, int):
+        raise ValueError(
+            f"max_model_len={max_len} is more than the sentence-transformers max_seq_length "
+            f"({st_len}) the model truncates to"
+        )
+    return st_len
 
 
 def resolve_device(name: str) -> torch.device:

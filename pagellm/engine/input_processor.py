@@ -119,31 +119,10 @@ class InputProcessor:
                 f"truncate_prompt_tokens ({keep}) is more than the maximum model length "
                 f"({mc.max_model_len}): pass at most that, or -1"
             )
-        if pc.lowercase and isinstance(prompt, str):  # ST's do_lower_case
-            prompt = prompt.lower()
-        elif pc.lowercase and isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            prompt = {**prompt, "prompt": prompt["prompt"].lower()}
-        text, token_ids = self._tokenize(prompt, keep)
-        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
-        if keep is not None and from_text and len(token_ids) > keep:  # HF could not truncate
-            raise ValueError(
-                f"truncate_prompt_tokens ({keep}) is fewer than the tokenizer's special tokens "
-                f"({self.tokenizer.num_special_tokens_to_add()}): pass more, or -1"
-            )
-        if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
-            token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
-        self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")
+        text, token_ids = self._pooling_tokens(prompt, keep)
         types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
-        if types is not None:  # a pair's (LLM.score): as many as its ids, which it ends with
-            types = _as_prompt_token_ids(types)[-len(token_ids) :]
-            n_types = getattr(mc.hf_config, "type_vocab_size", None)
-            if len(types) != len(token_ids):
-                raise ValueError(f"token_type_ids: {len(types)} for {len(token_ids)} prompt tokens")
-            if n_types is not None and not all(0 <= t < n_types for t in types):
-                raise ValueError(
-                    f"token_type_ids must be in [0, {n_types}) (the model's type_vocab_size)"
-                )
-            params = msgspec.structs.replace(params, token_type_ids=types)
+        if types is not None:  # a pair's (LLM.score)
+            params = msgspec.structs.replace(params, token_type_ids=self._types(types, token_ids))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -154,6 +133,40 @@ class InputProcessor:
             pooling_params=params,
         )
         return text, request
+
+    def _pooling_tokens(self, prompt: PromptType, keep: int | None) -> tuple[str | None, list[int]]:
+        """A pooling prompt's text and ids: text as sentence-transformers reads it (lowercased
+        with do_lower_case) and truncated by the tokenizer to `keep` tokens; ids to their
+        last `keep`."""
+        mc = self.model_config
+        if isinstance(prompt, str):
+            prompt = mc.pooler_config.st_text(prompt)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            prompt = {**prompt, "prompt": mc.pooler_config.st_text(prompt["prompt"])}
+        text, token_ids = self._tokenize(prompt, keep)
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        if keep is not None and from_text and len(token_ids) > keep:  # HF could not truncate
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) is fewer than the tokenizer's special tokens "
+                f"({self.tokenizer.num_special_tokens_to_add()}): pass more, or -1"
+            )
+        if keep is not None:  # token ids: the last ones, as truncate_prompt tokens them
+            token_ids = truncate_prompt(token_ids, keep, mc.max_model_len)
+        self._validate(token_ids, "pass truncate_prompt_tokens to truncate it")
+        return text, token_ids
+
+    def _types(self, types: Any, token_ids: list[int]) -> list[int]:
+        """A pair's token types: as many as its ids (which it ends with), each in the model's
+        table (an index past it would fail the whole step)."""
+        types = _as_prompt_token_ids(types)[-len(token_ids) :]
+        if len(types) != len(token_ids):
+            raise ValueError(f"token_type_ids: {len(types)} for {len(token_ids)} prompt tokens")
+        n_types = getattr(self.model_config.hf_config, "type_vocab_size", None)
+        if n_types is not None and not all(0 <= t < n_types for t in types):
+            raise ValueError(
+                f"token_type_ids must be in [0, {n_types}) (the model's type_vocab_size)"
+            )
+        return types
 
     def _with_reasoning_tags(self, params: SamplingParams) -> SamplingParams:
         """A thinking budget gets the reasoning parser's tags as token ids (the engine forces

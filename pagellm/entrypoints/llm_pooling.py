@@ -131,8 +131,8 @@ class PoolingMethods:
         tokenizer = self.get_tokenizer()
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
-        if mc.pooler_config.lowercase:
-            texts_1, texts_2 = [t.lower() for t in texts_1], [t.lower() for t in texts_2]
+        st_text = mc.pooler_config.st_text
+        texts_1, texts_2 = [st_text(t) for t in texts_1], [st_text(t) for t in texts_2]
         # a model with one token type (XLM-R's, type_vocab_size=1) reads none: a BERT
         # tokenizer's pair types (1 for text 2) would index past its table
         typed = getattr(mc.hf_config, "type_vocab_size", 2) > 1

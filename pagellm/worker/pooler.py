@@ -121,11 +121,9 @@ class Pooler:
             return F.normalize(values, dim=-1) if normalize else values
         if params.use_activation is False:
             return values
-        activation = self.config.activation
+        activation = self.config.activation  # the config's; None: by the number of labels
         if activation == "identity":
             return values
-        if activation == "softmax" and values.numel() > 1:
-            return torch.softmax(values, dim=-1)
-        if activation == "sigmoid":
+        if activation == "sigmoid" or values.numel() == 1:
             return torch.sigmoid(values)
-        return torch.sigmoid(values) if values.numel() == 1 else torch.softmax(values, dim=-1)
+        return torch.softmax(values, dim=-1)
