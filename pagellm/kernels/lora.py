@@ -19,25 +19,11 @@ per adapter leave few programs, each as long as its loop.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-
-def rows_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows [T] int32: the rows of slot 0, then slot 1, ..., in order, -1 after the last;
-    starts [num_slots + 1] int32: slot s's rows are rows[starts[s]:starts[s + 1]]). A slot
-    of -1 (no adapter) is left out."""
-    token_slots = np.asarray(token_slots)
-    slots = np.where(token_slots >= 0, token_slots, num_slots)  # no adapter: last, dropped
-    order = np.argsort(slots, kind="stable")
-    counts = np.bincount(slots, minlength=num_slots + 1)[:num_slots]
-    starts = np.zeros(num_slots + 1, dtype=np.int32)
-    np.cumsum(counts, out=starts[1:])
-    rows = np.full(len(token_slots), -1, dtype=np.int32)
-    rows[: starts[-1]] = order[: starts[-1]]
-    return rows, starts
+from pagellm.kernels.lora_cpu import rows_by_slot  # noqa: F401 (the grouping the kernels take)
 
 
 @triton.jit
@@ -109,7 +95,10 @@ def _block_r(rank: int) -> int:
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
     scales: torch.Tensor,
 ) -> torch.Tensor:
     """h [T, R] float32 = (x @ A[slot]^T) * scale[slot] for each row that has a slot (the

@@ -56,16 +56,29 @@ def pointer(fn) -> int:
     return ctypes.cast(fn, _P).value
 
 
+def rows_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [T] int32: the rows of slot 0, then slot 1, ..., in order, -1 after the last;
+    starts [num_slots + 1] int32: slot s's rows are rows[starts[s]:starts[s + 1]]). A slot
+    of -1 (no adapter) is left out."""
+    token_slots = np.asarray(token_slots)
+    slots = np.where(token_slots >= 0, token_slots, num_slots)  # no adapter: last, dropped
+    order = np.argsort(slots, kind="stable")
+    counts = np.bincount(slots, minlength=num_slots + 1)[:num_slots]
+    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    np.cumsum(counts, out=starts[1:])
+    rows = np.full(len(token_slots), -1, dtype=np.int32)
+    rows[: starts[-1]] = order[: starts[-1]]
+    return rows, starts
+
+
 def groups_of(token_slots: np.ndarray, ranks: Sequence[int], scales: Sequence[float]):
-    """(rows [n] int64 tensor sorted by slot, LoraGroup array) of a step's rows (-1: none)."""
-    slots = np.unique(token_slots[token_slots >= 0])
-    order = [np.nonzero(token_slots == s)[0] for s in slots]
-    rows = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
-    groups, first = [], 0
-    for slot, idx in zip(slots, order, strict=True):
-        groups.append(LoraGroup(int(slot), first, len(idx), ranks[slot], scales[slot]))
-        first += len(idx)
-    return torch.from_numpy(rows.astype(np.int64)), (LoraGroup * len(groups))(*groups)
+    """(rows [n] int64 tensor sorted by slot, LoraGroup array) of a step's rows (-1: none):
+    `rows_by_slot`'s grouping, one group a slot that has rows."""
+    rows, starts = rows_by_slot(token_slots, len(ranks))
+    groups = [LoraGroup(slot, int(starts[slot]), int(starts[slot + 1] - starts[slot]),
+                        ranks[slot], scales[slot])
+              for slot in range(len(ranks)) if starts[slot + 1] > starts[slot]]  # fmt: skip
+    return torch.from_numpy(rows[: starts[-1]].astype(np.int64)), (LoraGroup * len(groups))(*groups)
 
 
 def add(

@@ -37,7 +37,7 @@ from pagellm.utils import to_device
 class LoRAStep:
     """The current step's rows by adapter. CPU: `groups`, (slot, rows [n] int64 or None for
     every row, rank, scale), empty when no row has an adapter. CUDA: the rows grouped by
-    slot as the kernels take them (`kernels.lora.rows_by_slot`: `rows` [max_tokens] int32,
+    slot as the kernels take them (`kernels.lora_cpu.rows_by_slot`: `rows` [max_tokens] int32,
     `starts` [max_loras + 1] int32) and `scales` [max_loras] float32, views of buffers kept
     for the engine's life (`max_tokens` rows, a step's most), which captured CUDA graphs
     read: each step writes them before the replay (a graph's padding rows have no slot);
@@ -85,8 +85,6 @@ class LoRAStep:
         self.num_rows = size
 
     def _set_device_rows(self, token_slots: np.ndarray, scales, device, rows: int) -> None:
-        from pagellm.kernels.lora import rows_by_slot
-
         num_slots = len(scales)
         if self._meta_buf is None:  # once: captured graphs read this memory
             self._meta_buf = torch.full((self.max_tokens + num_slots + 1,), -1,
@@ -95,7 +93,7 @@ class LoRAStep:
             self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         if rows > self.max_tokens:  # the step buffers' size (`StepInputs`) bounds every step
             raise ValueError(f"a step of {rows} tokens; LoRA rows are kept for {self.max_tokens}")
-        grouped, starts = rows_by_slot(token_slots, num_slots)
+        grouped, starts = lora_cpu.rows_by_slot(token_slots, num_slots)
         host = np.full(self._meta_buf.shape[0], -1, dtype=np.int32)
         host[: len(grouped)] = grouped
         host[self.max_tokens :] = starts
