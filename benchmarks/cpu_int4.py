@@ -33,7 +33,6 @@ worker's venv has none.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -47,11 +46,9 @@ PROMPT_LEN, MAX_TOKENS = 64, 128
 
 def _load(path: str, name: str):
     """A script of this repository by path (benchmarks/ is never put on sys.path)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    from pagellm.benchmarks.scripts import load_script
+
+    return load_script(path, name)
 
 
 def prepare(workdir: str) -> str:

@@ -43,17 +43,10 @@ QWEN3_EMBEDDING_06B = dict(
 )  # fmt: skip
 
 
-def _pooling_bench():
-    """This folder's pooling.py (BERT shapes, the folder it saves, its word list), by path."""
-    import importlib.util
+from pagellm.benchmarks.scripts import load_script  # noqa: E402 (after the path is set)
 
-    spec = importlib.util.spec_from_file_location("pooling_bench", _HERE / "pooling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pooling = _pooling_bench()
+# this folder's pooling.py (BERT shapes, the folder it saves, its word list), by path
+pooling = load_script(_HERE / "pooling.py", "pooling_bench")
 
 
 def save_model(folder: Path, shape: str) -> str:

@@ -29,7 +29,6 @@ and its plain decoding still timed). The last line is one JSON object (also in `
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import resource
@@ -50,12 +49,9 @@ PEER_METHODS = ("off", "ngram")  # vLLM's suffix method needs the arctic-inferen
 
 def prompts_module():
     """spec_decode_prompts.py beside this file (benchmarks/ is not on sys.path)."""
-    spec = importlib.util.spec_from_file_location(
-        "spec_decode_prompts", os.path.join(HERE, "spec_decode_prompts.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from pagellm.benchmarks.scripts import load_script
+
+    return load_script(os.path.join(HERE, "spec_decode_prompts.py"), "spec_decode_prompts")
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -23,7 +23,6 @@ dummy [--quantization Q]` and `lora.py --device cuda`. The last line is one JSON
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -50,11 +49,10 @@ QUANT_CONFIGS = {  # the `quantization_config` of a checkpoint of each kind, as 
 
 
 def _sibling(name: str):
-    """A module of this folder, by path (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A script of this folder, by path (the folder is not on sys.path)."""
+    from pagellm.benchmarks.scripts import load_script
+
+    return load_script(_HERE / f"{name}.py", f"vllm_peer_{name}")
 
 
 def model_folder(name: str, quantization: str | None, root: Path) -> Path:
