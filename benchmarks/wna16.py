@@ -160,6 +160,11 @@ def gemm_tiles(m: int) -> list[dict]:
     if m <= 16:
         return [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
                 for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 4)]  # fmt: skip
+    if m >= 128:  # a decode step of many rows: fewer unpacks of each weight (taller tiles)
+        tall = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
+                for bm in (128, 256) if bm <= m for bn in (64, 128) for w in (4, 8)
+                for st in (3, 4) if bm * bn <= 128 * 128 or w == 8]  # fmt: skip
+        return [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}] + tall
     block_ms = [bm for bm in (32, 64, 128) if bm <= max(32, m)][-2:]
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 3}
             for bm in block_ms for bn in (64, 128) for w in (4, 8)]  # fmt: skip

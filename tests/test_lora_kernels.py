@@ -78,6 +78,30 @@ def check_case(t, k, r, n, dtype) -> None:
     assert torch.equal(out[:, col0 + n :], before[:, col0 + n :])
 
 
+def check_fused_parts(ends, r, dtype) -> None:
+    """A fused projection's parts (q | k | v) in one shrink and one expand: A stacked along the
+    rank, B along the columns, part boundaries inside a block of columns; ranks above 64
+    (more shrink programs, more expand steps)."""
+    gen = torch.Generator().manual_seed(len(ends) * 100 + r)
+    t, k, n, num_slots = 29, 40, ends[-1], 3
+    x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    a = torch.randn(num_slots, len(ends) * r, k, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(num_slots, n, r, generator=gen).to(DEVICE, dtype)
+    slots = torch.randint(-1, num_slots, (t,), generator=gen).to(DEVICE, torch.int32)
+    scales = (torch.rand(num_slots, generator=gen) + 0.5).to(DEVICE)
+    out = torch.randn(t, n, generator=gen).to(DEVICE, dtype)
+    expected = out.clone().float()
+    for p, (lo, hi) in enumerate(zip((0,) + tuple(ends[:-1]), ends)):
+        part = _reference(x, a[:, p * r : (p + 1) * r], b[:, lo:hi], slots, scales,
+                          torch.zeros(t, hi - lo, device=DEVICE), 0)  # fmt: skip
+        expected[:, lo:hi] += part
+    rows, starts = (torch.from_numpy(v).to(DEVICE) for v in rows_by_slot(slots.cpu().numpy(), 3))
+    h = lora_shrink(x, a, rows, starts, scales)
+    lora_expand(h, b, rows, starts, out, 0, tuple(ends))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol * 10, rtol=tol)
+
+
 def check_step_buffers() -> None:
     """The kernels on a `LoRAStep`'s engine-lifetime buffers as a CUDA step fills them (rows
     grouped by slot, starts and scales in one copy each), two steps in a row: the second's
@@ -98,6 +122,9 @@ def check_step_buffers() -> None:
 def check_all() -> None:
     for case, dtype in itertools.product(CASES, (torch.float32, torch.float16)):
         check_case(*case, dtype)
+    for ends, r, dtype in (((17, 29, 40), 8, torch.float32), ((70, 96), 80, torch.float16),
+                           ((64, 80, 96), 16, torch.float16)):  # fmt: skip
+        check_fused_parts(ends, r, dtype)
     check_step_buffers()
 
 

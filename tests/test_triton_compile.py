@@ -223,7 +223,7 @@ def compile_fused_moe_gpt_oss() -> None:
 
 def compile_lora() -> None:
     """The multi-LoRA shrink and expand on bf16 and float32 activations and slots, as
-    `lora_shrink` / `lora_expand` launch them (rank 16)."""
+    `lora_shrink` / `lora_expand` launch them (rank 16; a fused projection's parts too)."""
     from pagellm.kernels.lora import _expand_kernel, _shrink_kernel
 
     for dtype, ieee in (("bf16", False), ("fp32", True)):  # a float32 model: IEEE products
@@ -233,8 +233,10 @@ def compile_lora() -> None:
                  ("K", "stride_xt", "stride_al", "stride_ar"))  # fmt: skip
         types = {"h_ptr": "*fp32", "b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
                  "rows_ptr": "*i32", "starts_ptr": "*i32"}  # fmt: skip
-        _compile(_expand_kernel, types, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, IEEE=ieee),
-                 ("N", "stride_bl", "stride_ot"))  # fmt: skip
+        for parts in (1, 3):  # one Linear; q | k | v in one expand
+            _compile(_expand_kernel, types,
+                     dict(PARTS=parts, BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, IEEE=ieee),
+                     ("N", "stride_bl", "stride_ot"))  # fmt: skip
 
 
 def compile_mla_decode() -> None:

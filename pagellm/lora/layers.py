@@ -7,7 +7,9 @@ projection (q | k | v, gate | up) has one (A, B) pair a part, each adding into i
 columns (the parts' adapters applied per slice).
 
 Adapters live in `max_loras` slots of stacked tensors, so a kernel can index them by slot:
-on CUDA A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank; on the CPU
+on CUDA A [max_loras, R, in] and B [max_loras, out_part, R], R = max_lora_rank, views of one
+stack a layer (every part's A along the rank, every part's B along the output columns: a
+fused projection's delta is one shrink and one expand); on the CPU
 both transposed, At [max_loras, in, R] and Bt [max_loras, R, out_part], which the C++ kernel
 (`pagellm/kernels/lora_cpu.py`) reads along contiguous rows. An adapter of rank r < R uses
 the first r of them (the rest are zeros). `LoRAStep` is the one object the slot manager sets
@@ -123,10 +125,19 @@ class LoRASlots:
         self.transposed = device.type == "cpu"  # At [S, in, R], Bt [S, R, out]: the C++ kernel's
         zeros = functools.partial(torch.zeros, max_loras, device=device, dtype=dtype)
         self.a, self.b = {}, {}
-        for name, (start, end) in parts.items():
+        self.fused = None  # CUDA: every part's A and B stacked, for one shrink and one expand
+        if not self.transposed:
+            ends = [end for _, end in self.parts.values()]
+            self.fused = (zeros(len(parts) * max_rank, in_features), zeros(ends[-1], max_rank),
+                          tuple(ends))  # fmt: skip
+        for i, (name, (start, end)) in enumerate(parts.items()):
+            if self.fused is not None:  # views of the stacks: A's ranks, B's output rows
+                self.a[name] = self.fused[0][:, i * max_rank : (i + 1) * max_rank]
+                self.b[name] = self.fused[1][:, start:end]
+                continue
             a, b = (in_features, max_rank), (end - start, max_rank)
-            self.a[name] = zeros(*(a[::-1] if not self.transposed else a))
-            self.b[name] = zeros(*(b[::-1] if self.transposed else b))
+            self.a[name] = zeros(*a)
+            self.b[name] = zeros(*b[::-1])
         self.present: list[set[str]] = [set() for _ in range(max_loras)]
         # CPU: per part, whether each slot's adapter has it (the kernel reads these in place)
         self.present_flags = {name: torch.zeros(max_loras, dtype=torch.uint8) for name in parts}
@@ -183,12 +194,16 @@ class LoRASlots:
 
     def _on_cuda(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Every part's shrink and expand over all rows, each row by its slot's program."""
-        from pagellm.kernels.lora import lora_expand, lora_shrink
+        from pagellm.kernels.lora import MAX_PARTS, lora_expand, lora_shrink
 
         step = self.step
         if step.num_rows != x.shape[0]:
             return out  # no adapter was ever set up for rows of this step (profiling)
         x = x.contiguous()
+        a, b, ends = self.fused
+        if len(ends) <= MAX_PARTS:  # q | k | v: one shrink, one expand
+            h = lora_shrink(x, a, step.rows, step.starts, step.scales)
+            return lora_expand(h, b, step.rows, step.starts, out, 0, ends)
         for name, (start, _) in self.parts.items():
             h = lora_shrink(x, self.a[name], step.rows, step.starts, step.scales)
             lora_expand(h, self.b[name], step.rows, step.starts, out, start)
