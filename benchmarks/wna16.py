@@ -164,7 +164,8 @@ def gemm_tiles(m: int) -> list[dict]:
         tall = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
                 for bm in (128, 256) if bm <= m for bn in (64, 128) for w in (4, 8)
                 for st in (3, 4) if bm * bn <= 128 * 128 or w == 8]  # fmt: skip
-        return [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}] + tall
+        first = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+        return [first] + tall
     block_ms = [bm for bm in (32, 64, 128) if bm <= max(32, m)][-2:]
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 3}
             for bm in block_ms for bn in (64, 128) for w in (4, 8)]  # fmt: skip

@@ -6,6 +6,8 @@ an unknown name (404 in OpenAI's shape), a bad adapter (400 naming its module), 
 
 from __future__ import annotations
 
+import shutil
+
 import openai
 import pytest
 from model_utils import hf_generate_greedy, hf_model
@@ -99,6 +101,18 @@ def test_errors_leave_the_server_serving(served, tmp_path):
     assert "adapter_config.json" in error["message"]
     error = error_of(post(srv, "/v1/load_lora_adapter", {**body, "lora_name": "first"}), 400)
     assert "loaded already" in error["message"]
+    # malformed folders: a JSON 400 naming the problem (was a plain-text 500 and a dropped
+    # connection), whatever the folder holds
+    for i, (config, weights) in enumerate([("[]", None), ('{"peft_type": "LORA"}', None),
+                                           ('{"r": 0}', None), (None, b"not safetensors")]):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(paths["first"], bad)
+        if config is not None:
+            (bad / "adapter_config.json").write_text(config)
+        if weights is not None:
+            (bad / "adapter_model.safetensors").write_bytes(weights)
+        error = error_of(post(srv, "/v1/load_lora_adapter", {**body, "lora_path": str(bad)}), 400)
+        assert str(bad) in error["message"], error
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY)
     with pytest.raises(openai.NotFoundError):
         _complete(client, "third")

@@ -42,15 +42,16 @@ def hf_scores(folder) -> list[float]:
 
 def test_rerank_and_score_equal_hf(server, hf_scores):
     order = sorted(range(len(DOCS)), key=lambda i: -hf_scores[i])
-    for path in ("/rerank", "/v1/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):  # vLLM's names
         body = post(server, path, {"query": QUERY, "documents": DOCS, "top_n": 3}).json()
         assert [r["index"] for r in body["results"]] == order[:3]
         for result in body["results"]:
             assert result["relevance_score"] == pytest.approx(hf_scores[result["index"]], abs=1e-5)
             assert result["document"]["text"] == DOCS[result["index"]]
         assert body["usage"]["total_tokens"] > 0
-    data = post(server, "/score", {"text_1": QUERY, "text_2": DOCS}).json()["data"]
-    assert [d["score"] for d in data] == pytest.approx(hf_scores, abs=1e-5)
+    for path in ("/score", "/v1/score"):
+        data = post(server, path, {"text_1": QUERY, "text_2": DOCS}).json()["data"]
+        assert [d["score"] for d in data] == pytest.approx(hf_scores, abs=1e-5)
 
 
 def test_classify_and_clear_400s(server, hf_scores):

@@ -59,8 +59,15 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"LoRA adapter {path!r}: no adapter_config.json there")
-    with open(config_file) as f:
-        config = json.load(f)
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json unreadable: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not a JSON object")
+    if "r" not in config:
+        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json has no rank 'r'")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {config['peft_type']!r} is not LORA")
     if config.get("bias", "none") != "none":
@@ -80,7 +87,9 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"LoRA adapter {path!r}: rank_pattern / alpha_pattern are not supported")
     rank = int(config["r"])
-    if not 1 <= rank <= max_lora_rank:
+    if rank < 1:
+        raise ValueError(f"LoRA adapter {path!r}: rank {rank} is not a rank (r must be >= 1)")
+    if rank > max_lora_rank:
         raise ValueError(
             f"LoRA adapter {path!r}: rank {rank} is over max_lora_rank={max_lora_rank}"
         )
@@ -103,13 +112,21 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-
-        return load_file(st)
     pt = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if os.path.isfile(pt):
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict):
+                raise ValueError("not a dict of tensors")
+            return tensors
+    except Exception as e:  # a corrupt or foreign file (SafetensorError, UnpicklingError, ...)
+        raise ValueError(
+            f"LoRA adapter {path!r}: its weights cannot be read ({type(e).__name__}: {e})"
+        ) from None
     raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or .bin) there")
 
 

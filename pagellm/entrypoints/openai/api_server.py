@@ -146,11 +146,13 @@ async def create_classify(request: ClassificationRequest, raw_request: Request) 
 
 
 @open_routes.post("/score", response_model=ScoreResponse, responses=_POOLING_ERRORS)
+@v1.post("/score", response_model=ScoreResponse, responses=_POOLING_ERRORS)  # vLLM's alias
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     return await raw_request.app.state.serving_pooling.score(request, raw_request)
 
 
 @open_routes.post("/rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
+@open_routes.post("/v2/rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
 @v1.post("/rerank", response_model=RerankResponse, responses=_POOLING_ERRORS)
 async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
     return await raw_request.app.state.serving_pooling.rerank(request, raw_request)

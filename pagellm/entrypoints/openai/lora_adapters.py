@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -48,6 +49,8 @@ class LoRAAdapters:
         self.enabled = engine.config.lora_config is not None
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # load runs in worker threads: check + add are one step
+        self._loading: set[str] = set()  # names whose folder is being checked now
 
     def __contains__(self, name: object) -> bool:
         return name in self.adapters
@@ -60,14 +63,28 @@ class LoRAAdapters:
         """Check and add an adapter (ValueError: a 400 in the server's words)."""
         if not self.enabled:
             raise ValueError("LoRA adapters need the server started with --enable-lora")
-        if not name or name in self.base_names:
+        if not name:
+            raise ValueError("lora_name must not be empty")
+        if name in self.base_names:
             raise ValueError(f"{name!r} cannot name a LoRA adapter: it is the base model's name")
-        if name in self.adapters:
-            raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first")
-        request = LoRARequest(name, next(self._ids), path)
-        self.engine.input_processor.check_lora(request)
-        self.adapters[name] = request
-        return request
+        with self._lock:
+            if name in self.adapters or name in self._loading:
+                raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first")
+            self._loading.add(name)
+        try:
+            request = LoRARequest(name, next(self._ids), path)
+            try:
+                self.engine.input_processor.check_lora(request)
+            except (ValueError, TypeError):
+                raise
+            except Exception as e:  # whatever else a foreign folder raises: still its fault
+                raise ValueError(f"LoRA adapter {path!r}: {type(e).__name__}: {e}") from None
+            with self._lock:
+                self.adapters[name] = request
+            return request
+        finally:
+            with self._lock:
+                self._loading.discard(name)
 
     def unload(self, name: str) -> None:
         request = self.adapters.pop(name, None)

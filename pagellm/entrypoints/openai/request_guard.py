@@ -29,6 +29,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 PROTECTED_PATHS = (
     "/v1/",
+    "/v2/",
     "/tokenize",
     "/detokenize",
     "/score",

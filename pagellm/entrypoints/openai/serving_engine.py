@@ -272,6 +272,10 @@ class OpenAIServing:
     ) -> Generation:
         """`model`: the request's model name (a LoRA adapter's: its requests run with it)."""
         lora = None if self.loras is None else self.loras.request_for(model)
+        if lora is None and model is not None and model not in self.model_names:
+            # its adapter was unloaded while the prompt was prepared (after `model_name`):
+            # never answer from the base model under the adapter's name
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
         return Generation(self.engine, prompts, params, request_id, self.metrics, priority, lora)
 
     async def collect(
