@@ -79,7 +79,7 @@ CASES = {
         + '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"q": 1}<|call|>',
         None,
         'Search first.\n{"q": 1}',
-        "",
+        None,  # all thinking: content null, as vLLM's
         [],
     ),  # fmt: skip
     "no_reasoning": (

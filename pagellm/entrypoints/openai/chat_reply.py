@@ -85,13 +85,15 @@ class ChatReply:
         reasoning, content = None, text
         if self.reasoning is not None:
             reasoning, content = self.reasoning.split(text, final=True)
-        if self.tool_parser is None:
-            return reasoning, content, []
-        parsed = self.tool_parser.parse(text if self.harmony else content, final=True)
-        calls = [_openai_call(call) for call in final_calls(parsed)]
-        if not calls:  # nothing parsed: the reply is content
-            return reasoning, (parsed.content if self.harmony else content), []
-        return reasoning, parsed.content or None, calls
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(text if self.harmony else content, final=True)
+            calls = [_openai_call(call) for call in final_calls(parsed)]
+            if calls:
+                return reasoning, parsed.content or None, calls
+            content = parsed.content if self.harmony else content  # nothing parsed: content
+        if self.reasoning is not None and not content:  # all thinking: null, as vLLM's parsers
+            content = None
+        return reasoning, content, []
 
     def update(self, delta: str, final: bool) -> tuple[str, str, list[dict]]:
         """(reasoning delta, content delta, tool-call deltas) for the next piece of text."""
