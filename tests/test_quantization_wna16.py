@@ -104,8 +104,10 @@ def test_engine_greedy_ids_equal_the_dequantized_models(case, tmp_path, monkeypa
 )  # fmt: skip
 def test_each_format_reads_back_its_integers(packing):
     """Every stored integer and scale lands where the canonical layout says (N = 40: the
-    compressed-tensors zero points' last int32 holds 5 rows, not 8)."""
+    compressed-tensors zero points' last int32 holds 5 rows, not 8). Every third row is
+    positive: asymmetric zero points of 0, which GPTQ v1's zero - 1 borrows across fields."""
     w = torch.randn(40, 128)
+    w[::3] = w[::3].abs()
     q, scale, zero, _ = quantize(w, packing)
     tensors, _ = format_tensors("m", w, packing)
     scheme = parse_scheme(quantization_config(packing))
@@ -199,6 +201,9 @@ def test_names_and_unsupported_configs(tmp_path):
         resolve(reference, "gptq")
     _set_config(folder, bits=3)
     with pytest.raises(ValueError, match="gptq: 3-bit weights are not supported"):
+        load_our_model(folder)
+    _set_config(folder, bits=4, dynamic={"lm_head": {"bits": 8, "group_size": 32}})
+    with pytest.raises(ValueError, match="`dynamic` .* for lm_head; .* lm_head=False"):
         load_our_model(folder)
     folder, _ = _packed(tmp_path / "awq", "llama", Packing("awq", 4, 32, False))
     _set_config(folder, version="gemv")
@@ -361,6 +366,11 @@ def test_ignore_entries_as_transformers_and_compressed_tensors_read_them(tmp_pat
     _write(folder, floats(("model.layers.1.self_attn.k_proj.",)))
     _set_config(folder, modules_to_not_convert=["model.layers.1.self_attn.k_proj"])
     with pytest.raises(ValueError, match="not the other parts of the fused layer"):
+        load_our_model(folder)
+    # a layer the config leaves float but the file holds packed: the error names the tensor
+    folder, _ = _packed(tmp_path / "ct2", "llama", Packing("compressed-tensors", 4, 32))
+    _set_config(folder, ignore=["lm_head", "model.layers.1.mlp.down_proj"])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.1\.mlp\.down_proj\.weight"):
         load_our_model(folder)
 
 

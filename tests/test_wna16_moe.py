@@ -90,6 +90,28 @@ def test_cpu_logits_equal_the_dequantized_models(case, tmp_path):
         torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
 
 
+def test_mixtral_experts_under_qwen_names(tmp_path):
+    """llm-compressor and GPTQModel unfuse transformers 5's Mixtral experts into Linears named
+    as Qwen's (`experts.E.gate_proj` / `up_proj` / `down_proj`, not w1 / w3 / w2) and save them
+    so: the same model. (Refused as "no such expert weight" before.)"""
+    arch, config, _ = CASES["mixtral-awq-g32"]
+    folder = make_tiny_hf_model(arch, tmp_path, std=0.1, **config)
+    reference = str(tmp_path / "reference")
+    quantize_folder(folder, reference, Packing("gptq", 4, 32, False))
+    path = os.path.join(folder, "model.safetensors")
+    renames = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+    tensors = {}
+    for name, tensor in load_file(path).items():
+        if ".experts." in name:
+            for old, new in renames.items():
+                name = name.replace(old, new)
+        tensors[name] = tensor
+    assert any(".experts.0.gate_proj.qweight" in name for name in tensors)
+    save_file(tensors, path)
+    fed, got = run_paged(load_our_model(folder), PROMPT, num_decode_steps=3)[0]
+    torch.testing.assert_close(got, hf_logits(_hf(reference), fed), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter on a CPU-only machine")
 @pytest.mark.parametrize("case", ["qwen3_moe-gptq-asym-g32", "qwen3_moe-gptq_v2-8bit-channel",
                                   "qwen2_moe-shared-ct-asym-g32-actorder"])  # fmt: skip

@@ -113,9 +113,14 @@ def format_tensors(stem: str, w: torch.Tensor, p: Packing) -> tuple[dict, torch.
         out[f"{stem}.qzeros"] = pack_awq(zero.t())
         out[f"{stem}.scales"] = scale.t().half().contiguous()
     elif p.method.startswith("gptq"):
-        stored = zero - 1 if p.method == "gptq" else zero  # v1 keeps zero - 1
         out[f"{stem}.qweight"] = pack_lsb(q, p.bits).t().contiguous()  # [K / per, N]
-        out[f"{stem}.qzeros"] = pack_lsb(stored.t() & ((1 << p.bits) - 1), p.bits)
+        qzeros = pack_lsb(zero.t(), p.bits)
+        if p.method == "gptq":  # v1 keeps zero - 1, as GPTQModel writes it: one int32
+            # subtraction of 0x11111111 (8-bit: 0x01010101) a word, so a zero of 0 borrows
+            ones = sum(1 << (p.bits * i) for i in range(32 // p.bits))
+            word = (qzeros.long() - ones) & 0xFFFFFFFF
+            qzeros = torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+        out[f"{stem}.qzeros"] = qzeros
         out[f"{stem}.scales"] = scale.t().half().contiguous()
         out[f"{stem}.g_idx"] = g_idx.to(torch.int32)
     else:

@@ -44,6 +44,8 @@ class MoEWeights:
         ".experts.gate_up_proj": ".experts.w13",
         ".experts.down_proj": ".experts.w2",
     }
+    # other names a checkpoint gives a per-expert projection -> the one in expert_params
+    expert_aliases: dict[str, str] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         shards: dict[str, set[tuple[int, int]]] = defaultdict(set)
@@ -86,9 +88,10 @@ class MoEWeights:
                 yield name, tensor
                 continue
             experts = modules.get(match["experts"])
-            if not isinstance(experts, FusedMoE) or match["proj"] not in param_of:
+            proj = self.expert_aliases.get(match["proj"], match["proj"])
+            if not isinstance(experts, FusedMoE) or proj not in param_of:
                 raise ValueError(f"unexpected checkpoint tensor {hf_name!r}: no such expert weight")
-            stacked, shard, num_shards = param_of[match["proj"]]
+            stacked, shard, num_shards = param_of[proj]
             target = _target(experts, stacked, match["kind"], tensor, hf_name)
             if target is None:  # an fp8 part: loaded dequantized once weight and scale are in
                 tensor = _fp8_pair(fp8_parts, name.rpartition(".")[0], match["kind"], tensor)

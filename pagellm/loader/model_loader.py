@@ -56,8 +56,23 @@ def load_model(
     else:
         if quant is None:
             check_checkpoint(model, source)
-        weights = _on(device, dtype, iter_weights(source, quant), quant)
-        check_loaded(model, model.load_weights(weights), source.path)
+        current = [""]  # the tensor being read: quantized tensors are not dry-run above
+
+        def tracked() -> Iterator[tuple[str, Any]]:
+            for name, tensor in iter_weights(source, quant):
+                current[0] = name
+                yield name, tensor
+
+        try:
+            loaded = model.load_weights(_on(device, dtype, tracked(), quant))
+        except ValueError as e:
+            if quant is None or (current[0] and current[0] in str(e)):
+                raise  # checked above, or the message names the tensor already
+            raise ValueError(
+                f"{source.path}: tensor {current[0]!r} does not fit the model its config "
+                f"describes ({quant.describe()}): {e}"
+            ) from e
+        check_loaded(model, loaded, source.path)
     if quant is not None:
         quant.process_weights_after_loading(model)
     return model.to(device).eval()  # moves the buffers built on the CPU (rotary tables)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 class MixtralForCausalLM(MoEWeights, MistralForCausalLM):
     expert_params = {"w13": ("w1", "w3"), "w2": ("w2",)}
     checkpoint_renames = {".block_sparse_moe.": ".mlp.", **MoEWeights.checkpoint_renames}
+    # llm-compressor and GPTQModel unfuse transformers 5's experts into Linears named as
+    # Qwen's, and save them so (`<...>.experts.<e>.gate_proj.weight_packed` / `.qweight`)
+    expert_aliases = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
     def __init__(self, config: PretrainedConfig, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__(config, attn_backend_cls)

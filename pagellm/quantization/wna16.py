@@ -213,6 +213,9 @@ class WNA16Config(QuantizationConfig):
         # read by their HF names, before the model renames them
         stacks = getattr(model, "expert_params", {})
         projections = {proj: stacked for stacked, projs in stacks.items() for proj in projs}
+        for alias, proj in getattr(model, "expert_aliases", {}).items():
+            if proj in projections:
+                projections[alias] = projections[proj]
         self.expert_names = (getattr(model, "checkpoint_renames", {}), projections)
         return super().attach(model)
 

@@ -10,7 +10,8 @@ or k // group_size; they differ in where the integers sit:
                    scales  fp16  [G, N]
     GPTQ           qweight int32 [K / p, N]   p = 32 / bits rows an int32, lowest bits first
                    qzeros  int32 [G, N / p]   columns packed the same way; v1 ("gptq") stores
-                                              zero - 1, v2 ("gptq_v2") the zero itself
+                                              zero - 1 (one int32 subtraction of 0x11111111
+                                              / 0x01010101: a 0 borrows), v2 the zero itself
                    scales  fp16  [G, N];  g_idx int32 [K] (act-order when not k // group)
     compressed-    weight_packed     int32 [N, K / p]  lowest bits first, q + 2^(bits-1)
     tensors        weight_scale      [N, G] (channel strategy: [N, 1])
@@ -113,7 +114,11 @@ def _gptq(cfg: dict) -> WNA16Scheme:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
     if cfg.get("dynamic"):
-        raise ValueError("GPTQ `dynamic` per-module settings are not supported")
+        raise ValueError(
+            f"GPTQ `dynamic` per-module settings are not supported (here for "
+            f"{', '.join(map(str, cfg['dynamic']))}; GPTQModel writes one for lm_head=True: "
+            "quantize with lm_head=False)"
+        )
     return WNA16Scheme(
         "gptq", int(cfg.get("bits", 4)), int(cfg.get("group_size", 128)),
         bool(cfg.get("sym", True)), zero_minus_one=fmt == "gptq",
@@ -254,15 +259,21 @@ def _qweight(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, k: in
 
 
 def _zeros(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, g: int):
-    per, mask = 32 // scheme.bits, (1 << scheme.bits) - 1
+    per = 32 // scheme.bits
     if scheme.method == "awq":
         _expect(name, tensor, (g, n // 8), "AWQ int32 qzeros [G, N / 8]")
         return _awq_unpack(tensor).t().contiguous()
     if scheme.method == "gptq":
         _expect(name, tensor, (g, -(-n // per)), f"GPTQ int32 qzeros [G, N / {per}]")
-        zeros = unpack_int32(tensor, scheme.bits)[:, :n].to(torch.int32)
-        zeros = (zeros + 1) & mask if scheme.zero_minus_one else zeros
-        return zeros.to(torch.uint8).t().contiguous()
+        if scheme.zero_minus_one:
+            # v1 writers (gptqmodel's v2 -> v1) subtract 1 from every field as one int32
+            # subtraction, so a zero of 0 borrows from the next field: add it back the same
+            # way (gptqmodel's v1 -> v2), not field by field
+            word = sum(1 << (scheme.bits * i) for i in range(per))  # 0x11111111 / 0x01010101
+            summed = (tensor.to(torch.int64) + word) & 0xFFFFFFFF
+            tensor = torch.where(summed >= 1 << 31, summed - (1 << 32), summed).to(torch.int32)
+        zeros = unpack_int32(tensor, scheme.bits)[:, :n]
+        return zeros.t().contiguous()
     if tensor.dtype == torch.int8:  # unpacked signed zero points (older compressed-tensors)
         _expect(name, tensor, (n, g), "int8 weight_zero_point [N, G]")
         return (tensor.to(torch.int32) + scheme.offset).to(torch.uint8)
