@@ -85,6 +85,9 @@ def test_adapters_served_load_use_unload(served):
     )
     assert chat.model == "second"
     assert _complete(client, "second") == texts["second"]
+    inplace = {"lora_name": "second", "lora_path": paths["first"], "load_inplace": True}
+    assert post(srv, "/v1/load_lora_adapter", inplace).status_code == 200  # vLLM's reload
+    assert _complete(client, "second") == texts["first"]
     assert post(srv, "/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 200
     with pytest.raises(openai.NotFoundError, match="second"):
         _complete(client, "second")

@@ -35,6 +35,7 @@ _ERRORS = {
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: a name loaded already takes the new folder
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -59,8 +60,10 @@ class LoRAAdapters:
         """The adapter a request's `model` names (None: the base model)."""
         return self.adapters.get(model) if model is not None else None
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Check and add an adapter (ValueError: a 400 in the server's words)."""
+    def load(self, name: str, path: str, inplace: bool = False) -> LoRARequest:
+        """Check and add an adapter (ValueError: a 400 in the server's words); `inplace`: a
+        name loaded already takes the new folder (requests running under the old one finish
+        with it)."""
         if not self.enabled:
             raise ValueError("LoRA adapters need the server started with --enable-lora")
         if not name:
@@ -68,8 +71,9 @@ class LoRAAdapters:
         if name in self.base_names:
             raise ValueError(f"{name!r} cannot name a LoRA adapter: it is the base model's name")
         with self._lock:
-            if name in self.adapters or name in self._loading:
-                raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first")
+            if name in self._loading or (name in self.adapters and not inplace):
+                raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first, "
+                                 "or set load_inplace to replace it")  # fmt: skip
             self._loading.add(name)
         try:
             request = LoRARequest(name, next(self._ids), path)
@@ -80,7 +84,10 @@ class LoRAAdapters:
             except Exception as e:  # whatever else a foreign folder raises: still its fault
                 raise ValueError(f"LoRA adapter {path!r}: {type(e).__name__}: {e}") from None
             with self._lock:
+                old = self.adapters.get(name)
                 self.adapters[name] = request
+            if old is not None:
+                self.engine.input_processor.check_lora.forget(old.lora_int_id)
             return request
         finally:
             with self._lock:
@@ -103,7 +110,7 @@ class LoRAAdapters:
 @lora_routes.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request) -> str:
     adapters: LoRAAdapters = raw_request.app.state.lora_adapters
-    await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
+    await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path, body.load_inplace)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
