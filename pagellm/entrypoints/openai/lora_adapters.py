@@ -71,7 +71,9 @@ class LoRAAdapters:
         if name in self.base_names:
             raise ValueError(f"{name!r} cannot name a LoRA adapter: it is the base model's name")
         with self._lock:
-            if name in self._loading or (name in self.adapters and not inplace):
+            if name in self._loading:
+                raise ValueError(f"LoRA adapter {name!r} is being loaded by another request")
+            if name in self.adapters and not inplace:
                 raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first, "
                                  "or set load_inplace to replace it")  # fmt: skip
             self._loading.add(name)
@@ -79,9 +81,9 @@ class LoRAAdapters:
             request = LoRARequest(name, next(self._ids), path)
             try:
                 self.engine.input_processor.check_lora(request)
-            except (ValueError, TypeError):
-                raise
-            except Exception as e:  # whatever else a foreign folder raises: still its fault
+            except Exception as e:  # whatever a foreign folder raises is still its fault
+                if isinstance(e, (ValueError, TypeError)):
+                    raise
                 raise ValueError(f"LoRA adapter {path!r}: {type(e).__name__}: {e}") from None
             with self._lock:
                 old = self.adapters.get(name)
