@@ -79,6 +79,10 @@ class PoolerConfig:
     # a cross-encoder's activation as its config names it (ST's activation_fn): "sigmoid",
     # "softmax" or "identity"; None: softmax (sigmoid for one label)
     activation: str | None = None
+    # classify's activation from HF's problem_type, as vLLM's get_classification_act_fn and
+    # HF's text-classification pipeline: "identity" (regression), "sigmoid"
+    # (multi_label_classification); None: `activation`
+    classify_activation: str | None = None
 
     def st_text(self, text: str) -> str:
         """A text input as sentence-transformers reads it (do_lower_case: lowercased)."""

@@ -38,6 +38,8 @@ _MODES = {  # the ST Pooling mode -> vLLM's pooling type
     "mean": "MEAN",
     "cls": "CLS",
 }
+# HF's problem_type -> classify()'s activation (vLLM's get_classification_act_fn)
+_PROBLEM_TYPES = {"regression": "identity", "multi_label_classification": "sigmoid"}
 # up to 5.x each mode is a bool key: pooling_mode_<mode> (mean as mean_tokens, cls as cls_token)
 _LEGACY_MODES = {"mean_tokens": "mean", "cls_token": "cls"}
 
@@ -79,7 +81,9 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     if is_classifier(arch):
         return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
                             num_labels=num_labels(hf_config), encoder=encoder,
-                            activation=_cross_encoder_activation(hf_config))  # fmt: skip
+                            activation=_cross_encoder_activation(hf_config),
+                            classify_activation=_PROBLEM_TYPES.get(
+                                getattr(hf_config, "problem_type", None)))  # fmt: skip
     pooling_type = default_type
     if pooling is not None:
         pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))

@@ -26,12 +26,37 @@ from pagellm.layers.linear import Linear
 from pagellm.layers.weights import load_packed_weights
 from pagellm.models.pooling import num_labels
 
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# HF's ACT2FN names (transformers' activations.py) -> the same functions in torch
 ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_python": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "mish": F.mish,
+    "tanh": torch.tanh,
 }
+
+
+def activation(config: Any, key: str) -> Any:
+    """The config's activation `key` (hidden_act, ...) as a function; an unserved name is a
+    ValueError naming it (was a bare KeyError)."""
+    name = getattr(config, key)
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"{key}={name!r} is not served for encoders; served: {', '.join(sorted(ACTIVATIONS))}"
+        )
+    return ACTIVATIONS[name]
 
 
 class DenseNorm(nn.Module):
@@ -85,7 +110,7 @@ class EncoderLayer(nn.Module):
         self.intermediate = nn.Module()
         self.intermediate.dense = Linear(config.hidden_size, config.intermediate_size)
         self.output = DenseNorm(config.intermediate_size, config.hidden_size, eps)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = activation(config, "hidden_act")
 
     def forward(self, x: torch.Tensor, layout: PaddedLayout | RequestSlices) -> torch.Tensor:
         attn = self.attention.output(self.attention.self(x, layout), x)

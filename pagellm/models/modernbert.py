@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.linear import Linear
-from pagellm.models.bert import ACTIVATIONS, BertEmbeddingModel, PaddedLayout
+from pagellm.models.bert import BertEmbeddingModel, PaddedLayout, activation
 from pagellm.models.pooling import num_labels
 
 
@@ -45,7 +45,7 @@ class ModernBertLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.Wi = Linear(hidden, 2 * inter, bias=config.mlp_bias)
         self.mlp.Wo = Linear(inter, hidden, bias=config.mlp_bias)
-        self.act = ACTIVATIONS[config.hidden_activation]
+        self.act = activation(config, "hidden_activation")
         self.kind = config.layer_types[index]  # "full_attention" | "sliding_attention"
 
     def forward(self, x: torch.Tensor, cos_sin: dict, layout: PaddedLayout, masks: dict):
@@ -121,7 +121,7 @@ class ModernBertForSequenceClassification(ModernBertEmbeddingModel):
         self.head.dense = nn.Linear(config.hidden_size, config.hidden_size,
                                     bias=config.classifier_bias)  # fmt: skip
         self.head.norm = _norm(config)
-        self.head_act = ACTIVATIONS[config.classifier_activation]
+        self.head_act = activation(config, "classifier_activation")
         self.classifier = nn.Linear(config.hidden_size, num_labels(config))
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:

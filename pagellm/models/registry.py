@@ -52,6 +52,9 @@ _ENCODERS = {
     "BertForSequenceClassification": "BertForSequenceClassification",
     "XLMRobertaModel": "XLMRobertaEmbeddingModel",
     "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+    # RoBERTa: XLM-R's layout and names (positions from pad_token_id + 1, the same head)
+    "RobertaModel": "XLMRobertaEmbeddingModel",
+    "RobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
     "ModernBertModel": "ModernBertEmbeddingModel",
     "ModernBertForSequenceClassification": "ModernBertForSequenceClassification",
 }

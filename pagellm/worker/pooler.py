@@ -122,6 +122,8 @@ class Pooler:
         if params.use_activation is False:
             return values
         activation = self.config.activation  # the config's; None: by the number of labels
+        if params.task == "classify" and self.config.classify_activation is not None:
+            activation = self.config.classify_activation  # HF's problem_type
         if activation == "identity":
             return values
         if activation == "sigmoid" or values.numel() == 1:
