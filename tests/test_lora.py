@@ -233,3 +233,46 @@ def test_max_lora_rank_is_at_most_512(tmp_path):
 
     with pytest.raises(ValueError, match="max_lora_rank must be in \\[1, 512\\]"):
         LoRAConfig(max_lora_rank=528)
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ({"init_lora_weights": "pissa_niter_4"}, "convert it to a plain LoRA adapter"),
+        ({"init_lora_weights": "olora"}, "changes the base model's weights"),
+        ({"layer_replication": [[1, 2], [0, 1]]}, "layer_replication"),
+        ({"use_dora": True}, "DoRA"),
+        ({"lora_bias": True}, "lora_bias"),
+    ],
+)
+def test_configs_peft_loads_into_another_model_are_refused(served, tmp_path, edit, words):
+    """PEFT changes the base model when it loads these (PiSSA / OLoRA subtract their initial
+    A0 B0 from its weights, layer_replication re-stacks its layers) or adds more than A and B:
+    the adapter alone on the unchanged base model would be another model."""
+    llm, loras, _, _ = served
+    folder = tmp_path / "odd"
+    shutil.copytree(loras["attn"].lora_path, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=words):
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("odd", 50, str(folder)))
+
+
+def test_config_without_lora_alpha_takes_peft_default(served, tmp_path):
+    llm, loras, refs, _ = served
+    folder = tmp_path / "no_alpha"
+    shutil.copytree(loras["all"].lora_path, folder)  # r=2, lora_alpha=6
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    base = hf_model(llm.llm_engine.config.model_config.model)
+    ref = peft.PeftModel.from_pretrained(base, str(folder)).eval()  # PEFT's lora_alpha: 8
+    prompt = _prompts()[4]
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+        lora_request=LoRARequest("no-alpha", 51, folder),  # a pathlib.Path: its str is sent
+    )  # fmt: skip
+    want = hf_generate_greedy(ref, [prompt], NEW_TOKENS)[0]
+    assert out[0].outputs[0].token_ids == want != _expected(refs, prompt, "all")
+    with pytest.raises(ValueError, match="lora_int_id must be an int"):
+        LoRARequest("flag", True, str(folder))

@@ -5,7 +5,9 @@ A folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_m
 `...layers.N.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]. PEFT
 adds `lora_B(lora_A(x)) * scaling` to the module's output, `scaling` = alpha / r (rsLoRA:
 alpha / sqrt(r)). Everything the base model cannot take (another module, a shape, a rank
-over `max_lora_rank`, a bias) is a `ValueError` naming it, raised before the request is queued.
+over `max_lora_rank`, a bias, DoRA, an init or layer replication that changes the base model
+when PEFT loads the adapter) is a `ValueError` naming it, raised before the request is queued.
+A config without `lora_alpha` takes PEFT's default (8).
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ def base_model_shapes(architecture: str, hf_config: Any) -> Shapes:
     return target_shapes(model.model.layers)
 
 
+# PEFT's LoraConfig default, where adapter_config.json leaves lora_alpha out
+PEFT_DEFAULT_LORA_ALPHA = 8
+# init_lora_weights that PEFT applies to the base weights again at load (W - scale * B0 A0)
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
 def read_adapter_config(path: str) -> dict[str, Any]:
     config_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_file):
@@ -72,12 +80,30 @@ def read_adapter_config(path: str) -> dict[str, Any]:
         raise ValueError(f"LoRA adapter {path!r}: peft_type {config['peft_type']!r} is not LORA")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={config['bias']!r} is not supported")
+    if config.get("use_dora"):
+        raise ValueError(f"LoRA adapter {path!r}: DoRA (use_dora) is not supported")
+    if config.get("lora_bias"):
+        raise ValueError(f"LoRA adapter {path!r}: lora_bias (a bias on lora_B) is not supported")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_CHANGING_INITS):
+        # PEFT subtracts these inits' A0 B0 from the base weights when it loads the adapter:
+        # the adapter alone, added to the unchanged base model, is another model
+        raise ValueError(
+            f"LoRA adapter {path!r}: init_lora_weights={config['init_lora_weights']!r} changes "
+            "the base model's weights when PEFT loads it; convert it to a plain LoRA adapter "
+            "(PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+        )
+    if config.get("layer_replication"):
+        raise ValueError(
+            f"LoRA adapter {path!r}: layer_replication (PEFT re-stacks the base model's "
+            "layers) is not supported"
+        )
     return config
 
 
 def adapter_scaling(config: dict[str, Any]) -> float:
     """PEFT's scale: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    r, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
     return alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
 
 

@@ -7,6 +7,7 @@ cache, the prefix-cache hash chain.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import msgspec
@@ -18,10 +19,13 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_path: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        # msgpack carries it to the engine core: at most a uint64, and never a bool
+        if type(self.lora_int_id) is not int or not 1 <= self.lora_int_id < 2**64:
+            raise ValueError(f"lora_int_id must be an int in [1, 2**64), got {self.lora_int_id!r}")
         if not self.lora_path:
             raise ValueError(f"LoRA adapter {self.lora_name!r}: lora_path is required")
+        if not isinstance(self.lora_path, str):  # a pathlib.Path: msgpack carries str only
+            self.lora_path = os.fspath(self.lora_path)
 
     @property
     def adapter_id(self) -> int:
