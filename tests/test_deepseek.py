@@ -192,6 +192,12 @@ def test_an_activation_the_experts_cannot_run_is_refused(tmp_path):
         load_our_model(folder)
 
 
+def test_v3_router_under_v2_name_is_refused(tmp_path):
+    folder = make_tiny_deepseek("deepseek_v2", tmp_path, topk_method="noaux_tc")
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is V3's router"):
+        load_our_model(folder)
+
+
 def test_kv_budget_counts_one_latent_row_a_token(family):
     """The budget buys exactly NUM_BLOCKS blocks of latent rows (per-head K and V would have
     bought H * (dn + P + dv) / (R + P) = 4.4x fewer)."""

@@ -104,6 +104,11 @@ class DeepseekV2ForCausalLM(MoEWeights, LlamaForCausalLM):
         """The decoder; latent attention runs on its own (`pagellm/attention/mla.py`), reading
         the step's metadata of whichever backend the runner built it with."""
         require_silu(config, type(self).__name__)
+        if not self.sigmoid_router and getattr(config, "topk_method", None) == "noaux_tc":
+            # V3's router under V2's name: HF's V2 cannot run it either; never route it as V2's
+            raise ValueError(f"{type(self).__name__}: topk_method 'noaux_tc' is V3's router "
+                             "(sigmoid scores with a correction bias); its architecture is "
+                             "DeepseekV3ForCausalLM")  # fmt: skip
         return DeepseekModel(config, self.sigmoid_router)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
