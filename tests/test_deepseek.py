@@ -244,6 +244,9 @@ def test_shipped_deepseek_v2_lite_config_plans_latent_rows():
     args = EngineArgs(model="deepseek-v2-lite", load_format="dummy", dtype="bfloat16")
     facts = read_model(args, torch.device("cpu"))
     assert facts.kv_bytes_per_token == 27 * (512 + 64) * 2
+    # V3's layers cut to 4 (128 heads, q-LoRA, 256 experts in 8 groups): one row a token too
+    args = EngineArgs(model="deepseek-v3-4layer", load_format="dummy", dtype="bfloat16")
+    assert read_model(args, torch.device("cpu")).kv_bytes_per_token == 4 * (512 + 64) * 2
     assert facts.config.architecture == "DeepseekV2ForCausalLM"
     assert 30e9 < facts.weight_bytes < 33e9  # 15.7B parameters in bf16
 

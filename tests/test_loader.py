@@ -81,6 +81,7 @@ SHIPPED = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, tied
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True, 135),
     "gemma-2-9b": (3584, 42, 16, 8, 14336, 256000, True, 9242),
     "deepseek-v2-lite": (2048, 27, 16, 16, 10944, 102400, False, 15706),
+    "deepseek-v3-4layer": (7168, 4, 128, 128, 18432, 129280, False, 15111),  # 1 MoE layer
 }
 
 

@@ -33,6 +33,7 @@ SHIPPED_MODELS = (
     "mixtral-8x7b",
     "gemma-2-9b",
     "deepseek-v2-lite",
+    "deepseek-v3-4layer",  # DeepSeek-V3's layers (3 dense, then MoE) cut to 4: one GPU holds it
     "gpt-oss-20b",
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
