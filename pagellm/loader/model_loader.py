@@ -62,12 +62,13 @@ def load_model(
             for name, tensor in iter_weights(source, quant):
                 current[0] = name
                 yield name, tensor
+            current[0] = ""  # all read: an error after this is not the last tensor's
 
         try:
             loaded = model.load_weights(_on(device, dtype, tracked(), quant))
         except ValueError as e:
-            if quant is None or (current[0] and current[0] in str(e)):
-                raise  # checked above, or the message names the tensor already
+            if quant is None or not current[0] or current[0] in str(e):
+                raise  # checked above, past the tensors, or naming the tensor already
             raise ValueError(
                 f"{source.path}: tensor {current[0]!r} does not fit the model its config "
                 f"describes ({quant.describe()}): {e}"
