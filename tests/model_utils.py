@@ -538,6 +538,16 @@ def make_st_embedding_model(path: Path | str) -> str:
     return path
 
 
+def widen_weights(model, std: float = 0.15) -> None:
+    """Every weight but the norms' drawn from N(0, std) (the torch seed set by the caller):
+    HF's init (0.02) leaves a tiny encoder's attention almost uniform and its tokens alike,
+    which a wrong mask or position would pass unnoticed."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("weight") and "norm" not in name.lower():
+                param.normal_(0, std)
+
+
 def make_bert_cross_encoder(path: Path | str, num_labels: int = 1) -> str:
     """A tiny random BertForSequenceClassification (a reranker's layout) with a WordPiece
     tokenizer; weights large enough that attention looks and token types matter."""
@@ -549,10 +559,8 @@ def make_bert_cross_encoder(path: Path | str, num_labels: int = 1) -> str:
                         max_position_embeddings=64, num_labels=num_labels)  # fmt: skip
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
+    widen_weights(model)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("weight") and "LayerNorm" not in name:
-                param.normal_(0, 0.15)
         model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1)
     model.save_pretrained(path)
     return path

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import save_tiny_wordpiece
+from model_utils import save_tiny_wordpiece, widen_weights
 
 from pagellm import LLM
 from pagellm.pooling_params import PoolingParams
@@ -32,10 +32,7 @@ def folder(tmp_path_factory) -> str:
     path = save_tiny_wordpiece(tmp_path_factory.mktemp("mbert") / "modernbert-cls")
     torch.manual_seed(0)
     model = ModernBertForSequenceClassification(_config())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("weight") and "norm" not in name:
-                param.normal_(0, 0.15)
+    widen_weights(model)
     model.save_pretrained(path)
     return path
 

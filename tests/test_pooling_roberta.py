@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import save_tiny_tokenizer
+from model_utils import save_tiny_tokenizer, widen_weights
 
 from pagellm import LLM
 
@@ -22,10 +22,7 @@ def _folder(root, name: str, **overrides) -> str:
                            max_position_embeddings=40, pad_token_id=0, **overrides)  # fmt: skip
     torch.manual_seed(0)
     model = RobertaForSequenceClassification(config)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("weight") and "LayerNorm" not in param_name:
-                param.normal_(0, 0.15)
+    widen_weights(model)
     model.save_pretrained(path)
     return path
 

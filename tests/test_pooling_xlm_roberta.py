@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import save_tiny_tokenizer
+from model_utils import save_tiny_tokenizer, widen_weights
 
 from pagellm import LLM
 from pagellm.pooling_params import PoolingParams
@@ -24,10 +24,7 @@ def folder(tmp_path_factory) -> str:
                               num_labels=3)  # fmt: skip
     torch.manual_seed(0)
     model = XLMRobertaForSequenceClassification(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("weight") and "LayerNorm" not in name:
-                param.normal_(0, 0.15)
+    widen_weights(model)
     model.save_pretrained(path)
     return path
 

@@ -127,6 +127,11 @@ class LoRASlots:
         self.a, self.b = {}, {}
         self.fused = None  # CUDA: every part's A and B stacked, for one shrink and one expand
         if not self.transposed:
+            from pagellm.kernels.lora import MAX_PARTS
+
+            if len(parts) > MAX_PARTS:  # no served family fuses more (q | k | v is the most)
+                raise ValueError(f"a fused layer of {len(parts)} LoRA parts; the kernels take "
+                                 f"at most {MAX_PARTS}")  # fmt: skip
             ends = [end for _, end in self.parts.values()]
             self.fused = (zeros(len(parts) * max_rank, in_features), zeros(ends[-1], max_rank),
                           tuple(ends))  # fmt: skip
@@ -193,21 +198,17 @@ class LoRASlots:
         return out
 
     def _on_cuda(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Every part's shrink and expand over all rows, each row by its slot's program."""
-        from pagellm.kernels.lora import MAX_PARTS, lora_expand, lora_shrink
+        """Every part's shrink and expand over all rows, each row by its slot's program: one
+        shrink and one expand for all of a fused layer's parts (q | k | v)."""
+        from pagellm.kernels.lora import lora_expand, lora_shrink
 
         step = self.step
         if step.num_rows != x.shape[0]:
             return out  # no adapter was ever set up for rows of this step (profiling)
         x = x.contiguous()
         a, b, ends = self.fused
-        if len(ends) <= MAX_PARTS:  # q | k | v: one shrink, one expand
-            h = lora_shrink(x, a, step.rows, step.starts, step.scales)
-            return lora_expand(h, b, step.rows, step.starts, out, 0, ends)
-        for name, (start, _) in self.parts.items():
-            h = lora_shrink(x, self.a[name], step.rows, step.starts, step.scales)
-            lora_expand(h, self.b[name], step.rows, step.starts, out, start)
-        return out
+        h = lora_shrink(x, a, step.rows, step.starts, step.scales)
+        return lora_expand(h, b, step.rows, step.starts, out, 0, ends)
 
 
 @dataclass(frozen=True)

@@ -77,23 +77,29 @@ class LoRAAdapters:
                 raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first, "
                                  "or set load_inplace to replace it")  # fmt: skip
             self._loading.add(name)
-        try:
-            request = LoRARequest(name, next(self._ids), path)
-            try:
-                self.engine.input_processor.check_lora(request)
-            except Exception as e:  # whatever a foreign folder raises is still its fault
-                if isinstance(e, (ValueError, TypeError)):
-                    raise
-                raise ValueError(f"LoRA adapter {path!r}: {type(e).__name__}: {e}") from None
-            with self._lock:
-                old = self.adapters.get(name)
-                self.adapters[name] = request
-            if old is not None:
-                self.engine.input_processor.check_lora.forget(old.lora_int_id)
-            return request
-        finally:
+        try:  # the folder is read outside the lock: other names load meanwhile
+            request = self._checked(LoRARequest(name, next(self._ids), path))
+        except BaseException:
             with self._lock:
                 self._loading.discard(name)
+            raise
+        with self._lock:
+            old = self.adapters.get(name)
+            self.adapters[name] = request
+            self._loading.discard(name)
+        if old is not None:
+            self.engine.input_processor.check_lora.forget(old.lora_int_id)
+        return request
+
+    def _checked(self, request: LoRARequest) -> LoRARequest:
+        try:
+            self.engine.input_processor.check_lora(request)
+        except (ValueError, TypeError):
+            raise
+        except Exception as e:  # whatever a foreign folder raises is still its fault
+            where = f"LoRA adapter {request.lora_path!r}"
+            raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+        return request
 
     def unload(self, name: str) -> None:
         request = self.adapters.pop(name, None)
