@@ -4,6 +4,7 @@ path and llama.cpp on a Q4_0 GGUF of it, alternated in one run (issue 40).
     python benchmarks/cpu_int4.py                                  # GPTQ vs the GGUF path
     python benchmarks/cpu_int4.py --llama-cpp-python /opt/llama-venv/bin/python
     python benchmarks/cpu_int4.py --dtype bfloat16 --rounds 5
+    python benchmarks/cpu_int4.py --int8-activations   # + GPTQ with x rounded to int8 blocks
 
 (benchmarks/ leaves sys.path first: its kernels.py would shadow the `kernels` package that
 transformers looks for.) Prepared once in `--workdir` and kept:
@@ -125,6 +126,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="pagellm's (bfloat16 too)")
     ap.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama_cpp")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="a third pagellm engine: GPTQ with PAGELLM_CPU_INT8_ACTIVATIONS=1")
     ap.add_argument("--cpu-time", action="store_true",
                     help="pagellm in-process; each engine's CPU seconds too")  # fmt: skip
     args = ap.parse_args()
@@ -142,6 +145,10 @@ def main() -> None:
         "pagellm-gptq": LLM(model=gptq_dir, dtype=args.dtype, max_num_seqs=1),
         "pagellm-gguf": LLM(dtype=args.dtype, max_num_seqs=1),
     }
+    if args.int8_activations:  # read where the engine loads its weights
+        os.environ["PAGELLM_CPU_INT8_ACTIVATIONS"] = "1"
+        engines["pagellm-gptq-int8x"] = LLM(model=gptq_dir, dtype=args.dtype, max_num_seqs=1)
+        del os.environ["PAGELLM_CPU_INT8_ACTIVATIONS"]
     runners = {n: _timed(throughput.run_pagellm, e) for n, e in engines.items()}
     cpp = None
     if args.llama_cpp_python:

@@ -28,6 +28,7 @@ from pagellm.quantization.cpu_int import (
 )
 from pagellm.quantization.gguf_cpu import GGUFBlockWeight
 from pagellm.quantization.gguf_dequant import decode_blocks, dequantize, q4_parts
+from pagellm.utils import cpuinfo_flags
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -185,6 +186,63 @@ def test_block_gemm_rows_are_independent():
         gguf_kernel.block_gemm(torch.randn(1, 128, dtype=torch.float16), planes)
 
 
+needs_int8_dots = pytest.mark.skipif(
+    not gguf_kernel.supported()
+    or not {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpuinfo_flags(),
+    reason="int8 activations need AVX512-VNNI",
+)
+
+
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as llama.cpp's Q8_0 rounds it (per row and block of 32: d = max|x| / 127, q =
+    x * (127 / max|x|) to nearest even), back in float64: what the int8 path multiplies."""
+    rows, k = x.shape
+    xb = x.float().view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax / 127.0).double()).view(rows, k)
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, "gptq"])
+@pytest.mark.parametrize("k", [96, 1184])
+def test_int8_activations_are_x_rounded_to_int8_blocks(qtype, k):
+    """PAGELLM_CPU_INT8_ACTIVATIONS: the product of the dequantized weights with x rounded to
+    int8 blocks, up to float32 rounding (not the exact product: about 1e-3 off); rows 1..8,
+    bf16 x, a bias, an all-zero block, odd block counts (3, 37: the pairs' tail); Q8 weights
+    keep the exact products."""
+    n, gen = 40, torch.Generator().manual_seed(3)
+    if qtype == "gptq":  # float32 offsets (-zero * scale), the GPTQ / AWQ layout
+        qs = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+        d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half()
+        m = -torch.randint(0, 16, (n, k // 32), generator=gen) * d.float()
+        exact = gguf_kernel.BlockPlanes(qs, d, m, int8_activations=False)
+        rounded = gguf_kernel.BlockPlanes(qs, d, m, int8_activations=True)
+    else:
+        blocks = _random_blocks(qtype, n, k, seed=9)
+        exact = gguf_kernel.BlockPlanes.from_blocks(blocks, qtype)
+        rounded = gguf_kernel.BlockPlanes.from_blocks(blocks, qtype)
+        rounded = gguf_kernel.BlockPlanes(rounded.qs, rounded.d, rounded.m, int8_activations=True)
+    assert rounded._args[0] == exact._args[0] | gguf_kernel.INT8_ACTIVATIONS
+    w = _planes_to_float(exact).double()
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 3, 8, 11):
+        x = torch.randn(rows, k, generator=gen) * torch.rand(rows, k, generator=gen) * 4
+        x[0, 32:64] = 0
+        scale = (x.double().abs() @ w.abs().t()).max()  # the sums' magnitude
+        got = gguf_kernel.block_gemm(x, rounded, bias).double()
+        want = F.linear(_int8_blocks(x), w, bias.double())
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * scale)
+        off = (got - F.linear(x.double(), w, bias.double())).abs().max()
+        assert 1e-5 * scale < off < 1e-2 * scale  # rounded: near, but not the exact product
+        got = gguf_kernel.block_gemm(x.bfloat16(), rounded).double()
+        want = F.linear(_int8_blocks(x.bfloat16()), w)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max())
+    q8 = gguf_kernel.BlockPlanes.from_blocks(_random_blocks(Q.Q8_0, n, k, seed=9), Q.Q8_0)
+    q8 = gguf_kernel.BlockPlanes(q8.qs, q8.d, None, int8_activations=True)
+    assert not q8._args[0] & gguf_kernel.INT8_ACTIVATIONS
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -222,6 +280,23 @@ def test_gguf_model_computes_the_dequantized_weights(tiny_ggufs, qtype):
     want, got = _decode_logits(ref, ids), _decode_logits(model, ids)
     _close(got, want, 1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_int8_dots
+def test_int8_activations_switch_reaches_the_model(tiny_ggufs, monkeypatch):
+    """With PAGELLM_CPU_INT8_ACTIVATIONS=1 a GGUF model's 4-bit layers round x: decode logits
+    off the exact ones by about what bf16 activations are (this random model is chaotic)."""
+    path = tiny_ggufs[1]["Q4_1"]
+    exact = load_our_model(path, quantization="gguf")
+    monkeypatch.setenv("PAGELLM_CPU_INT8_ACTIVATIONS", "1")
+    model = load_our_model(path, quantization="gguf")
+    planes = model.model.layers[0].self_attn.qkv_proj.packed_weight.planes
+    assert planes._args[0] & gguf_kernel.INT8_ACTIVATIONS
+    ids = [5, 77, 301, 12, 9, 400]
+    want, got = _decode_logits(exact, ids), _decode_logits(model, ids)
+    bf16 = _decode_logits(load_our_model(path, torch.bfloat16, quantization="gguf"), ids)
+    distance = ((got - want).norm() / want.norm()).item()  # 0.048 (bf16 activations: 0.051)
+    assert 1e-5 < distance < 1.5 * ((bf16.float() - want).norm() / want.norm()).item()
 
 
 @needs_int_kernels

@@ -18,7 +18,7 @@
 // AVX512-BF16, `vdpbf16ps` (the integers 0..15 are exact in bf16; 32 products an
 // instruction). So the result is the dequantized weight's dot product up to float32
 // rounding order, as another BLAS would give; no activation is rounded (llama.cpp's own
-// kernels round x to int8 blocks). Each block is unpacked once for every row of x; two
+// kernels round x to int8 blocks: opt-in here, `QuantizedX`). Each block is unpacked once for every row of x; two
 // accumulators per row of x alternate between blocks, so no add waits on the one before.
 //
 // Without AVX-512 the same runs on AVX2 + FMA vectors of 8 floats (laptop CPUs: Intel's
@@ -279,6 +279,112 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define PAGELLM_INT8_DOTS 1
+
+// x rounded to int8 blocks, llama.cpp's Q8_0 numerics (opt-in: kind bit 4): per row and block
+// of 32, d = max |x| / 127 and q = x * (127 / max |x|) rounded to nearest even, so x ~ d q.
+// The Q4 blocks are then dotted with q in integers (`vpdpbusd`: 64 byte products an
+// instruction), and each block's integer dot times d_w d_x is summed in float32. Blocks b,
+// b + 1 (b even) are stored for the pair loop as x_b[0..15], x_b+1[0..15], x_b[16..31],
+// x_b+1[16..31]: the order in which the pair's 32 weight bytes unpack (low nibbles, then
+// high); an odd last block in its own order.
+struct QuantizedX {
+  std::vector<int8_t> q;  // [M, K], pairs interleaved as above
+  std::vector<float> d;  // [M, K / 32]
+  std::vector<float> sum;  // [M, K / 32]: d * sum(q), the offsets' factor
+  std::vector<float> pair_d;  // [M, K / 64, 16]: d_b four times, d_b+1 four times, twice
+};
+
+void quantize_x(const float* xf, int64_t M, int64_t K, QuantizedX* out) {
+  const int64_t blocks = K / kBlock, pairs = blocks / 2;
+  out->q.resize(M * K);
+  out->d.resize(M * blocks);
+  out->sum.resize(M * blocks);
+  out->pair_d.resize(M * pairs * 16);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xf + r * K + b * kBlock;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+      int8_t* at = out->q.data() + r * K + b * kBlock;  // an odd last block: as is
+      int64_t second = 16;
+      if (b < 2 * pairs) {
+        at = out->q.data() + r * K + (b & ~int64_t(1)) * kBlock + (b & 1) * 16;
+        second = 32;
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + second), _mm512_cvtsepi32_epi8(q1));
+      out->d[r * blocks + b] = d;
+      out->sum[r * blocks + b] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      float* pd = out->pair_d.data() + (r * pairs + p) * 16;
+      for (int i = 0; i < 16; ++i) pd[i] = out->d[r * blocks + 2 * p + ((i >> 2) & 1)];
+    }
+  }
+}
+
+// Q4 rows n0 .. n1 against x rounded to int8 blocks (xq; MR rows), a pair of blocks a step:
+// 32 bytes of nibbles become 64 weight bytes 0..15 (low nibbles of both blocks, then high),
+// one `vpdpbusd` per row of x sums them in fours, lanes 0-3 and 8-11 block b's, 4-7 and
+// 12-15 block b + 1's, each scaled by its d_w d_x in float32.
+template <int MR>
+void q4_rows_int8(const Weights& w, const QuantizedX& xq, int64_t n0, int64_t n1, float* y,
+                  const float* bias) {
+  const int64_t K = w.K, blocks = K / kBlock, pairs = blocks / 2;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  std::vector<float> scale(blocks + 1);  // + 1: a pair's 8-byte load at an odd last block
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qs = w.qs + n * (K / 2);
+    halves_to_floats(w.d + n * blocks, blocks, scale.data());
+    __m512 even[MR], odd[MR];  // `blocks_in_pairs`, over pairs of blocks
+    PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    auto pair = [&](int64_t p, __m512* acc) __attribute__((always_inline)) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
+      const __m512i wq = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_and_si256(q, mask)),
+          _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1);
+      double two;  // scale[2p], scale[2p + 1]
+      std::memcpy(&two, scale.data() + 2 * p, 8);
+      const __m512 ws = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(two)));
+      PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + p * 64);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
+        const __m512 xs = _mm512_loadu_ps(xq.pair_d.data() + (r * pairs + p) * 16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xs), acc[r]);
+      }
+    };
+    blocks_in_pairs(pairs, even, odd, pair);
+    float tail[MR] = {};
+    if (blocks & 1) {  // the odd last block: 32 weights, 256 bits
+      const int64_t b = blocks - 1;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                                          _mm_and_si128(q, m4));
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + r * K + b * 32));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xv);
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(dot));  // exact
+        tail[r] = float(sum) * (scale[b] * xq.d[r * blocks + b]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      store_output(_mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + tail[r], w,
+                   xq.sum.data(), r, n, true, y, bias);
+  }
+}
+#endif
+
 // rows n0 .. n1 of y for MR rows of x (xf: float32 [MR, K]; xsum: [MR, K / 32] block sums)
 template <int KIND, int MR>
 void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0, int64_t n1,
@@ -356,12 +462,18 @@ struct Activations {  // x in the forms the kernels read
   const float* xf;  // [M, K] float32
   const float* xsum;  // [M, K / 32] block sums
   const uint16_t* xh;  // [M, K] bf16 x as given, or null (float32 x)
+  const void* xq;  // x rounded to int8 blocks (a QuantizedX), or null (exact products)
 };
 
 template <int KIND, int MR>
 void gemm(const Weights& w, const Activations& a, float* y, const float* bias) {
   // grain: 16 rows of W (a few KB) per task
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+#if defined(PAGELLM_INT8_DOTS)
+    if (KIND == Q4 && a.xq) {
+      return q4_rows_int8<MR>(w, *static_cast<const QuantizedX*>(a.xq), n0, n1, y, bias);
+    }
+#endif
 #if defined(PAGELLM_BF16_DOTS)
     if (KIND == Q4 && a.xh) return q4_rows_bf16<MR>(w, a.xh, a.xsum, n0, n1, y, bias);
 #endif
@@ -386,14 +498,18 @@ void dispatch_rows(int64_t M, const Weights& w, const Activations& a, float* y,
 
 }  // namespace
 
-// kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null), 2 Q4F (qs, d, m as float32). x_bf16: x and
-// y are bfloat16, else float32.
+// kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null), 2 Q4F (qs, d, m as float32); plus 4 (Q4 and
+// Q4F): x rounded to int8 blocks (`QuantizedX`; where the CPU has no AVX512-VNNI, ignored:
+// exact products). x_bf16: x and y are bfloat16, else float32.
 // Returns 0, or -1 for arguments the kernel does not take.
 extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16, int kind,
                                  const uint8_t* qs, const uint16_t* d, const void* m,
                                  int64_t N, void* y, const float* bias) {
-  constexpr int kQ4F = 2;
+  constexpr int kQ4F = 2, kInt8X = 4;
+  const bool int8_x = kind & kInt8X;
+  kind &= ~kInt8X;
   if (M < 1 || M > kMaxRows || K % kBlock || kind < Q4 || kind > kQ4F) return -1;
+  if (int8_x && kind == Q8) return -1;
   if (kind != Q8 && m == nullptr) return -1;
   const float* mf = kind == kQ4F ? static_cast<const float*>(m) : nullptr;
   const uint16_t* m16 = kind == Q4 ? static_cast<const uint16_t*>(m) : nullptr;
@@ -415,7 +531,15 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
     yout = yf.data();
   }
   const Weights w{qs, d, m16, N, K, mf};
-  const Activations a{xf.data(), xsum.data(), x_bf16 ? static_cast<const uint16_t*>(x) : nullptr};
+  Activations a{xf.data(), xsum.data(), x_bf16 ? static_cast<const uint16_t*>(x) : nullptr,
+                nullptr};
+#if defined(PAGELLM_INT8_DOTS)
+  QuantizedX xq;
+  if (int8_x) {
+    quantize_x(xf.data(), M, K, &xq);
+    a.xq = &xq;
+  }
+#endif
   if (kind == Q4) {
     dispatch_rows<Q4>(M, w, a, yout, bias);
   } else {

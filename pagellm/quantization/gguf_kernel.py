@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import platform
 from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
 
-from pagellm import cpp_build
+from pagellm import cpp_build, envs
 from pagellm.utils import cpuinfo_flags
 
 Q = GGMLQuantizationType
 QTYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # what the kernel reads
 MAX_ROWS = 8  # rows of x one kernel call takes
 BLOCK = 32  # weights per block
+logger = logging.getLogger(__name__)
 _BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34}
 
 
@@ -37,6 +39,8 @@ class BlockPlanes:
     qs: torch.Tensor  # Q4: [N, K / 2] uint8 nibbles; Q8: [N, K] int8
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d) or float32; Q8: None
+    # Q4: x rounded to int8 blocks before the products (None: PAGELLM_CPU_INT8_ACTIVATIONS)
+    int8_activations: bool | None = None
 
     def __post_init__(self) -> None:
         n, blocks = self.d.shape
@@ -51,6 +55,10 @@ class BlockPlanes:
         # the kernel's arguments after x: kind, qs, d, m, N (read on every call); kind 2: Q4
         # with float32 offsets (GPTQ / AWQ groups, whose -zero * scale fp16 would round)
         kind = (2 if self.m.dtype == torch.float32 else 0) if q4 else 1
+        if self.int8_activations is None:
+            self.int8_activations = envs.cpu_int8_activations()
+        if q4 and self.int8_activations and int8_dots_supported():
+            kind |= INT8_ACTIVATIONS
         self._args = (kind, self.qs.data_ptr(), self.d.data_ptr(),
                       self.m.data_ptr() if q4 else None, n)  # fmt: skip
 
@@ -68,6 +76,22 @@ class BlockPlanes:
             m = b[..., 2:4].contiguous().view(torch.float16).reshape(n, -1)
             return cls(b[..., 4:].reshape(n, -1).contiguous(), d, m)
         return cls(b[..., 2:].reshape(n, -1).contiguous(), d, d * -8.0)  # Q4_0: exact
+
+
+INT8_ACTIVATIONS = 4  # the kernel's kind bit: x rounded to int8 blocks (Q4 kinds)
+
+
+@functools.cache
+def int8_dots_supported() -> bool:
+    """Whether the kernel multiplies x rounded to int8 here (AVX512-VNNI); logged once."""
+    ok = supported() and {"avx512_vnni", "avx512bw", "avx512vl", "avx512dq"} <= cpuinfo_flags()
+    if ok:
+        logger.info("CPU 4-bit GEMMs round activations to int8 blocks of 32 (llama.cpp's "
+                    "numerics), PAGELLM_CPU_INT8_ACTIVATIONS=1")  # fmt: skip
+    else:
+        logger.warning("PAGELLM_CPU_INT8_ACTIVATIONS=1 needs AVX512-VNNI; this CPU has none: "
+                       "exact products")  # fmt: skip
+    return ok
 
 
 def supported() -> bool:
