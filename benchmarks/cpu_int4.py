@@ -126,8 +126,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="pagellm's (bfloat16 too)")
     ap.add_argument("--llama-cpp-python", default=None, help="an interpreter with llama_cpp")
-    ap.add_argument("--int8-activations", action="store_true",
-                    help="a third pagellm engine: GPTQ with PAGELLM_CPU_INT8_ACTIVATIONS=1")
+    ap.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="a third pagellm engine: GPTQ with PAGELLM_CPU_INT8_ACTIVATIONS=1",
+    )
     ap.add_argument("--cpu-time", action="store_true",
                     help="pagellm in-process; each engine's CPU seconds too")  # fmt: skip
     args = ap.parse_args()

@@ -106,8 +106,14 @@ def test_errors_leave_the_server_serving(served, tmp_path):
     assert "loaded already" in error["message"]
     # malformed folders: a JSON 400 naming the problem (was a plain-text 500 and a dropped
     # connection), whatever the folder holds
-    for i, (config, weights) in enumerate([("[]", None), ('{"peft_type": "LORA"}', None),
-                                           ('{"r": 0}', None), (None, b"not safetensors")]):
+    for i, (config, weights) in enumerate(
+        [
+            ("[]", None),
+            ('{"peft_type": "LORA"}', None),
+            ('{"r": 0}', None),
+            (None, b"not safetensors"),
+        ]
+    ):
         bad = tmp_path / f"bad{i}"
         shutil.copytree(paths["first"], bad)
         if config is not None:
