@@ -139,17 +139,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
-        if device.type == "cuda" and self.block_size < 16:
-            raise ValueError(
-                f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
-                f"got {self.block_size}"
-            )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_TAGS:
-            raise ValueError(
-                f"reasoning_parser must be one of {', '.join(map(repr, REASONING_TAGS))}, got "
-                f"{self.reasoning_parser!r}"
-            )
-        # checked before the model is resolved (a download, a file read)
+        self._check_early(device)  # before the model is resolved (a download, a file read)
         cache_config = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -201,6 +191,19 @@ class EngineArgs:
             lora_config=self._lora_config(model_config),
             draft_model_config=draft_model_config,
         )
+
+    def _check_early(self, device: torch.device) -> None:
+        """The arguments that need no model to be checked."""
+        if device.type == "cuda" and self.block_size < 16:
+            raise ValueError(
+                f"block_size must be at least 16 on CUDA (the Triton kernels' smallest page), "
+                f"got {self.block_size}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_TAGS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(map(repr, REASONING_TAGS))}, got "
+                f"{self.reasoning_parser!r}"
+            )
 
     def token_budget(self, device: torch.device) -> int:
         """max_num_batched_tokens, or its default: 2048 on the CPU, 8192 on CUDA."""

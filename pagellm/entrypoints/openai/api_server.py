@@ -348,6 +348,12 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="pagellm", version=pagellm.__version__, lifespan=lifespan)
+    _mount_routes(app, engine_args, options)
+    return app
+
+
+def _mount_routes(app: FastAPI, engine_args: EngineArgs, options: ServerOptions) -> None:
+    """Routes, error handlers and the middleware (the guard, CORS outside it)."""
     install_error_handlers(app)
     app.include_router(v1)
     # with --enable-lora only (vLLM's runtime loading): behind the API key, as all of /v1
@@ -366,7 +372,6 @@ def build_app(
     )
     add_cors(app, options)  # after the guard: outside it
     app.openapi = lambda: openapi_document(app, options.api_key is not None, __doc__)
-    return app
 
 
 def run_server(
