@@ -341,7 +341,7 @@ void q4_rows_int8(const Weights& w, const QuantizedX& xq, int64_t n0, int64_t n1
   const int64_t K = w.K, blocks = K / kBlock, pairs = blocks / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  std::vector<float> scale(blocks + 1);  // + 1: a pair's 8-byte load at an odd last block
+  std::vector<float> scale(blocks);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * (K / 2);
     halves_to_floats(w.d + n * blocks, blocks, scale.data());
