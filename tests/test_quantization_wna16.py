@@ -160,6 +160,27 @@ def test_corrupt_tensor_is_a_clear_error(tmp_path):
         load_our_model(folder)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_symmetric_qzeros_that_the_format_misreads_are_ignored(bits, tmp_path, caplog):
+    """A symmetric GPTQ v1 checkpoint (zeros stored as 2^(bits-1) - 1) whose config says
+    gptq_v2: its qzeros read 7 (127), not 8 (128). vLLM's kernels never read a symmetric
+    layer's zeros, so neither do we: the dequantized model's logits, and a warning."""
+    from transformers import AutoModelForCausalLM
+
+    folder, reference = _packed(tmp_path, "llama", Packing("gptq", bits, 32))
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    model = load_our_model(folder, quantization="none")
+    fed, got = run_paged(model, [[3, 17, 99, 250, 7]], num_decode_steps=2)[0]
+    torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+    assert "sym: true, but its qzeros hold" in caplog.text
+
+
 def test_wrong_scales_and_float_weights_are_clear_errors(tmp_path):
     folder, _ = _packed(tmp_path, "llama", Packing("awq", 4, 32, False))
     name = "model.layers.0.self_attn.k_proj.scales"

@@ -30,10 +30,13 @@ rows and tensor-parallel ranks cut rows or groups of columns like any weight):
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("awq", "gptq", "compressed-tensors")
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of an AWQ int32 is its nibble AWQ_ORDER[j]
@@ -258,6 +261,19 @@ def _qweight(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, k: in
     return values.contiguous() if scheme.bits == 8 else pack_nibbles(values).contiguous()
 
 
+_SYM_ZEROS_WARNED: set[tuple] = set()  # once a value set (a checkpoint's layers are alike)
+
+
+def _warn_sym_zeros(name: str, found: tuple[int, ...], offset: int) -> None:
+    if (found, offset) in _SYM_ZEROS_WARNED:
+        return
+    _SYM_ZEROS_WARNED.add((found, offset))
+    logger.warning("%s (and the layers like it): sym: true, but its qzeros hold %s besides %d "
+                   "(a checkpoint_format that does not match the tensors?): zero points %d "
+                   "taken, as vLLM's kernels take them", name, list(found), offset,
+                   offset)  # fmt: skip
+
+
 def _zeros(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, g: int):
     per = 32 // scheme.bits
     if scheme.method == "awq":
@@ -273,6 +289,12 @@ def _zeros(scheme: WNA16Scheme, name: str, tensor: torch.Tensor, n: int, g: int)
             summed = (tensor.to(torch.int64) + word) & 0xFFFFFFFF
             tensor = torch.where(summed >= 1 << 31, summed - (1 << 32), summed).to(torch.int32)
         zeros = unpack_int32(tensor, scheme.bits)[:, :n]
+        if scheme.sym and not bool((zeros == scheme.offset).all()):
+            # vLLM's kernels never read a symmetric layer's qzeros: a checkpoint_format that
+            # does not match the tensors (v1 stores zero - 1) is served as vLLM serves it
+            found = tuple(sorted({int(v) for v in zeros.unique()} - {scheme.offset})[:4])
+            _warn_sym_zeros(name, found, scheme.offset)
+            zeros = torch.full_like(zeros, scheme.offset)
         return zeros.t().contiguous()
     if tensor.dtype == torch.int8:  # unpacked signed zero points (older compressed-tensors)
         _expect(name, tensor, (n, g), "int8 weight_zero_point [N, G]")
