@@ -131,6 +131,32 @@ def test_loop_equals_the_layers_gguf_bf16(tiny_gguf, bf16_kernel_plan, monkeypat
     assert _both_ways(model, PROMPTS, num_decode_steps=3, chunk_size=5, stagger=True) > 4
 
 
+@pytest.mark.skipif(
+    not gguf_kernel.supported(), reason="the GGUF block kernel needs AVX-512 or AVX2"
+)
+@pytest.mark.parametrize("int8", ["0", "1"])
+def test_loop_equals_the_layers_gptq_act_order(tmp_path, int8, monkeypatch):
+    """An act-order GPTQ checkpoint's blocks read x gathered by the layer's column order, in
+    the loop as in the Python layers (before, the loop took the dense copy: other sums, and
+    PAGELLM_CPU_INT8_ACTIVATIONS ignored); with int8 activations too."""
+    from wna16_pack import Packing, quantize_folder
+
+    monkeypatch.setenv("PAGELLM_CPU_FP32_GEMM", "onednn")
+    monkeypatch.setenv("PAGELLM_CPU_INT8_ACTIVATIONS", int8)
+    folder = make_tiny_hf_model("qwen2", tmp_path, std=0.1, hidden_size=128,
+                                intermediate_size=256)  # fmt: skip
+    quantize_folder(folder, str(tmp_path / "float"), Packing("gptq", 4, 32, False, True))
+    cpu_gemm.cpu_gemm_plan.cache_clear()
+    try:
+        model = _packed(folder, torch.float32)
+    finally:
+        cpu_gemm.cpu_gemm_plan.cache_clear()
+    assert model.model.layers[0].self_attn.qkv_proj.packed_weight.perm is not None
+    decoder = cpu_decoder.CpuDecoder.build(model.model, LlamaDecoderLayer)
+    assert decoder.block_rows == 8
+    assert _both_ways(model, PROMPTS, num_decode_steps=4, chunk_size=2) >= 4
+
+
 def test_what_the_loop_leaves_to_the_layers(tmp_path, monkeypatch):
     """float32 GEMMs in MKL / oneDNN, Gemma's own layers, fp8 caches and
     PAGELLM_CPU_DECODER_LOOP=0 take the Python layers."""

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "lora_cpu.h"
 
@@ -72,6 +73,7 @@ struct PagellmDecoderGemm {  // one projection's weight: panels, GGUF blocks, or
   int64_t block_kind;  // the block kernel's kind (0: Q4, 1: Q8)
   int64_t block_rows;  // steps of up to this many rows read the blocks
   const float* bias;  // [N] float32, or null
+  const int64_t* perm;  // [K]: the blocks' column j is x's column perm[j] (act-order), or null
 };
 
 struct PagellmDecoderDims {  // the model's
@@ -130,6 +132,15 @@ int project(const PagellmDecoderFns* f, const PagellmDecoderGemm& g, const char*
             int64_t K, int64_t N, char* y, int kind) {
   const size_t es = kind == 1 ? 2 : 4;
   if (g.qs && T <= g.block_rows && f->block_gemm) {
+    std::vector<char> gathered;  // act-order: x's columns in the blocks' order
+    if (g.perm) {
+      gathered.resize(size_t(T * K) * es);
+      for (int64_t i = 0; i < T * K; ++i) {
+        const int64_t from = i / K * K + g.perm[i % K];
+        std::memcpy(gathered.data() + i * es, x + from * es, es);
+      }
+      x = gathered.data();
+    }
     for (int64_t t = 0; t < T; t += kBlockRows) {
       const int64_t rows = T - t < kBlockRows ? T - t : kBlockRows;
       if (f->block_gemm(x + t * K * es, rows, K, kind, int(g.block_kind), g.qs, g.d, g.m, N,

@@ -58,7 +58,7 @@ class _Dims(ctypes.Structure):
 
 class _Gemm(ctypes.Structure):
     _fields_ = [(n, _P) for n in ("panels", "qs", "d", "m")] + [
-        ("block_kind", _I64), ("block_rows", _I64), ("bias", _P)
+        ("block_kind", _I64), ("block_rows", _I64), ("bias", _P), ("perm", _P)
     ]  # fmt: skip
 
 
@@ -332,8 +332,9 @@ class CpuDecoder:
         if planes is None:
             return _Gemm(panels.panels.data_ptr(), None, None, None, 0, 0, bias)
         kind, qs, d, m, _ = planes._args
+        perm = getattr(linear.packed_weight, "perm", None)  # act-order: x gathered by it
         return _Gemm(None if panels is None else panels.panels.data_ptr(), qs, d, m, kind, rows,
-                     bias)  # fmt: skip
+                     bias, None if perm is None else perm.data_ptr())  # fmt: skip
 
 
 def _linears(layer) -> tuple:
@@ -357,6 +358,4 @@ def _blocks(linear, dtype: torch.dtype) -> tuple[BlockPlanes | None, int]:
     never does."""
     packed = linear.packed_weight
     rows = packed.max_rows.get(dtype, 0) if isinstance(packed, GGUFBlockWeight) else 0
-    if getattr(packed, "perm", None) is not None:  # act-order blocks read x gathered: not here
-        rows = 0
     return (packed.planes, rows) if rows > 0 else (None, 0)
