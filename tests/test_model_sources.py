@@ -235,6 +235,11 @@ def test_missing_tensor_is_named(copy_of, no_weights_read):
         load_our_model(folder)
     assert f"{folder} has no weights for 1 parameter(s)" in str(info.value)
     assert "model.layers.1.mlp.down_proj.weight" in str(info.value)
+    _rewrite(folder, lambda s: s.pop("model.layers.0.mlp.up_proj.weight"))  # a fused part
+    with pytest.raises(ValueError) as info:
+        load_our_model(folder)
+    assert ("model.layers.0.mlp.gate_proj.weight / up_proj.weight (fused as gate_up_proj: one "
+            "or more missing)") in str(info.value)  # fmt: skip
 
 
 def test_extra_tensor_is_named(copy_of, no_weights_read):

@@ -159,8 +159,22 @@ def check_loaded(model: nn.Module, loaded: set[str], checkpoint: str = "checkpoi
     """Raise if a parameter (or a shard of a fused one) got no weights."""
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        fused = getattr(model, "packed_modules", {})
+        shown = ", ".join(_checkpoint_names(n, fused) for n in missing[:5])
+        shown += " ..." if len(missing) > 5 else ""
         raise ValueError(f"{checkpoint} has no weights for {len(missing)} parameter(s): {shown}")
+
+
+def _checkpoint_names(name: str, fused: dict[str, tuple[str, ...]]) -> str:
+    """A parameter's name as the checkpoint spells it: a fused layer's by its parts
+    ("...mlp.gate_up_proj.qzeros" -> "...mlp.gate_proj.qzeros / up_proj.qzeros (fused)")."""
+    module, _, param = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf not in fused:
+        return name
+    prefix = f"{parent}." if parent else ""
+    parts = " / ".join(f"{part}.{param}" for part in fused[leaf])
+    return f"{prefix}{parts} (fused as {leaf}: one or more missing)"
 
 
 def _module(modules: dict[str, nn.Module], name: str, hf_name: str) -> nn.Module:
