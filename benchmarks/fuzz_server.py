@@ -51,6 +51,15 @@ _UNSTATABLE = re.compile(
     "|".join(
         (
             r"maximum context length",  # the prompt's tokens and max_tokens against the context
+            r"maximum model length",  # a pooling input (or truncate_prompt_tokens) over it
+            r"prompt is empty",  # a text the tokenizer encodes to no tokens (no specials)
+            r"special tokens \(\d+\)",  # truncate_prompt_tokens below the tokenizer's specials
+            r"is a pooling model|is an embedding model|is a classification model",  # endpoint
+            r"Matryoshka|supports dimensions|^dimensions",  # dimensions against the model's
+            r"score pairs one text with many",  # text_1 / text_2 lengths: 1 to N or N to N
+            r"min_tokens must be less than or equal to max_tokens",  # two fields' relation
+            r"^LoRA adapter|cannot name a LoRA adapter",  # the folder's contents, taken names
+            r"output constraint allows no token",  # a grammar and allowed_token_ids disjoint
             r"out of vocabulary|outside any vocabulary",  # logit_bias's keys (strings) as ids
             r"chat template",  # the model's template refusing the messages
             r"^invalid (regex|grammar|JSON schema)",  # a constraint xgrammar cannot compile

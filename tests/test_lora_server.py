@@ -122,7 +122,14 @@ def test_errors_leave_the_server_serving(served, tmp_path):
             (bad / "adapter_model.safetensors").write_bytes(weights)
         error = error_of(post(srv, "/v1/load_lora_adapter", {**body, "lora_path": str(bad)}), 400)
         assert str(bad) in error["message"], error
+    # a name that cannot be echoed: refused before anything changes (was added, and then
+    # GET /v1/models was a 400 for every client)
+    error = error_of(post(srv, "/v1/load_lora_adapter", {**body, "lora_name": "\ud800"}), 400)
+    assert "lora_name: must be valid Unicode" in error["message"]
+    error_of(post(srv, "/v1/load_lora_adapter", {**body, "lora_name": ""}), 400)
+    error_of(post(srv, "/v1/load_lora_adapter", {**body, "load_inplace": "yes"}), 400)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY)
+    assert "first" in [m.id for m in client.models.list().data]
     with pytest.raises(openai.NotFoundError):
         _complete(client, "third")
     assert _complete(client, "first") == texts["first"]

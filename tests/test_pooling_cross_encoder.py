@@ -103,3 +103,28 @@ def test_truncation_below_the_special_tokens_is_refused(llm):
     with pytest.raises(ValueError, match="fewer than the tokenizer's special tokens \\(2\\)"):
         llm.classify(DOCS[0], PoolingParams(truncate_prompt_tokens=1), use_tqdm=False)
     assert len(llm.classify(DOCS[0], use_tqdm=False)[0].outputs.probs) == 1
+
+
+def test_pair_prompts_read_as_the_model_reads_them(tmp_path):
+    """LLM.score and the server's /score and /rerank build a pair alike: token types only
+    where the model has more than one (an XLM-R cross-encoder with type_vocab_size=1 and a
+    BERT tokenizer: the server sent types 1 and failed "token_type_ids must be in [0, 1)")."""
+    from types import SimpleNamespace
+
+    from model_utils import save_tiny_wordpiece
+    from transformers import AutoTokenizer
+
+    from pagellm.config import PoolerConfig
+    from pagellm.entrypoints.llm_pooling import pair_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_wordpiece(tmp_path / "tok"))
+
+    def config(types: int):
+        pooler = PoolerConfig(pooling_type="CLS", task="classify")
+        return SimpleNamespace(hf_config=SimpleNamespace(type_vocab_size=types),
+                               pooler_config=pooler)  # fmt: skip
+
+    bert = pair_prompts(tokenizer, config(2), ["why"], ["the sky"], 32)[0]
+    assert set(bert["token_type_ids"]) == {0, 1}
+    xlmr = pair_prompts(tokenizer, config(1), ["why"], ["the sky"], 32)[0]
+    assert "token_type_ids" not in xlmr and xlmr["prompt_token_ids"] == bert["prompt_token_ids"]

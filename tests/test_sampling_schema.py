@@ -84,3 +84,25 @@ def test_each_range_is_what_sampling_params_accepts(name):
         below = -2  # -1 is the model's length
     with pytest.raises(ValueError, match=f"SamplingParams.{name} "):
         SamplingParams(**{name: below})
+
+
+@pytest.mark.parametrize("word", ["", " ", "\t\n", "\x1c", "\ufeff", "ok", " ok "])
+def test_bad_words_schema_is_what_the_server_accepts(word):
+    """A bad word must hold a character that neither Python's str.strip (SamplingParams'
+    check) nor ECMA-262's \\s (a JSON Schema client's) takes for whitespace: the schema's
+    pattern and the request model agree, and what they take SamplingParams takes (U+FEFF alone
+    is refused here, where SamplingParams would take it: a narrower limit, stated)."""
+    import re
+
+    import pydantic
+
+    items = protocol.CompletionRequest.model_json_schema()["properties"]["bad_words"]
+    pattern = items["anyOf"][0]["items"]["pattern"]
+    body = {"model": "m", "prompt": "hi", "bad_words": [word]}
+    if re.search(pattern, word):
+        protocol.CompletionRequest.model_validate(body)
+        SamplingParams(bad_words=[word])
+    else:
+        with pytest.raises(pydantic.ValidationError):
+            protocol.CompletionRequest.model_validate(body)
+    assert bool(re.search(pattern, word)) == (word.strip() not in ("", "\ufeff"))

@@ -72,7 +72,8 @@ def test_score_and_rerank(server, reference):
         assert results[0]["document"]["text"] == TEXTS[1 + best]
         assert results[0]["relevance_score"] == pytest.approx(cosines[best], abs=1e-5)
         usage = post(server, path, body).json()["usage"]
-        assert usage["prompt_tokens"] == usage["total_tokens"] > 0  # vLLM's RerankUsage
+        # vLLM's RerankUsage; the query embedded once (6 + 5 + 1 tokens), not once a document
+        assert usage["prompt_tokens"] == usage["total_tokens"] == 12
     # vLLM's other spellings of the two sides
     for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
         body = {first: TEXTS[0], second: TEXTS[1:]}
@@ -96,6 +97,12 @@ def test_clear_400s_and_the_server_serves_on(server, reference):
     error = error_of(post(server, "/v1/embeddings", {"input": "\ud800 hi"}), 400)
     assert "valid Unicode" in error["message"]
     error_of(post(server, "/v1/embeddings", {"input": "hi"}, headers={}), 401)
+    for empty in ([], [[]]):  # the schema says so (was a 400 the schema did not state)
+        error = error_of(post(server, "/v1/embeddings", {"input": empty}), 400)
+        assert "at least 1 item" in error["message"]
+    body = {"input": "hi", "truncate_prompt_tokens": 0}  # every member of the union named
+    error = error_of(post(server, "/v1/embeddings", body), 400)
+    assert "Input should be -1 or greater than or equal to 1" in error["message"]
     ok = post(server, "/v1/embeddings", {"input": TEXTS[2]}).json()
     close(ok["data"][0]["embedding"], reference[2])
 

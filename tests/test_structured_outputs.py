@@ -188,6 +188,29 @@ def test_core_fails_a_bad_grammar_alone(llm, monkeypatch):
     assert engine.call_utility("get_num_free_blocks") == num_blocks - 1  # all but the null block
 
 
+def test_a_constraint_that_allowed_token_ids_empties_fails_alone(llm):
+    """A choice whose tokens allowed_token_ids excludes leaves the mask empty: that request
+    fails in words (it returned token 0 as finish_reason "stop", the grammar refusing it);
+    the one beside it finishes and every KV block is free again."""
+    engine = llm.llm_engine
+    empty = SamplingParams(max_tokens=4, allowed_token_ids=[5],
+                           structured_outputs=_constrained(choice=["hello"]))  # fmt: skip
+    good = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.add_request("empty-mask", "Hi", empty)
+    engine.add_request("beside-it", "Hi", good)
+    errors, finished = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        except ValueError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and "empty-mask" in errors[0]
+    assert "allows no token here that allowed_token_ids, bad_words and min_tokens" in errors[0]
+    assert len(finished["beside-it"].outputs[0].token_ids) == 4
+    num_blocks = engine.call_utility("get_num_kv_blocks")
+    assert engine.call_utility("get_num_free_blocks") == num_blocks - 1
+
+
 def test_bad_words_never_appear(llm):
     prompt = _chat(llm, "Name the three primary colors.")
     greedy = SamplingParams(temperature=0.0, max_tokens=32)

@@ -452,7 +452,10 @@ class Scheduler:
 
     def fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """Finish a request that raised while its tokens were processed; free its blocks."""
-        logger.exception("request %r failed; the others carry on", request.request_id)
+        if isinstance(error, ValueError):  # the request's own input, said in words
+            logger.warning("request %r failed: %s", request.request_id, error)
+        else:  # anything else is a bug: its traceback
+            logger.exception("request %r failed; the others carry on", request.request_id)
         request.status = RequestStatus.FINISHED_ABORTED
         if self.requests.get(request.request_id) is request:
             self._release(request)

@@ -131,12 +131,7 @@ class PoolingMethods:
         tokenizer = self.get_tokenizer()
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
-        st_text = mc.pooler_config.st_text
-        texts_1, texts_2 = [st_text(t) for t in texts_1], [st_text(t) for t in texts_2]
-        # a model with one token type (XLM-R's, type_vocab_size=1) reads none: a BERT
-        # tokenizer's pair types (1 for text 2) would index past its table
-        typed = getattr(mc.hf_config, "type_vocab_size", 2) > 1
-        prompts = [pair_prompt(tokenizer, a, b, keep, typed) for a, b in zip(texts_1, texts_2)]
+        prompts = pair_prompts(tokenizer, mc, texts_1, texts_2, keep)
         outputs = self.encode(prompts, params, use_tqdm, pooling_task="score")
         return [ScoringRequestOutput.from_base(o) for o in outputs]
 
@@ -144,6 +139,18 @@ class PoolingMethods:
 def cosine_score(a: PoolingRequestOutput, b: PoolingRequestOutput) -> float:
     """An embedding model's score of two texts: their embeddings' cosine."""
     return float(F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
+
+
+def pair_prompts(
+    tokenizer: Any, mc: Any, texts_1: list[str], texts_2: list[str], max_length: int | None
+) -> list[dict[str, list[int]]]:
+    """A cross-encoder's inputs for pairs of texts (LLM.score and the server's /score and
+    /rerank alike): read as sentence-transformers reads them, with token types where the
+    model has more than one (XLM-R's type_vocab_size=1 reads none: a BERT tokenizer's pair
+    types, 1 for text 2, would index past its table)."""
+    st_text, typed = mc.pooler_config.st_text, getattr(mc.hf_config, "type_vocab_size", 2) > 1
+    return [pair_prompt(tokenizer, st_text(a), st_text(b), max_length, typed)
+            for a, b in zip(texts_1, texts_2)]  # fmt: skip
 
 
 def pair_prompt(

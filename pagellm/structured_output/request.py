@@ -126,9 +126,11 @@ class StructuredOutputRequest:
         self._charge(start, "accept a token")
         if self.over_budget is not None:
             raise ValueError(self.over_budget)
-        if not accepted:
-            logger.error("the grammar refused token %d; the request stops", token_id)
-            return True
+        if not accepted:  # the mask left no token: another constraint excludes what it allows
+            raise ValueError(
+                "the output constraint allows no token here that allowed_token_ids, bad_words "
+                "and min_tokens leave (the request cannot go on)"
+            )
         self.num_matched += 1
         return self.matcher.is_terminated()
 

@@ -112,7 +112,16 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "model_attributes_type" and param is None:
         return "the request body must be a JSON object", None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "literal_error":  # Literal[-1] | a range: each member's words
+        same = [err["msg"] for err in errors if _param(err) == param]
+        message = " or ".join(dict.fromkeys(m.removeprefix("Input should be ") for m in same))
+        message = f"Input should be {message}"
     return (f"{param}: {message}" if param else message), param
+
+
+def _param(err: dict) -> str | None:
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    return ".".join(p for p in loc if not _is_union_tag(p)) or None
 
 
 def _is_union_tag(part: str) -> bool:

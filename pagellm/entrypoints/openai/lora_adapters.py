@@ -15,10 +15,10 @@ import threading
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol import NonEmptyText, RequestModel
 from pagellm.entrypoints.openai.response_models import ModelCard
 from pagellm.lora.request import LoRARequest
 
@@ -32,14 +32,14 @@ _ERRORS = {
 }
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_path: str
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: NonEmptyText  # it is echoed in /v1/models and replies: valid Unicode
+    lora_path: NonEmptyText
     load_inplace: bool = False  # vLLM's: a name loaded already takes the new folder
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: NonEmptyText
     lora_int_id: int | None = None  # vLLM's; the name alone picks the adapter here
 
 

@@ -18,7 +18,7 @@ from pagellm.entrypoints.openai.response_models import UsageInfo
 from pagellm.sampling_params import INT32_MAX
 
 MAX_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
-TokenIds = list[IntIn(0, INT32_MAX)]
+TokenIds = Annotated[list[IntIn(0, INT32_MAX)], Field(min_length=1)]  # no empty prompt
 Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
 Inputs = Text | Texts | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
 # keep the first n tokens of a text (the last n of token ids); -1: max_model_len

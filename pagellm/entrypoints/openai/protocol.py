@@ -18,6 +18,7 @@ server says so (`MAX_N`, `MAX_LOGPROBS`); `tests/test_sampling_schema.py` holds 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -97,6 +98,20 @@ def _non_empty(text: str) -> str:
 # in pydantic's words), declared as minLength
 NonEmptyText = Annotated[
     str, AfterValidator(_non_empty), WithJsonSchema({"type": "string", "minLength": 1})
+]
+# a character that is not whitespace to Python (str.strip, as SamplingParams checks words) nor
+# to ECMA-262 (JSON Schema's patterns): the same set in both dialects
+_VISIBLE = r"[^\s\x1c-\x1f\x85\ufeff]"
+
+
+def _word(text: str) -> str:
+    if not re.search(_VISIBLE, text):
+        raise ValueError("must not be empty or only whitespace")
+    return _valid_unicode(text)
+
+
+Word = Annotated[
+    str, AfterValidator(_word), WithJsonSchema({"type": "string", "pattern": _VISIBLE})
 ]
 TokenId = IntIn(TOKEN_ID.low, TOKEN_ID.high)  # the vocabulary is checked later
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -201,7 +216,7 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: Text | None = None
-    bad_words: list[Text] | None = None  # vLLM's: never generated
+    bad_words: list[Word] | None = None  # vLLM's: never generated
     # vLLM's: thinking tokens before the reasoning parser's end tag is forced (--reasoning-parser)
     thinking_token_budget: SamplingInt("thinking_token_budget") | None = None
     # vLLM's: lower first, with --scheduling-policy priority

@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagellm.entrypoints.llm_pooling import cosine_score, pair_prompt, score_pairs
+from pagellm.entrypoints.llm_pooling import cosine_score, pair_prompts, score_pairs
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.generation import until_disconnect
 from pagellm.entrypoints.openai.pooling_protocol import (
@@ -126,11 +126,13 @@ class OpenAIServingPooling(OpenAIServing):
         embedding model's two embeddings."""
         texts_1, texts_2 = score_pairs(text_1, text_2)
         mc = self.engine.config.model_config
-        if mc.pooler_config.task == "embed":
+        if mc.pooler_config.task == "embed":  # one text_1 is embedded once (as vLLM does)
+            firsts = texts_1[:1] if isinstance(text_1, str) or len(text_1) == 1 else texts_1
             params = PoolingParams(truncate_prompt_tokens=keep, task="embed")
-            outs = await self._run_admitted([*texts_1, *texts_2], params, raw_request)
-            firsts, seconds = outs[: len(texts_1)], outs[len(texts_1) :]
-            return [cosine_score(a, b) for a, b in zip(firsts, seconds)], outs
+            outs = await self._run_admitted([*firsts, *texts_2], params, raw_request)
+            embs_1, embs_2 = outs[: len(firsts)], outs[len(firsts) :]
+            embs_1 = embs_1 * len(embs_2) if len(embs_1) == 1 else embs_1
+            return [cosine_score(a, b) for a, b in zip(embs_1, embs_2)], outs
         if mc.pooler_config.num_labels != 1:
             raise ValueError(
                 f"{mc.model!r} classifies into {mc.pooler_config.num_labels} labels: score "
@@ -140,7 +142,7 @@ class OpenAIServingPooling(OpenAIServing):
             raise ValueError("this model has no tokenizer: pairs of texts cannot be encoded")
         limit = self.max_model_len if keep == -1 else keep
         prompts = await self.off_loop(
-            lambda: [pair_prompt(self.tokenizer, a, b, limit) for a, b in zip(texts_1, texts_2)]
+            lambda: pair_prompts(self.tokenizer, mc, texts_1, texts_2, limit)
         )
         params = PoolingParams(truncate_prompt_tokens=keep, task="score")
         outs = await self._run_admitted(prompts, params, raw_request)
@@ -149,7 +151,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def _run_admitted(
         self, prompts: list[Any], params: PoolingParams, raw_request: Request
     ) -> list[PoolingRequestOutput]:
-        release = self.admit(len(prompts))
+        release = self.admit(len(prompts), "inputs to encode (one per text or pair)")
         try:
             return await until_disconnect(raw_request, self._run(prompts, params))
         finally:
