@@ -166,6 +166,17 @@ def test_params_need_exactly_one_constraint():
         StructuredOutputsParams(choice=[])
 
 
+def _step_to_the_end(engine) -> tuple[list[str], dict]:
+    """Step until every request is done: the failed ones' errors, the finished outputs."""
+    errors, finished = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        except ValueError as e:
+            errors.append(str(e))
+    return errors, finished
+
+
 def test_core_fails_a_bad_grammar_alone(llm, monkeypatch):
     """A constraint that reaches the core and fails to compile fails that request only."""
     monkeypatch.setattr(input_processor, "check_structured_outputs", lambda key, limits: None)
@@ -176,12 +187,7 @@ def test_core_fails_a_bad_grammar_alone(llm, monkeypatch):
     )
     engine.add_request("bad-grammar", "Hi", bad)
     engine.add_request("good-grammar", "Hi", good)
-    errors, finished = [], {}
-    while engine.has_unfinished_requests():
-        try:
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
-        except ValueError as e:
-            errors.append(str(e))
+    errors, finished = _step_to_the_end(engine)
     assert len(errors) == 1 and "bad-grammar" in errors[0] and "regex" in errors[0]
     check_regex(finished["good-grammar"].outputs[0].text, r"\d{4}")
     num_blocks = engine.call_utility("get_num_kv_blocks")
@@ -198,12 +204,7 @@ def test_a_constraint_that_allowed_token_ids_empties_fails_alone(llm):
     good = SamplingParams(temperature=0.0, max_tokens=4)
     engine.add_request("empty-mask", "Hi", empty)
     engine.add_request("beside-it", "Hi", good)
-    errors, finished = [], {}
-    while engine.has_unfinished_requests():
-        try:
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
-        except ValueError as e:
-            errors.append(str(e))
+    errors, finished = _step_to_the_end(engine)
     assert len(errors) == 1 and "empty-mask" in errors[0]
     assert "allows no token here that allowed_token_ids, bad_words and min_tokens" in errors[0]
     assert len(finished["beside-it"].outputs[0].token_ids) == 4
