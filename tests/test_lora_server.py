@@ -69,7 +69,7 @@ def _complete(client: openai.OpenAI, model: str) -> str:
     return out.choices[0].text
 
 
-def test_adapters_served_load_use_unload(served):
+def test_adapters_served_load_use_unload(served, tmp_path):
     srv, texts, paths, base = served
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY)
     cards = {m.id: m for m in client.models.list().data}
@@ -77,8 +77,10 @@ def test_adapters_served_load_use_unload(served):
     assert cards["first"].model_dump()["parent"] == base
     assert _complete(client, "first") == texts["first"] != texts[None]
     assert _complete(client, base) == texts[None]
-    body = {"lora_name": "second", "lora_path": paths["second"]}
+    copy = shutil.copytree(paths["second"], tmp_path / "second")
+    body = {"lora_name": "second", "lora_path": str(copy)}
     assert post(srv, "/v1/load_lora_adapter", body).status_code == 200
+    shutil.rmtree(copy)  # read at load, as vLLM reads it: its requests need no folder
     assert "second" in {m.id for m in client.models.list().data}
     chat = client.chat.completions.create(
         model="second", messages=[{"role": "user", "content": "hi"}], max_tokens=4

@@ -118,6 +118,15 @@ class EngineCore:
         if errors:
             raise ValueError(errors[0])
 
+    def load_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> str | None:
+        """An adapter read into every rank's host cache now (the server's runtime load, as
+        vLLM reads it then); its error's text, or None."""
+        try:
+            self._add_lora(LoRARequest(lora_name, lora_int_id, lora_path))
+        except ValueError as e:
+            return str(e)
+        return None
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -268,4 +277,5 @@ _UTILITIES = {
     "get_stats",
     "abort_requests",
     "collective_rpc",
+    "load_lora",
 }

@@ -4,7 +4,8 @@ A request's `model` field names the base model or an adapter (`LoRAAdapters.requ
 `/v1/models` lists each adapter with its `parent`; `POST /v1/load_lora_adapter` and
 `POST /v1/unload_lora_adapter` (behind the API key, with `--enable-lora`) add and remove
 them at run time. An adapter is checked against the base model when it is added (its
-folder read: a bad one is a 400 naming its module); an unknown name is a 404.
+folder read: a bad one is a 400 naming its module; at run time also read into the engine
+core's host cache, as vLLM does); an unknown name is a 404.
 """
 
 from __future__ import annotations
@@ -61,9 +62,34 @@ class LoRAAdapters:
         return self.adapters.get(model) if model is not None else None
 
     def load(self, name: str, path: str, inplace: bool = False) -> LoRARequest:
-        """Check and add an adapter (ValueError: a 400 in the server's words); `inplace`: a
-        name loaded already takes the new folder (requests running under the old one finish
-        with it)."""
+        """Check and add an adapter (`--lora-modules`, before the engine runs; ValueError: a
+        400 in the server's words); `inplace`: a name loaded already takes the new folder
+        (requests running under the old one finish with it)."""
+        self._reserve(name, inplace)
+        try:
+            request = self._checked(LoRARequest(name, next(self._ids), path))
+        except BaseException:
+            self._release(name)
+            raise
+        return self._commit(request)
+
+    async def load_now(self, name: str, path: str, inplace: bool = False) -> LoRARequest:
+        """`load` at run time, and the folder read into the engine core's host cache before
+        it is added (as vLLM reads it at load): a folder removed after this call does not
+        fail the adapter's requests."""
+        self._reserve(name, inplace)
+        try:  # the folder is read outside the lock and the event loop: other names load
+            request = LoRARequest(name, next(self._ids), path)
+            await asyncio.to_thread(self._checked, request)
+            error = await self.engine.call_utility("load_lora", name, request.lora_int_id, path)
+            if error:
+                raise ValueError(f"LoRA adapter {path!r}: {error}")
+        except BaseException:
+            self._release(name)
+            raise
+        return self._commit(request)
+
+    def _reserve(self, name: str, inplace: bool) -> None:
         if not self.enabled:
             raise ValueError("LoRA adapters need the server started with --enable-lora")
         if not name:
@@ -77,16 +103,16 @@ class LoRAAdapters:
                 raise ValueError(f"LoRA adapter {name!r} is loaded already: unload it first, "
                                  "or set load_inplace to replace it")  # fmt: skip
             self._loading.add(name)
-        try:  # the folder is read outside the lock: other names load meanwhile
-            request = self._checked(LoRARequest(name, next(self._ids), path))
-        except BaseException:
-            with self._lock:
-                self._loading.discard(name)
-            raise
+
+    def _release(self, name: str) -> None:
         with self._lock:
-            old = self.adapters.get(name)
-            self.adapters[name] = request
             self._loading.discard(name)
+
+    def _commit(self, request: LoRARequest) -> LoRARequest:
+        with self._lock:
+            old = self.adapters.get(request.lora_name)
+            self.adapters[request.lora_name] = request
+            self._loading.discard(request.lora_name)
         if old is not None:
             self.engine.input_processor.check_lora.forget(old.lora_int_id)
         return request
@@ -118,7 +144,7 @@ class LoRAAdapters:
 @lora_routes.post("/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw_request: Request) -> str:
     adapters: LoRAAdapters = raw_request.app.state.lora_adapters
-    await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path, body.load_inplace)
+    await adapters.load_now(body.lora_name, body.lora_path, body.load_inplace)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
