@@ -560,3 +560,27 @@ def test_engine_spare_option_is_checked():
 
     with pytest.raises(ValueError, match="engine_spare"):
         ServerOptions(engine_spare="warm")
+
+
+def test_admission_says_what_can_never_fit_and_what_must_wait():
+    """More engine requests than the server ever queues: a 400 naming what was asked for (a
+    pooling request's inputs blame no `n`); more than is free now: a 429; release frees."""
+    from pagellm.entrypoints.openai.errors import APIError
+    from pagellm.entrypoints.openai.serving_engine import Admission
+
+    admission = Admission(4)
+    with pytest.raises(APIError) as info:
+        admission.acquire(5)
+    assert (info.value.status, info.value.param) == (400, "n")
+    assert "asks for 5 completions (n x prompts)" in info.value.message
+    with pytest.raises(APIError) as info:
+        admission.acquire(6, "inputs to encode (one per text or pair)", None)
+    assert (info.value.status, info.value.param) == (400, None)
+    assert "asks for 6 inputs to encode" in info.value.message
+    release = admission.acquire(3)
+    with pytest.raises(APIError) as info:
+        admission.acquire(2)
+    assert info.value.status == 429
+    release()
+    release()  # idempotent
+    admission.acquire(4)

@@ -77,14 +77,17 @@ class Admission:
         self.limit = limit
         self.in_use = 0
 
-    def acquire(self, cost: int, what: str = "completions (n x prompts)") -> Callable[[], None]:
-        """Holds `cost` engine requests; returns the (idempotent) release."""
+    def acquire(
+        self, cost: int, what: str = "completions (n x prompts)", param: str | None = "n"
+    ) -> Callable[[], None]:
+        """Holds `cost` engine requests (`what`, the request field to blame if they can never
+        fit); returns the (idempotent) release."""
         if cost > self.limit:
             raise APIError(
                 f"this request asks for {cost} {what}, more than this server "
                 f"queues ({self.limit}: --max-num-seqs + --max-waiting-requests)",
                 400,
-                "n" if what.startswith("completions") else None,
+                param,
             )
         if self.in_use + cost > self.limit:
             raise too_busy(
@@ -152,11 +155,13 @@ class OpenAIServing:
         # generation_config.json's defaults for what a request leaves out (vLLM's name)
         self.default_sampling_params = engine.config.model_config.default_sampling_params
 
-    def admit(self, cost: int, what: str = "completions (n x prompts)") -> Callable[[], None]:
+    def admit(
+        self, cost: int, what: str = "completions (n x prompts)", param: str | None = "n"
+    ) -> Callable[[], None]:
         """Room for `cost` engine requests (see Admission), while the engine runs."""
         if self.engine.errored:
             raise unavailable(f"the engine is not running: {self.engine.dead_error}")
-        return self.admission.acquire(cost, what)
+        return self.admission.acquire(cost, what, param)
 
     async def admitted(
         self,

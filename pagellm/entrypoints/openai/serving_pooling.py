@@ -151,7 +151,7 @@ class OpenAIServingPooling(OpenAIServing):
     async def _run_admitted(
         self, prompts: list[Any], params: PoolingParams, raw_request: Request
     ) -> list[PoolingRequestOutput]:
-        release = self.admit(len(prompts), "inputs to encode (one per text or pair)")
+        release = self.admit(len(prompts), "inputs to encode (one per text or pair)", None)
         try:
             return await until_disconnect(raw_request, self._run(prompts, params))
         finally:
