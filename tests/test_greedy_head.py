@@ -62,6 +62,19 @@ def test_twins_and_near_twins_of_the_winner():
     assert F.linear(x.double(), w.double()).argmax(-1).tolist()[2] == 1000
 
 
+def test_a_floor_that_rises_row_after_row():
+    """Logits that grow with the id (each chunk's best beats the last's): the rows kept as
+    candidates are pruned as the floor rises, and the winner is still the last row; the
+    reverse order keeps only the first rows. Three rows of x, two threads' ranges."""
+    v, h = 8192, 64
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(4))
+    ramp = torch.linspace(0, 1, v)[:, None]
+    w = _head(v, h, seed=5) * 1e-3 + ramp * x[0] / x[0].norm() ** 2 * 50
+    assert GreedyHead(w).argmax(x).tolist() == F.linear(x, w).argmax(-1).tolist()
+    assert GreedyHead(w).argmax(x[:1]).tolist() == [v - 1]
+    assert GreedyHead(w.flip(0).contiguous()).argmax(x[:1]).tolist() == [0]
+
+
 def test_it_steps_aside_when_it_cannot_narrow_or_rows_are_many():
     w = _head(512, 64, seed=3)
     head = GreedyHead(w)

@@ -27,9 +27,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -548,6 +550,112 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
   if (x_bf16) {
     uint16_t* yb = static_cast<uint16_t*>(y);
     for (int64_t i = 0; i < M * N; ++i) yb[i] = float_to_bf16(yf[i]);
+  }
+  return 0;
+}
+
+namespace {
+
+// one row of x's pick over a range of the vocabulary: the highest lower bound seen, and the
+// rows whose upper bound reached the floor as it stood then (pruned as it rises)
+struct Pick {
+  float floor = -INFINITY;
+  bool finite = true;
+  std::vector<std::pair<int64_t, float>> keep;  // (row of W, its upper bound)
+
+  void prune() {
+    std::erase_if(keep, [&](const auto& c) { return c.second < floor; });
+  }
+};
+
+float dot_f32(const float* x, const float* w, int64_t K) {
+  int64_t k = 0;
+  float s = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; k < K; ++k) s = std::fma(x[k], w[k], s);
+  return s;
+}
+
+// the Q8 pass over rows of W in chunks, each chunk's approximate logits bounded while in cache
+template <int MR>
+void greedy_pass(const Weights& w, const float* xf, const float* xsum, const float* l1,
+                 const float* bound, float* a, std::vector<Pick>& picks) {
+  constexpr int64_t kChunk = 64;
+  at::parallel_for(0, w.N, kChunk, [&](int64_t n0, int64_t n1) {
+    Pick* mine = picks.data() + at::get_thread_num() * MR;
+    for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+      const int64_t c1 = c0 + kChunk < n1 ? c0 + kChunk : n1;
+      rows_of_y<Q8, MR>(w, xf, xsum, c0, c1, a, nullptr);
+      for (int r = 0; r < MR; ++r) {
+        Pick& p = mine[r];
+        for (int64_t n = c0; n < c1; ++n) {
+          const float lo = a[r * w.N + n] - l1[r] * bound[n];
+          const float hi = a[r * w.N + n] + l1[r] * bound[n];
+          p.finite = p.finite && std::isfinite(lo) && std::isfinite(hi);
+          p.floor = lo > p.floor ? lo : p.floor;
+          if (hi >= p.floor) p.keep.emplace_back(n, hi);
+        }
+        if (p.keep.size() > 256) p.prune();
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The greedy head's argmax (pagellm/sample/greedy_head.py) in one call: for each of M <= 3
+// rows of float32 x, approximate logits a = x @ Q8^T (the kind-1 blocks above, into `scratch`
+// [M, N]), each within |x|_1 * bound[n] of the float head's logit; the rows n with
+// a[n] + |x|_1 bound[n] >= max_j (a[j] - |x|_1 bound[j]) can win, and their exact logits
+// x . weight[n] (float32) decide, the lower id on a tie. The bounds are taken chunk by chunk
+// as the pass writes a (no second pass over the vocabulary). Returns 0 (ids [M] written), 1
+// where the head must be computed (a value or bound not finite, or more than max_candidates
+// rows that can win), -1 for bad arguments.
+extern "C" int pagellm_greedy_argmax(const float* x, int64_t M, int64_t K, const uint8_t* qs,
+                                     const uint16_t* d, int64_t N, const float* bound,
+                                     const float* weight, int64_t max_candidates,
+                                     float* scratch, int64_t* ids) {
+  if (M < 1 || M > 3 || K % kBlock || N < 1) return -1;
+  const Weights w{qs, d, nullptr, N, K, nullptr};
+  float l1[3];
+  for (int64_t r = 0; r < M; ++r) {  // |x|_1 rounded up a little: rounding must not shrink it
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) sum += std::fabs(double(x[r * K + k]));
+    l1[r] = float(sum * (1.0 + 1e-6));
+  }
+  std::vector<Pick> picks(size_t(at::get_num_threads()) * M);
+  if (M == 1) greedy_pass<1>(w, x, nullptr, l1, bound, scratch, picks);
+  if (M == 2) greedy_pass<2>(w, x, nullptr, l1, bound, scratch, picks);
+  if (M == 3) greedy_pass<3>(w, x, nullptr, l1, bound, scratch, picks);
+  int64_t total = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    Pick all;  // the threads' picks of row r together
+    for (size_t t = r; t < picks.size(); t += M) {
+      all.floor = picks[t].floor > all.floor ? picks[t].floor : all.floor;
+      all.finite = all.finite && picks[t].finite;
+      all.keep.insert(all.keep.end(), picks[t].keep.begin(), picks[t].keep.end());
+    }
+    all.prune();
+    total += int64_t(all.keep.size());
+    if (!all.finite || all.keep.empty() || total > max_candidates) return 1;
+    std::sort(all.keep.begin(), all.keep.end());  // ascending ids: a tie keeps the lower
+    const float* xr = x + r * K;
+    int64_t best = all.keep[0].first;
+    float best_logit = dot_f32(xr, weight + best * K, K);
+    for (size_t i = 1; i < all.keep.size(); ++i) {
+      const float logit = dot_f32(xr, weight + all.keep[i].first * K, K);
+      if (logit > best_logit) {
+        best = all.keep[i].first;
+        best_logit = logit;
+      }
+    }
+    ids[r] = best;
   }
   return 0;
 }

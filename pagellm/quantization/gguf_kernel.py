@@ -114,6 +114,18 @@ def kernel():
     )
 
 
+@functools.cache
+def greedy_kernel():
+    """`pagellm_greedy_argmax` (the Q8 pass, the bound and the exact rows of
+    `pagellm.sample.greedy_head`), or None where the library cannot be built here."""
+    c = ctypes
+    args = [c.c_void_p, c.c_int64, c.c_int64, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p]
+    args += [c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p]
+    return cpp_build.entry_point(
+        "gguf_gemm", "pagellm_greedy_argmax", args, c.c_int, "greedy steps compute the logits"
+    )
+
+
 _X_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 
 

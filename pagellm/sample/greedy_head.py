@@ -14,6 +14,10 @@ logit. `GreedyHead` finds it in two passes:
    then among the rows with a_r + B_r >= max_j (a_j - B_j): a few rows, whose logits are
    computed from the float head and compared.
 
+Both are one C++ call (`pagellm_greedy_argmax`, `pagellm/csrc/gguf_gemm.cpp`): each chunk of
+64 approximate logits is bounded while still in cache, so no pass over the vocabulary follows
+the 8-bit one (as torch ops the bound's six [S, V] passes cost 8% of a decode step).
+
 The winner is the full head's argmax up to float32 summation order (the same difference as
 one BLAS against another: two rows equal in real arithmetic may come out a bit apart, in either
 order, from the full head as from the candidates' product; equal values go to the lower id
@@ -34,7 +38,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from pagellm import envs
 from pagellm.config import EngineConfig
@@ -65,7 +68,7 @@ def quantize_q8_0(w: torch.Tensor) -> tuple[gguf_kernel.BlockPlanes, torch.Tenso
 class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
         # weight: [V, H] float32 on the CPU, the head the model's logits come from
-        self.weight = weight
+        self.weight = weight.contiguous()  # the exact rows, read by the kernel
         self.planes, error = quantize_q8_0(weight)
         v, h = weight.shape
         # float32 sums of H products, in the approximation and in the exact logits: each off
@@ -73,6 +76,7 @@ class GreedyHead:
         rounding = 2.2 * h * 2.0**-24 * weight.abs().amax(-1)
         self.row_bound = (error + rounding).contiguous()  # [V]: times |x|_1 bounds |a_r - l_r|
         self.max_candidates = v // _MAX_SHARE
+        self._scratch = torch.empty(MAX_ROWS, v)  # the approximate logits, every step
 
     @classmethod
     def build(cls, model: torch.nn.Module, config: EngineConfig) -> GreedyHead | None:
@@ -86,6 +90,8 @@ class GreedyHead:
         get = getattr(model, "greedy_head_weight", None)
         weight = get() if get is not None else None
         if weight is None or weight.device.type != "cpu" or not gguf_kernel.supported():
+            return None
+        if gguf_kernel.greedy_kernel() is None:
             return None
         if weight.dtype != torch.float32 or weight.shape[1] % _BLOCK:
             return None
@@ -109,15 +115,17 @@ class GreedyHead:
         """hidden [S, H] float32 (the final norm's output) -> [S] int64 ids of the largest
         logit of hidden @ weight^T per row, or None: compute the logits (more than MAX_ROWS
         rows, or the bound did not narrow)."""
-        if hidden.shape[0] > MAX_ROWS:
+        s = hidden.shape[0]
+        if s > MAX_ROWS or hidden.dtype != torch.float32:
             return None
-        approx = gguf_kernel.block_gemm(hidden, self.planes)  # [S, V]
-        bound = hidden.abs().sum(-1, keepdim=True) * self.row_bound  # [S, V]
-        floor = (approx - bound).amax(-1, keepdim=True)  # no row can be below the winner's
-        can_win = approx + bound >= floor  # [S, V]; all False on a row with inf / nan
-        candidates = can_win.any(0).nonzero()[:, 0]  # ascending ids
-        if candidates.numel() > self.max_candidates or not can_win.any(-1).all():
-            return None
-        exact = F.linear(hidden, self.weight.index_select(0, candidates))  # [S, C]
-        exact.masked_fill_(~can_win[:, candidates], float("-inf"))
-        return candidates[exact.argmax(-1)]
+        x = hidden.contiguous()
+        ids = torch.empty(s, dtype=torch.int64)
+        planes = self.planes
+        rc = gguf_kernel.greedy_kernel()(
+            x.data_ptr(), s, x.shape[1], planes.qs.data_ptr(), planes.d.data_ptr(),
+            planes.shape[0], self.row_bound.data_ptr(), self.weight.data_ptr(),
+            self.max_candidates, self._scratch.data_ptr(), ids.data_ptr(),
+        )  # fmt: skip
+        if rc < 0:
+            raise ValueError(f"greedy head: the kernel refused x {tuple(hidden.shape)}")
+        return ids if rc == 0 else None
