@@ -146,10 +146,10 @@ inline float reduce_add8(__m256 v) {
 }
 #endif
 
-// sum over blocks of m[b] * xsum[b] (the offsets' share of one output), a vector of blocks at
-// a time (partial sums, then theirs): the serial sum's chain of dependent adds cost more
-// than the block loop itself at K = 576
-inline float offset_dot_f32(const float* m, const float* xsum, int64_t blocks) {
+// sum of a[i] * b[i], a vector at a time (partial sums, then theirs): for the offsets' share of
+// one output (m[b] * xsum[b] over blocks; the serial sum's chain of dependent adds cost more
+// than the block loop itself at K = 576) and the greedy head's exact rows
+inline float dot_f32(const float* m, const float* xsum, int64_t blocks) {
   float s = 0.0f;
   int64_t b = 0;
 #if defined(__AVX512F__)
@@ -227,7 +227,7 @@ inline void store_output(float dots, const Weights& w, const float* xsum, int r,
                          bool offsets, float* y, const float* bias) {
   const int64_t blocks = w.K / kBlock;
   if (offsets && w.mf) {
-    dots += offset_dot_f32(w.mf + n * blocks, xsum + r * blocks, blocks);
+    dots += dot_f32(w.mf + n * blocks, xsum + r * blocks, blocks);
   } else if (offsets) {
     dots += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
   }
@@ -567,20 +567,6 @@ struct Pick {
     std::erase_if(keep, [&](const auto& c) { return c.second < floor; });
   }
 };
-
-float dot_f32(const float* x, const float* w, int64_t K) {
-  int64_t k = 0;
-  float s = 0.0f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(w + k), acc);
-  }
-  s = _mm512_reduce_add_ps(acc);
-#endif
-  for (; k < K; ++k) s = std::fma(x[k], w[k], s);
-  return s;
-}
 
 // the Q8 pass over rows of W in chunks, each chunk's approximate logits bounded while in cache
 template <int MR>
