@@ -49,6 +49,9 @@ def test_rerank_and_score_equal_hf(server, hf_scores):
             assert result["relevance_score"] == pytest.approx(hf_scores[result["index"]], abs=1e-5)
             assert result["document"]["text"] == DOCS[result["index"]]
         assert body["usage"]["total_tokens"] > 0
+    for top_n in (0, -1):  # every document, as vLLM answers
+        body = post(server, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": top_n}).json()
+        assert [r["index"] for r in body["results"]] == order
     for path in ("/score", "/v1/score"):
         data = post(server, path, {"text_1": QUERY, "text_2": DOCS}).json()["data"]
         assert [d["score"] for d in data] == pytest.approx(hf_scores, abs=1e-5)

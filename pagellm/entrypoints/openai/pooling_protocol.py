@@ -58,7 +58,7 @@ class RerankRequest(RequestModel):
     model: str | None = None
     query: Text
     documents: Texts
-    top_n: IntIn(0, INT32_MAX) | None = None  # None or 0: every document
+    top_n: IntIn(-INT32_MAX, INT32_MAX) | None = None  # None, 0 or below: every document (vLLM)
     return_documents: bool = True
     truncate_prompt_tokens: Truncate = None
 

@@ -103,7 +103,8 @@ class OpenAIServingPooling(OpenAIServing):
         scores, outputs = await self._scores(
             request.query, request.documents, request.truncate_prompt_tokens, raw_request
         )
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n or None]
+        top_n = request.top_n if request.top_n and request.top_n > 0 else None
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
         results = [
             RerankResult(
                 index=i,
