@@ -201,8 +201,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls with --tool-call-parser')  # fmt: skip
-    p.add_argument("--tool-call-parser", default=None,
-                   choices=["hermes", "llama3_json", "mistral", "pythonic"])  # fmt: skip
+    from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    # every server parser (gpt-oss's "openai" included): the list the server itself checks
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS))
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     _server_options(p)
     p.add_argument("--trace-dir", default=None, metavar="DIR", help=_TRACE_DIR_HELP)

@@ -50,6 +50,17 @@ def test_serve_flags_are_the_engine_args():
     assert engine_args_from(ns).served_model_name == "smol" and ns.model_tag is None
 
 
+def test_serve_takes_every_tool_call_parser():
+    """gpt-oss's `--tool-call-parser openai` (as vLLM users pass it) is one of the server's
+    parsers: argparse must not refuse it."""
+    from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    for name in TOOL_PARSERS:
+        args = ["serve", "--enable-auto-tool-choice", "--tool-call-parser", name]
+        args += ["--reasoning-parser", "openai_gptoss"]
+        assert build_parser().parse_args(args).tool_call_parser == name
+
+
 def test_bench_serve_flags():
     ns = build_parser().parse_args(["bench", "serve", "--num-prompts", "3", "--concurrency", "2"])
     assert (ns.num_prompts, ns.concurrency, ns.url) == (3, 2, "http://127.0.0.1:8000")

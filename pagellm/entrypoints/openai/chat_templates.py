@@ -74,6 +74,8 @@ class ChatTemplates:
 
     async def render(self, request: ChatCompletionRequest | TokenizeRequest) -> str:
         kwargs = dict(request.chat_template_kwargs or {})
+        if getattr(request, "reasoning_effort", None) is not None:
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         lane, template = self._lane_and_template(request, kwargs)
         messages = [m.to_template_dict() for m in request.messages]
         try:

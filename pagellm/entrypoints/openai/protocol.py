@@ -374,6 +374,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
     chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # OpenAI's field (gpt-oss: "Reasoning: low" in its system message): the template's
+    # `reasoning_effort` variable, as vLLM gives it, unless chat_template_kwargs sets one
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class TokenizeRequest(RequestModel):

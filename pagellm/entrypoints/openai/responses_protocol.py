@@ -141,8 +141,9 @@ class TextConfig(RequestModel):
 
 
 class ReasoningConfig(RequestModel):
-    """Accepted and not acted on: the model thinks as its chat template and
-    `--reasoning-parser` say."""
+    """`effort` low / medium / high is the chat template's `reasoning_effort` (gpt-oss's
+    system message), as the chat route's field of that name; other values and `summary` are
+    accepted and not acted on: the model thinks as its template and `--reasoning-parser` say."""
 
     effort: Text | None = None
     summary: Text | None = None
@@ -193,6 +194,9 @@ class ResponsesRequest(SamplingRequest):
         if self.tools:
             body["tools"] = [tool.to_chat() for tool in self.tools]
         body["tool_choice"] = self._chat_tool_choice()
+        effort = None if self.reasoning is None else self.reasoning.effort
+        if effort in ("low", "medium", "high"):
+            body["reasoning_effort"] = effort
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:  # what the items became is not a chat (never expected)
