@@ -44,9 +44,12 @@ def test_reasoning_effort_reaches_the_template():
     assert "Reasoning: high" in _render(
         reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}
     )
-    assert ChatCompletionRequest(
-        model="m", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="high"
-    ).unsupported() is None
+    assert (
+        ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "Hi"}], reasoning_effort="high"
+        ).unsupported()
+        is None
+    )
 
 
 def test_unknown_reasoning_effort_is_refused():
