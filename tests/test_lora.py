@@ -12,6 +12,7 @@ base model has not) fails alone with an error naming it; the engine then serves 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -243,6 +244,9 @@ def test_max_lora_rank_is_at_most_512(tmp_path):
         ({"layer_replication": [[1, 2], [0, 1]]}, "layer_replication"),
         ({"use_dora": True}, "DoRA"),
         ({"lora_bias": True}, "lora_bias"),
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+        ({"use_bdlora": {"nblocks": 2}}, "use_bdlora"),
+        ({"kasa_config": {"beta": 1e-4}}, "kasa_config"),
     ],
 )
 def test_configs_peft_loads_into_another_model_are_refused(served, tmp_path, edit, words):
@@ -276,3 +280,60 @@ def test_config_without_lora_alpha_takes_peft_default(served, tmp_path):
     assert out[0].outputs[0].token_ids == want != _expected(refs, prompt, "all")
     with pytest.raises(ValueError, match="lora_int_id must be an int"):
         LoRARequest("flag", True, str(folder))
+
+
+def test_activated_lora_is_refused_not_applied_to_every_token(served, tmp_path):
+    """An activated LoRA (PEFT's alora_invocation_tokens) changes only the tokens from its
+    invocation sequence on: with no invocation in the prompt HF + PEFT's ids are the base
+    model's, while the same A and B applied to every token give other ids. Refused at load,
+    the engine then serves the others."""
+    llm, loras, refs, _ = served
+    folder = tmp_path / "alora"
+    shutil.copytree(loras["all"].lora_path, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(alora_invocation_tokens=[3, 4], task_type="CAUSAL_LM")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    prompt = [t for t in _prompts()[0] if t not in (3, 4)]
+    ref = peft.PeftModel.from_pretrained(hf_model(llm.llm_engine.config.model_config.model),
+                                         str(folder)).eval()  # fmt: skip
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)  # fmt: skip
+    assert want[0, len(prompt) :].tolist() == _expected(refs, prompt, None)  # PEFT: no invocation
+    assert _expected(refs, prompt, "all") != _expected(refs, prompt, None)
+    with pytest.raises(ValueError, match="alora_invocation_tokens"):
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("alora", 60, str(folder)))  # fmt: skip
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                       lora_request=loras["all"])  # fmt: skip
+    assert out[0].outputs[0].token_ids == _expected(refs, prompt, "all")
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ({"r": None}, "r=None is not an integer rank"),
+        ({"r": 2.5}, "r=2.5 is not an integer rank"),
+        ({"r": "2"}, "r='2' is not an integer rank"),
+        ({"lora_alpha": None}, "lora_alpha=None is not a number"),
+        ({"lora_alpha": "6"}, "lora_alpha='6' is not a number"),
+    ],
+)
+def test_malformed_rank_or_alpha_is_a_value_error_naming_it(served, tmp_path, edit, words):
+    """PEFT cannot load these either; here a ValueError naming the adapter and the field (not
+    a bare TypeError from int() / float(), nor a rank or alpha silently converted), and the
+    engine serves on."""
+    llm, loras, refs, _ = served
+    folder = tmp_path / "malformed"
+    shutil.copytree(loras["all"].lora_path, folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    prompt = _prompts()[0]
+    with pytest.raises(ValueError, match=re.escape(words)) as error:
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("malformed", 70, str(folder)))  # fmt: skip
+    assert str(folder) in str(error.value)
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                       lora_request=loras["all"])  # fmt: skip
+    assert out[0].outputs[0].token_ids == _expected(refs, prompt, "all")

@@ -136,3 +136,37 @@ def test_multimodal_gemma3_checkpoint_takes_language_model_adapters(tmp_path, mo
         assert_mixed_equal_hf_peft(llm, _prompts()[:2], [0, None], loras, refs, NEW_TOKENS)
         with pytest.raises(ValueError, match=r"vision_tower.* is not supported"):
             llm.generate("hi", lora_request=LoRARequest("both", 2, both), use_tqdm=False)
+
+
+def test_adapter_of_the_other_fused_layout_is_refused(tmp_path):
+    """Llama and Phi-3 of one shape: our layers fuse q | k | v and gate | up in both, but HF's
+    Llama has q_proj ... and no qkv_proj, HF's Phi-3 the reverse. A Phi-3 adapter on Llama:
+    HF + PEFT applies only its o_proj / down_proj (it ignores qkv_proj / gate_up_proj); here
+    an error naming the module, and the engine serves a Llama adapter on. Likewise a Llama
+    adapter on Phi-3."""
+    import peft
+
+    llama = make_tiny_hf_model("llama", tmp_path, std=0.3)
+    phi3 = make_tiny_hf_model("phi3", tmp_path, std=0.3)
+    for folder in (llama, phi3):
+        save_tiny_tokenizer(folder)
+    on_phi3, _ = make_peft_adapter(phi3, dict(r=4, lora_alpha=8, target_modules=[
+        "qkv_proj", "gate_up_proj", "o_proj"]), tmp_path / "phi3_adapter", seed=1)  # fmt: skip
+    on_llama, ref = make_peft_adapter(llama, dict(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "up_proj", "o_proj"]), tmp_path / "llama_adapter", seed=2)  # fmt: skip
+    crossed = peft.PeftModel.from_pretrained(hf_model(llama), on_phi3)
+    assert not any("qkv_proj" in n for n, _ in crossed.named_modules())  # PEFT ignores them
+    prompt = _prompts()[0]
+    for base, good, bad, missing in ((llama, on_llama, on_phi3, "qkv_proj|gate_up_proj"),
+                                     (phi3, on_phi3, on_llama, "q_proj|up_proj")):  # fmt: skip
+        with LLM(base, dtype="float32", max_model_len=64, enable_lora=True,
+                 max_lora_rank=4) as llm:  # fmt: skip
+            with pytest.raises(ValueError, match=rf"no (self_attn|mlp)\.({missing}) in layers\.0"):
+                llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                             lora_request=LoRARequest("bad", 1, bad))  # fmt: skip
+            out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("good", 2, good))  # fmt: skip
+            if base == llama:
+                assert (
+                    out[0].outputs[0].token_ids == hf_generate_greedy(ref, [prompt], NEW_TOKENS)[0]
+                )

@@ -38,12 +38,20 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def target_shapes(decoder_layers) -> Shapes:
-    """Each decoder layer's adapter targets and their one-rank shapes (`lora_targets`)."""
-    return [
-        {name: (t.fan_in, t.fan_out) for name, t in lora_targets(layer).items()}
-        for layer in decoder_layers
-    ]
+def target_shapes(decoder_layers, fused_names: bool = False) -> Shapes:
+    """Each decoder layer's adapter targets and their one-rank shapes (`lora_targets`), by
+    the names HF's model of the family has: a fused layer's parts (HF's Llama:
+    `self_attn.q_proj`), or with `fused_names` the fused layer's own (HF's Phi-3:
+    `self_attn.qkv_proj`). PEFT on HF's model ignores tensors of a module it lacks."""
+    shapes = []
+    for layer in decoder_layers:
+        kept = {}
+        for name, t in lora_targets(layer).items():
+            fused = getattr(layer.get_submodule(t.linear), "full_rows", None) is not None
+            if not fused or (t.part is None) == fused_names:
+                kept[name] = (t.fan_in, t.fan_out)
+        shapes.append(kept)
+    return shapes
 
 
 def base_model_shapes(architecture: str, hf_config: Any) -> Shapes:
@@ -54,13 +62,23 @@ def base_model_shapes(architecture: str, hf_config: Any) -> Shapes:
 
     with torch.device("meta"):
         model = get_model_cls(architecture)(hf_config, TorchAttentionBackend)
-    return target_shapes(model.model.layers)
+    return target_shapes(model.model.layers, getattr(model, "lora_fused_names", False))
 
 
 # PEFT's LoraConfig default, where adapter_config.json leaves lora_alpha out
 PEFT_DEFAULT_LORA_ALPHA = 8
 # init_lora_weights that PEFT applies to the base weights again at load (W - scale * B0 A0)
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+# PEFT LoRA variants (LoraConfig fields) whose forward is not lora_B(lora_A(x)) * scaling on
+# every token: served as plain LoRA, the adapter would give another model's ids
+_VARIANTS = {
+    "alora_invocation_tokens": "activated LoRA: PEFT applies the adapter only from the "
+    "invocation tokens on",
+    "use_bdlora": "block-diagonal LoRA, its A or B saved as blocks",
+    "arrow_config": "Arrow: per-token routing among adapters",
+    "kasa_config": "KaSA: a diagonal between A and B, and the base weights truncated",
+    "monteclora_config": "MonteCLoRA: a sampled mixture of A",
+}
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:
@@ -76,6 +94,11 @@ def read_adapter_config(path: str) -> dict[str, Any]:
         raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not a JSON object")
     if "r" not in config:
         raise ValueError(f"LoRA adapter {path!r}: adapter_config.json has no rank 'r'")
+    if type(config["r"]) is not int:  # PEFT builds its Linear(in, r): an int, never a bool
+        raise ValueError(f"LoRA adapter {path!r}: r={config['r']!r} is not an integer rank")
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"LoRA adapter {path!r}: lora_alpha={alpha!r} is not a number")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {config['peft_type']!r} is not LORA")
     if config.get("bias", "none") != "none":
@@ -98,6 +121,9 @@ def read_adapter_config(path: str) -> dict[str, Any]:
             f"LoRA adapter {path!r}: layer_replication (PEFT re-stacks the base model's "
             "layers) is not supported"
         )
+    for key, what in _VARIANTS.items():
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {path!r}: {key} ({what}) is not supported")
     return config
 
 

@@ -41,7 +41,7 @@ class LoRASlotManager:
         # (layer, PEFT module) -> (its Linear's slots, the Linear, the fused part or None)
         self.targets: dict[tuple[int, str], tuple[LoRASlots, nn.Module, str | None]] = {}
         self._attach(model)
-        self.shapes = target_shapes(model.model.layers)
+        self.shapes = target_shapes(model.model.layers, getattr(model, "lora_fused_names", False))
         logger.info(
             "LoRA: %d slots of rank up to %d on %d projections, a host cache of %d adapters",
             config.max_loras, config.max_lora_rank, len(self._all_slots()),

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    # HF's Phi-3 has self_attn.qkv_proj and mlp.gate_up_proj, no q_proj / gate_proj: PEFT
+    # adapters target those (`pagellm.lora.peft.target_shapes`)
+    lora_fused_names = True
+
     @classmethod
     def sliding_windows(cls, config: PretrainedConfig) -> tuple[int | None, ...]:
         return (getattr(config, "sliding_window", None),) * config.num_hidden_layers
