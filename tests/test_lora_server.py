@@ -52,10 +52,15 @@ def served(tiny_chat_model, tmp_path_factory):
     texts[None] = tokenizer.decode(base_ids, skip_special_tokens=True)
     args = [tiny_chat_model, "--max-model-len", "256", "--dtype", "float32", "--api-key", API_KEY]
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
-    args += ["--lora-modules", f"first={paths['first']}"]
+    at_start = shutil.copytree(paths["first"], tmp / "first_at_start")
+    args += ["--lora-modules", f"first={at_start}"]
     srv = start_server(args, str(tmp / "server.log"))
     try:
         wait_healthy(srv)
+        shutil.rmtree(at_start)  # read at start, as vLLM reads it: the first request needs none
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY)
+        assert _complete(client, "first") == texts["first"]
+        shutil.copytree(paths["first"], at_start)  # for a read again after an eviction
         yield srv, texts, paths, tiny_chat_model
     finally:
         stop_server(srv)

@@ -328,6 +328,7 @@ def build_app(
             if envs.warm_grammar_backend(engine.config.device):
                 app.state.constraints.warm_up()
             engine.start()
+            await app.state.lora_adapters.read_all()
             supervision = asyncio.create_task(app.state.supervisor.run())
             logger.info(
                 "pagellm server ready on http://%s (model %r, max_model_len %d)",

@@ -89,6 +89,16 @@ class LoRAAdapters:
             raise
         return self._commit(request)
 
+    async def read_all(self) -> None:
+        """The adapters added before the engine ran (`--lora-modules`) read into the engine
+        core's host cache, as vLLM reads them at start: their folders are not needed after
+        (beyond `max_cpu_loras` adapters, the last ones stay cached)."""
+        for request in list(self.adapters.values()):
+            args = (request.lora_name, request.lora_int_id, request.lora_path)
+            error = await self.engine.call_utility("load_lora", *args)
+            if error:
+                raise ValueError(f"LoRA adapter {request.lora_path!r}: {error}")
+
     def _reserve(self, name: str, inplace: bool) -> None:
         if not self.enabled:
             raise ValueError("LoRA adapters need the server started with --enable-lora")
