@@ -149,23 +149,23 @@ inline float reduce_add8(__m256 v) {
 // sum of a[i] * b[i], a vector at a time (partial sums, then theirs): for the offsets' share of
 // one output (m[b] * xsum[b] over blocks; the serial sum's chain of dependent adds cost more
 // than the block loop itself at K = 576) and the greedy head's exact rows
-inline float dot_f32(const float* m, const float* xsum, int64_t blocks) {
+inline float dot_f32(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
-  int64_t b = 0;
+  int64_t i = 0;
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
-  for (; b + 16 <= blocks; b += 16) {
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xsum + b), acc);
+  for (; i + 16 <= n; i += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   }
   s = _mm512_reduce_add_ps(acc);
 #elif defined(PAGELLM_AVX2_BLOCKS)
   __m256 acc = _mm256_setzero_ps();
-  for (; b + 8 <= blocks; b += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xsum + b), acc);
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   }
   s = reduce_add8(acc);
 #endif
-  for (; b < blocks; ++b) s = std::fma(m[b], xsum[b], s);
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
   return s;
 }
 
@@ -561,6 +561,7 @@ namespace {
 struct Pick {
   float floor = -INFINITY;
   bool finite = true;
+  bool too_many = false;  // more rows could win than the caller takes: keeping stopped
   std::vector<std::pair<int64_t, float>> keep;  // (row of W, its upper bound)
 
   void prune() {
@@ -571,7 +572,7 @@ struct Pick {
 // the Q8 pass over rows of W in chunks, each chunk's approximate logits bounded while in cache
 template <int MR>
 void greedy_pass(const Weights& w, const float* xf, const float* xsum, const float* l1,
-                 const float* bound, float* a, std::vector<Pick>& picks) {
+                 const float* bound, int64_t max_keep, float* a, std::vector<Pick>& picks) {
   constexpr int64_t kChunk = 64;
   at::parallel_for(0, w.N, kChunk, [&](int64_t n0, int64_t n1) {
     Pick* mine = picks.data() + at::get_thread_num() * MR;
@@ -585,9 +586,10 @@ void greedy_pass(const Weights& w, const float* xf, const float* xsum, const flo
           const float hi = a[r * w.N + n] + l1[r] * bound[n];
           p.finite = p.finite && std::isfinite(lo) && std::isfinite(hi);
           p.floor = lo > p.floor ? lo : p.floor;
-          if (hi >= p.floor) p.keep.emplace_back(n, hi);
+          if (hi >= p.floor && !p.too_many) p.keep.emplace_back(n, hi);
         }
         if (p.keep.size() > 256) p.prune();
+        p.too_many = p.too_many || int64_t(p.keep.size()) > max_keep;  // a flat head
       }
     }
   });
@@ -616,15 +618,15 @@ extern "C" int pagellm_greedy_argmax(const float* x, int64_t M, int64_t K, const
     l1[r] = float(sum * (1.0 + 1e-6));
   }
   std::vector<Pick> picks(size_t(at::get_num_threads()) * M);
-  if (M == 1) greedy_pass<1>(w, x, nullptr, l1, bound, scratch, picks);
-  if (M == 2) greedy_pass<2>(w, x, nullptr, l1, bound, scratch, picks);
-  if (M == 3) greedy_pass<3>(w, x, nullptr, l1, bound, scratch, picks);
+  if (M == 1) greedy_pass<1>(w, x, nullptr, l1, bound, max_candidates, scratch, picks);
+  if (M == 2) greedy_pass<2>(w, x, nullptr, l1, bound, max_candidates, scratch, picks);
+  if (M == 3) greedy_pass<3>(w, x, nullptr, l1, bound, max_candidates, scratch, picks);
   int64_t total = 0;
   for (int64_t r = 0; r < M; ++r) {
     Pick all;  // the threads' picks of row r together
     for (size_t t = r; t < picks.size(); t += M) {
       all.floor = picks[t].floor > all.floor ? picks[t].floor : all.floor;
-      all.finite = all.finite && picks[t].finite;
+      all.finite = all.finite && picks[t].finite && !picks[t].too_many;
       all.keep.insert(all.keep.end(), picks[t].keep.begin(), picks[t].keep.end());
     }
     all.prune();
