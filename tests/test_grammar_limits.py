@@ -234,6 +234,75 @@ def test_refs_inside_the_schema_resolve():
     validate(key(json=schema), LIMITS)
 
 
+def test_json_object_mode_is_an_object_and_compact_when_asked():
+    """json_object is any JSON *object* (OpenAI's mode; vLLM compiles {"type": "object"}),
+    with disable_any_whitespace honoured: xgrammar's builtin JSON grammar took `[1]` (the
+    model's greedy reply) and any spacing."""
+    import xgrammar.testing as xt
+
+    spaced = backend.parse(key(json_object=True))
+    compact = backend.parse(key(json_object=True, disable_any_whitespace=True))
+    for grammar in (spaced, compact):
+        assert xt._is_grammar_accept_string(grammar, '{"a": [1, {"b": null}]}')
+        for not_an_object in ("[1]", "5", '"x"', "null"):
+            assert not xt._is_grammar_accept_string(grammar, not_an_object)
+    assert xt._is_grammar_accept_string(spaced, '{ "a" :\n 1 }')
+    assert not xt._is_grammar_accept_string(compact, '{ "a" :\n 1 }')
+
+
+# ---- keywords xgrammar drops ------------------------------------------------------------------
+
+_INT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize(
+    "schema, keyword, violating",
+    [
+        ({"type": "array", "items": _INT, "maxItems": 3, "uniqueItems": True}, "uniqueItems",
+         "[1, 1]"),
+        ({"type": "array", "items": _INT, "maxItems": 3, "contains": {"const": 7}}, "contains",
+         "[1]"),
+        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", "5"),
+        ({**_INT, "not": {"const": 0}}, "not", "0"),
+        ({"type": "object", "properties": {"k": _INT}, "if": {"properties": {"k": {"const": 1}}},
+          "then": {"required": ["k"]}, "else": {"maxProperties": 0}}, "if", '{"k": 2}'),
+        ({"type": "object", "properties": {"a": _INT, "b": _INT},
+          "dependentRequired": {"a": ["b"]}}, "dependentRequired", '{"a": 1}'),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf", "1.2"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength", '"abcdef"'),
+        ({"type": "string", "format": "email", "maxLength": 6}, "maxLength", '"abcdefgh@x.com"'),
+        ({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2}, "maxLength",
+         '"abc"'),
+        ({"type": "string", "pattern": "^(?=b)a+$"}, "(?=...)", '"a"'),
+    ],
+)  # fmt: skip
+def test_a_keyword_xgrammar_would_drop_is_refused(schema, keyword, violating):
+    """xgrammar parses these and drops them: its grammar takes a text the schema refuses (the
+    output ignored the keyword, finish_reason "stop"). Refused, naming the keyword."""
+    import jsonschema
+    import xgrammar.testing as xt
+
+    grammar = backend.parse(key(json=schema))
+    assert xt._is_grammar_accept_string(grammar, violating)  # what xgrammar would let through
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(violating))
+    message = refused(json=schema)
+    assert keyword in message and "not enforced" in message, message
+
+
+def test_keywords_xgrammar_keeps_are_not_refused():
+    for schema in [
+        {"type": ["integer", "null"], "multipleOf": 5},
+        {"type": "array", "items": _INT, "uniqueItems": False},
+        {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": _INT}},
+        {"$ref": "#/$defs/a", "$defs": {"a": _INT}, "description": "d", "default": 1},
+        {"type": "string", "format": "date"},
+        {"type": "string", "pattern": "^a+$"},
+        {"type": "object", "properties": {"not": _INT, "uniqueItems": _INT}},  # names, not keywords
+        *SCHEMAS,
+    ]:
+        validate(key(json=schema), LIMITS)
+
+
 # ---- errors in our words ---------------------------------------------------------------------
 
 BAD = [

@@ -38,8 +38,10 @@ def parse(key: tuple[str, str]) -> Any:
             return xgr.Grammar.from_json_schema(
                 spec, any_whitespace=not compact, max_whitespace_cnt=MAX_WHITESPACE
             )
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # a JSON object, as OpenAI's json_object mode and vLLM
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not compact, max_whitespace_cnt=MAX_WHITESPACE
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         return xgr.Grammar.from_ebnf(spec)

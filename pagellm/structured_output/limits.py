@@ -31,6 +31,16 @@ _NAMED_SCHEMAS = frozenset(
     {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
 )
 _MAX_SHOWN = 80  # characters of a user's text quoted back in an error
+# keywords xgrammar parses and then drops (its grammar does not follow them): refused, as vLLM
+# refuses them for its xgrammar backend, rather than an output that need not validate
+_DROPPED = ("uniqueItems", "contains", "minContains", "maxContains", "not",
+            "dependentRequired", "dependentSchemas", "dependencies")  # fmt: skip
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")
+# what a $ref may stand beside (xgrammar drops any other keyword next to a $ref)
+_BESIDE_REF = frozenset(
+    {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description",
+     "default", "examples", "deprecated", "readOnly", "writeOnly"}
+)  # fmt: skip
 
 
 def limit_message(what: str, limit: str, limits: StructuredOutputsConfig) -> str:
@@ -151,6 +161,8 @@ def _check_schema(schema: Any, limits: StructuredOutputsConfig) -> None:
             continue
         if not isinstance(node, dict):
             continue
+        if not named:
+            _check_enforced(node)
         for key, value in node.items():
             if named:
                 stack.append((value, False))
@@ -158,11 +170,43 @@ def _check_schema(schema: Any, limits: StructuredOutputsConfig) -> None:
                 _check_ref(schema, value)
             elif key == "pattern" and isinstance(value, str):
                 _check_regex(value, "a pattern of the JSON schema", limits)
+                if _LOOKAROUND.search(value):  # xgrammar drops it (refuses it in a regex)
+                    raise ValueError(
+                        "unsupported JSON schema: a pattern's lookaround (?=...) is not "
+                        "enforced by the grammar backend (xgrammar drops it)"
+                    )
             elif key not in _DATA_KEYWORDS:
                 if key == "patternProperties" and isinstance(value, dict):
                     for pattern in value:
                         _check_regex(pattern, "a patternProperties key", limits)
                 stack.append((value, key in _NAMED_SCHEMAS))
+
+
+def _check_enforced(node: dict[str, Any]) -> None:
+    """ValueError if a schema uses a keyword that xgrammar would silently drop."""
+    dropped = next((k for k in _DROPPED if k in node and node[k] not in (False, None)), None)
+    if dropped is None and isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        dropped = "allOf"  # of two or more schemas: xgrammar allows any JSON value
+    if dropped is None and "if" in node and ("then" in node or "else" in node):
+        dropped = "if"
+    if dropped is None and "multipleOf" in node:
+        value, types = node["multipleOf"], node.get("type")
+        types = set(types) if isinstance(types, list) else {types}
+        if "integer" not in types or "number" in types or type(value) is not int:
+            dropped = "multipleOf"  # kept only on an integer type with an integer divisor
+    if dropped is None and ("pattern" in node or "format" in node):
+        dropped = next((k for k in ("minLength", "maxLength") if k in node), None)
+        if dropped is not None:
+            dropped += f"' beside '{'pattern' if 'pattern' in node else 'format'}"
+    if dropped is None and "$ref" in node:
+        dropped = next((k for k in node if k not in _BESIDE_REF), None)
+        if dropped is not None:
+            dropped += "' beside '$ref"
+    if dropped is not None:
+        raise ValueError(
+            f"unsupported JSON schema: '{dropped}' is not enforced by the grammar backend "
+            "(xgrammar drops it, so the output would not follow it)"
+        )
 
 
 def _check_ref(schema: Any, ref: str) -> None:
