@@ -79,6 +79,7 @@ class ChatReply:
         # itself); re-reading the reasoning split's content would parse the final channel's
         # text as markup, and a failed parse must not turn the markup into content
         self.harmony = isinstance(tool_parser, OpenAIToolParser)
+        self.max_calls: int | None = None  # parallel_tool_calls false: 1 (later calls dropped)
 
     def final(self, text: str) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning_content, content, tool_calls) of a whole reply."""
@@ -87,7 +88,7 @@ class ChatReply:
             reasoning, content = self.reasoning.split(text, final=True)
         if self.tool_parser is not None:
             parsed = self.tool_parser.parse(text if self.harmony else content, final=True)
-            calls = [_openai_call(call) for call in final_calls(parsed)]
+            calls = [_openai_call(call) for call in final_calls(parsed)][: self.max_calls]
             if calls:
                 return reasoning, parsed.content or None, calls
             content = parsed.content if self.harmony else content  # nothing parsed: content
@@ -103,6 +104,8 @@ class ChatReply:
         if self.tool_stream is None:
             return reasoning, content, []
         content, calls = self.tool_stream.update(delta if self.harmony else content, final)
+        if self.max_calls is not None:
+            calls = [call for call in calls if call["index"] < self.max_calls]
         return reasoning, content, calls
 
 

@@ -372,6 +372,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none | auto | required | a function
+    parallel_tool_calls: bool = True  # false: at most one call (OpenAI's, vLLM's)
     chat_template: str | None = None  # vLLM's: instead of the model's (or --chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     # OpenAI's field (gpt-oss: "Reasoning: low" in its system message): the template's

@@ -160,6 +160,9 @@ class ResponsesRequest(SamplingRequest):
     previous_response_id: NonEmptyText | None = None
     store: bool = True
     parallel_tool_calls: bool = True
+    # what OpenAI adds to the output on request; none of it is given here: only an empty list
+    # (what SDKs such as openai-agents send by default) is taken, see unsupported_in
+    include: list[Text] | None = None
     background: Literal[False] | None = None  # refused when true: see unsupported_in
     truncation: Literal["disabled"] | None = None
     n: Literal[1] = 1
@@ -194,6 +197,7 @@ class ResponsesRequest(SamplingRequest):
         if self.tools:
             body["tools"] = [tool.to_chat() for tool in self.tools]
         body["tool_choice"] = self._chat_tool_choice()
+        body["parallel_tool_calls"] = self.parallel_tool_calls
         effort = None if self.reasoning is None else self.reasoning.effort
         if effort in ("low", "medium", "high"):
             body["reasoning_effort"] = effort
@@ -247,6 +251,12 @@ def unsupported_in(body: dict[str, Any]) -> str | None:
     """What a request asks for that this server cannot do, in words, or None."""
     if body.get("background") is True:
         return "background responses are not supported by this server: send stream or wait"
+    include = body.get("include")
+    if isinstance(include, list) and include:
+        return (
+            f"include {include!r} is not supported by this server: it adds none of these "
+            "to a response (send no include, or an empty list)"
+        )
     if body.get("truncation") == "auto":
         return (
             "truncation 'auto' is not supported by this server: an input longer than the "

@@ -124,7 +124,9 @@ class OpenAIServingChat(OpenAIServing):
                     400,
                     "tool_choice",
                 )
-            constraint = tool_constraint(request.tools, request.tool_choice)
+            constraint = tool_constraint(
+                request.tools, request.tool_choice, request.parallel_tool_calls
+            )
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         await self.check(request, [params])
         return prompt, prompt_ids, params
@@ -173,7 +175,9 @@ class OpenAIServingChat(OpenAIServing):
     def _reply(self, request: ChatCompletionRequest) -> ChatReply:
         mode = None if not request.tools else self._tool_mode(request)
         named = request.tool_choice["function"]["name"] if mode == "named" else None
-        return make_reply(mode, self.tool_parser, self.reasoning_parser, named)
+        reply = make_reply(mode, self.tool_parser, self.reasoning_parser, named)
+        reply.max_calls = None if request.parallel_tool_calls else 1
+        return reply
 
     @staticmethod
     def _num_logprobs(request: ChatCompletionRequest) -> int | None:

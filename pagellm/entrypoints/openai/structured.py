@@ -21,7 +21,7 @@ from pagellm.structured_output.params import StructuredOutputsParams
 # OpenAI fields with no effect on the output (bookkeeping, hints, defaults we keep)
 IGNORED_FIELDS = frozenset(
     {
-        "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+        "user", "metadata", "store", "service_tier",
         "prompt_cache_key", "safety_identifier", "modalities", "function_call_hints",
     }
 )  # fmt: skip
@@ -99,9 +99,11 @@ def function_name(tool: dict[str, Any]) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any) -> StructuredOutputsParams:
-    """tool_choice "required": a JSON array of one or more calls of the tools; a named
-    function: its arguments object."""
+def tool_constraint(
+    tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True
+) -> StructuredOutputsParams:
+    """tool_choice "required": a JSON array of one or more calls of the tools (exactly one
+    with `parallel` false: parallel_tool_calls); a named function: its arguments object."""
     named = named_tool(tools, tool_choice)
     if named is not None:
         return StructuredOutputsParams(json=_parameters(named))
@@ -118,7 +120,10 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any) -> Structured
         for tool in tools
     ]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return StructuredOutputsParams(json={"type": "array", "items": item, "minItems": 1})
+    array = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return StructuredOutputsParams(json=array)
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
