@@ -111,6 +111,16 @@ def api_server(request, tmp_path_factory):
         stop_server(srv)
 
 
+@pytest.fixture(scope="session")
+def api_client(api_server):
+    """The openai SDK's client of `api_server` (no retries: a test sees each reply)."""
+    import openai
+    from server_utils import API_KEY
+
+    with openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
 @pytest.fixture(params=["none", "failing"])
 def broken_compiler(request, monkeypatch, tmp_path) -> str:
     """No C++ compiler on PATH, or one that fails, and no cached CPU kernel to fall back on

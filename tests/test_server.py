@@ -35,9 +35,8 @@ def server(api_server) -> Server:
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
+def client(api_client):
+    return api_client
 
 
 # ---- open endpoints and the openai client ----------------------------------------------------

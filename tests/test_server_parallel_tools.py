@@ -7,9 +7,8 @@ conftest's shared `api_server` (the embedded model, `--tool-call-parser hermes`)
 
 from __future__ import annotations
 
-import openai
 import pytest
-from server_utils import API_KEY, Server, post
+from server_utils import Server, post
 
 from pagellm.entrypoints.openai.chat_reply import make_reply
 
@@ -31,9 +30,8 @@ def server(api_server) -> Server:
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
+def client(api_client):
+    return api_client
 
 
 def _chat_calls(client, parallel, stream=False):

@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_utils import API_KEY, Server, start_server, stop_server, wait_healthy, wait_kv_free
+from server_utils import Server, start_server, stop_server, wait_healthy, wait_kv_free
 from timing import scaled
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,9 +55,8 @@ def server(api_server) -> Server:
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
+def client(api_client):
+    return api_client
 
 
 def _chat(client, messages, max_tokens=5, **kwargs):
