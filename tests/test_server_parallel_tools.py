@@ -7,8 +7,7 @@ conftest's shared `api_server` (the embedded model, `--tool-call-parser hermes`)
 
 from __future__ import annotations
 
-import pytest
-from server_utils import Server, post
+from server_utils import post
 
 from pagellm.entrypoints.openai.chat_reply import make_reply
 
@@ -24,16 +23,6 @@ ASK = "What is the weather in Paris, Rome, Berlin and Madrid? Call the tool once
 GREEDY = {"temperature": 0.0}
 
 
-@pytest.fixture(scope="module")
-def server(api_server) -> Server:
-    return api_server
-
-
-@pytest.fixture(scope="module")
-def client(api_client):
-    return api_client
-
-
 def _chat_calls(client, parallel, stream=False):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS,
@@ -45,7 +34,8 @@ def _chat_calls(client, parallel, stream=False):
     return len({tc.index for c in out for ch in c.choices for tc in ch.delta.tool_calls or []})
 
 
-def test_parallel_tool_calls_false_gives_one_call(client):
+def test_parallel_tool_calls_false_gives_one_call(api_client):
+    client = api_client
     assert _chat_calls(client, True) > 1  # the model calls several times when it may
     assert _chat_calls(client, False) == 1
     assert _chat_calls(client, False, stream=True) == 1
@@ -73,7 +63,8 @@ def test_auto_tool_choice_keeps_the_first_call_when_not_parallel():
     assert {d["index"] for d in deltas} == {0}
 
 
-def test_responses_take_an_empty_include(client, server):
+def test_responses_take_an_empty_include(api_client, api_server):
+    client, server = api_client, api_server
     out = client.responses.create(model=MODEL, input="Hi", include=[], max_output_tokens=3)
     assert out.status == "incomplete"
     response = post(
