@@ -161,8 +161,9 @@ class ResponsesRequest(SamplingRequest):
     store: bool = True
     parallel_tool_calls: bool = True
     # what OpenAI adds to the output on request; none of it is given here: only an empty list
-    # (what SDKs such as openai-agents send by default) is taken, see unsupported_in
-    include: list[Text] | None = None
+    # (what SDKs such as openai-agents send by default) is taken; refused in words when not
+    # empty: see unsupported_in
+    include: Annotated[list[Text], Field(max_length=0)] | None = None
     background: Literal[False] | None = None  # refused when true: see unsupported_in
     truncation: Literal["disabled"] | None = None
     n: Literal[1] = 1
