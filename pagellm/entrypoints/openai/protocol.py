@@ -197,7 +197,7 @@ class SamplingRequest(RequestModel):
     top_k: SamplingInt("top_k") | None = None
     min_p: Number | None = sampling_float("min_p", None)
     seed: SamplingInt("seed") | None = None
-    stop: Text | list[Text] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None  # "" is refused (as vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: Number = sampling_float("frequency_penalty", 0.0)
