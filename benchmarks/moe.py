@@ -7,6 +7,7 @@ experts, `--weights`, against cuBLAS in bf16).
     python benchmarks/moe.py --weights int4               # int4 experts (groups of 128)
     python benchmarks/moe.py --weights fp8 --tokens 1 64  # fp8 experts (128 x 128 blocks)
     python benchmarks/moe.py --model gpt-oss-20b --weights mxfp4  # MXFP4 experts
+    python benchmarks/moe.py --model gpt-oss-20b --weights mxfp4 --tokens 1 2 4 --gemv-sweep
 
 For each token count T, routing comes from random router logits (softmax, top-k, as the
 model routes). Timed, each as the median replay of a CUDA graph over enough layers' weights
@@ -19,10 +20,15 @@ model routes). Timed, each as the median replay of a CUDA graph over enough laye
   over the A experts the routing hits, each with ceil(T * top_k / A) rows (a perfectly
   balanced grouped GEMM), gate_up then down.
 
+- `gemv_ms` (int4 / mxfp4 experts, T * top_k <= GEMV_MAX_ROWS): `fused_moe_quant`'s default
+  there, the decode path of `fused_moe_gemv.py` (no layout, one program a row); `fused_ms`
+  is then the tiled kernel forced by its config.
+
 `ratio` = cublas_ms / gemm_ms (the goal: >= 0.8 at decode sizes). TFLOP/s counts the real
 rows' FLOPs; TB/s the active experts' weight bytes. `--sweep` times the GEMMs for every
 candidate tile config per T, prints the best, and ends with the table to paste into
-`pagellm/kernels/fused_moe.py: H200_CONFIGS` (keyed by rows per expert, T * top_k / E).
+`pagellm/kernels/fused_moe.py: H200_CONFIGS` (keyed by rows per expert, T * top_k / E);
+`--gemv-sweep` times the GEMV's candidate tiles (`fused_moe_gemv.gemv_config`).
 The last line is one JSON object with every number.
 """
 
@@ -186,15 +192,30 @@ def sweep(p: Problem) -> tuple[dict, float]:
     return best.__dict__, best_ms
 
 
+def gemv_sweep(p: Problem) -> tuple[dict, float]:
+    from pagellm.kernels.fused_moe_gemv import GemvConfig
+
+    best, best_ms = None, float("inf")
+    for bn, bk, warps in itertools.product((8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8)):
+        config = GemvConfig(bn, bk, warps)
+        ms = time_fused(p, config)
+        print(f"  {config}: {ms:.4f} ms")
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best.__dict__, best_ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config")
+    ap.add_argument("--gemv-sweep", action="store_true", help="time the GEMV's candidate tiles")
     ap.add_argument("--weights", choices=sorted(BYTES), default="bf16",
                     help="int4 / fp8 / mxfp4 experts run fused_moe_quant.py")  # fmt: skip
     args = ap.parse_args()
     from pagellm.kernels.fused_moe import choose_config
+    from pagellm.kernels.fused_moe_gemv import GEMV_MAX_ROWS
 
     shape = SHAPES[args.model]
     results = []
@@ -203,6 +224,15 @@ def main() -> None:
         config = choose_config(tokens, shape[1], shape[0])
         row = {"tokens": tokens, "active_experts": p.active, "config": config.__dict__}
         row["fused_ms"] = round(time_fused(p, config), 4)
+        gemv = args.weights in ("int4", "mxfp4") and tokens * shape[1] <= GEMV_MAX_ROWS
+        if gemv:
+            row["gemv_ms"] = round(time_fused(p, None), 4)
+            tb_s = p.weight_bytes / row["gemv_ms"] / 1e9
+            print(f"T={tokens:5d}: GEMV {row['gemv_ms']:.4f} ms ({tb_s:.2f} TB/s), tiles "
+                  f"{row['fused_ms']:.4f} ms")  # fmt: skip
+        if gemv and args.gemv_sweep:
+            row["best_gemv"], row["best_gemv_ms"] = gemv_sweep(p)
+            print(f"T={tokens:5d}: best GEMV {row['best_gemv_ms']:.4f} ms {row['best_gemv']}")
         row["gemm_ms"] = gemm_ms = round(time_gemms(p, config), 4)
         row["cublas_ms"] = cublas_ms = round(time_cublas(p), 4)
         row["ratio"] = round(cublas_ms / gemm_ms, 3)

@@ -29,6 +29,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 TINY = fm.MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=2)
+# the quantized experts' decode path (fused_moe_gemv.py): K steps of 32, tails masked
+TINY_GEMV = fq.GemvConfig(block_n=16, block_k=32, num_warps=4)
 X_DTYPE_QUANT = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
@@ -200,17 +202,24 @@ QUANT_CASES = {  # name: (stack maker for (E, N, K, seed), hidden, inter)
 
 
 @pytest.mark.parametrize("case", list(QUANT_CASES))
-@pytest.mark.parametrize("num_tokens", [1, 9])
-def test_fused_moe_quant_matches_torch_on_dequantized_weights(case, num_tokens):
+@pytest.mark.parametrize("num_tokens,kernel", [(1, "tiles"), (9, "tiles"), (1, "gemv"),
+                                               (3, "gemv"), (2, "default")])  # fmt: skip
+def test_fused_moe_quant_matches_torch_on_dequantized_weights(case, num_tokens, kernel):
     """int4 / int8 (asymmetric groups, one group over K) and fp8 (rows, 128 blocks) experts,
     dequantized in registers: the torch path on the dequantized weights (float32 under the
-    interpreter; the tile rounds to x's dtype as a dequantized-at-load weight does)."""
+    interpreter; the tile rounds to x's dtype as a dequantized-at-load weight does). The
+    tiled kernel, the GEMV (int) and the default (the GEMV at 8 rows, fp8 tiles)."""
     make, h, i = QUANT_CASES[case]
     dtype = X_DTYPE_QUANT
     x, _, _, weights, ids = _problem(num_tokens, 4, h, i, dtype)
     w13, d13 = make(4, 2 * i, h, 1)
     w2, d2 = make(4, h, i, 2)
-    out = fq.fused_moe_quant(x, w13, w2, weights, ids, TINY)
+    config = {"tiles": TINY, "gemv": TINY_GEMV, "default": None}[kernel]
+    if kernel == "gemv" and case.startswith("fp8"):
+        with pytest.raises(ValueError, match="not fp8"):
+            fq.fused_moe_quant(x, w13, w2, weights, ids, config)
+        return
+    out = fq.fused_moe_quant(x, w13, w2, weights, ids, config)
     assert out.shape == (num_tokens, h) and out.dtype == dtype
     ref = experts_torch(x.cpu().float(), d13.to(dtype).float(), d2.to(dtype).float(),
                         weights.cpu(), ids.cpu())  # fmt: skip

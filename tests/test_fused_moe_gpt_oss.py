@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 from mxfp4_pack import pack_mxfp4
-from test_fused_moe import DEVICE, DTYPES, TINY, _close, _problem, _randn  # sets the interpreter
+from test_fused_moe import (  # sets the interpreter
+    DEVICE,
+    DTYPES,
+    TINY,
+    TINY_GEMV,
+    _close,
+    _problem,
+    _randn,
+)
 
 from pagellm.kernels import fused_moe as fm
 from pagellm.kernels import fused_moe_quant as fq
@@ -69,14 +77,19 @@ def _mxfp4_stack(w: torch.Tensor) -> tuple[fq.QuantizedStack, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", [1, 13])
-def test_fused_moe_mxfp4_bias_and_clamped_swiglu(dtype, num_tokens):
-    """K = 64 (two groups a row) and 32; each weight's code, sign and scale read back."""
+@pytest.mark.parametrize(
+    "num_tokens,config",
+    [(1, TINY), (13, TINY), (1, TINY_GEMV), (3, None), (2, fq.GemvConfig(16, 128, 2)), (13, None)],
+)
+def test_fused_moe_mxfp4_bias_and_clamped_swiglu(dtype, num_tokens, config):
+    """K = 64 (two groups a row) and 32; each weight's code, sign and scale read back; by the
+    tiled kernel (TINY's tiles; MXFP4_CONFIGS' by default at 13 tokens) and the GEMV (K steps
+    of 32, of 64 by default, of 128: the tail masked)."""
     x, w13, w2, weights, ids = _problem(num_tokens, 4, 64, 32, dtype, seed=5)
     (q13, d13), (q2, d2) = _mxfp4_stack(w13), _mxfp4_stack(w2)
     bias13, bias2 = _biases(4, 64, 32, dtype)
     act = ClampedSwiGLU(alpha=1.702, limit=0.5)
-    out = fq.fused_moe_quant(x, q13, q2, weights, ids, TINY, bias13, bias2, act)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, config, bias13, bias2, act)
     ref = experts_torch(x, d13.to(dtype), d2.to(dtype), weights, ids, bias13, bias2, act)
     _close(out, ref, dtype)
 

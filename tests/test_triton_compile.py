@@ -197,7 +197,7 @@ def compile_fused_moe_gpt_oss() -> None:
     the decode and prefill tiles of `choose_config`; and without them, as other models run;
     the same with MXFP4 weights (`fused_moe_quant`)."""
     from pagellm.kernels.fused_moe import H200_CONFIGS, _moe_gemm_kernel
-    from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
+    from pagellm.kernels.fused_moe_quant import MXFP4_CONFIGS, _moe_quant_gemm_kernel
 
     types = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32",
              "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32",
@@ -212,13 +212,53 @@ def compile_fused_moe_gpt_oss() -> None:
                  num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
     # MXFP4 experts kept as stored: codes and scales bytes, dequantized in registers
     types |= {"w_ptr": "*u8", "s_ptr": "*u8", "z_ptr": "*u8"}
-    for gated, (_, c) in itertools.product((True, False), (H200_CONFIGS[0], H200_CONFIGS[-1])):
+    for gated, (_, c) in itertools.product((True, False), (H200_CONFIGS[0], *MXFP4_CONFIGS)):
         constexprs = dict(ROWS_PER_A=4 if gated else 1, GATED=gated, APPLY_WEIGHTS=not gated,
                           BITS=4, GROUP=32, PTX_CVT=True, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                           BLOCK_K=c.block_k, GROUP_M=c.group_m, MXFP4=True, HAS_BIAS=True,
                           CLAMPED=gated, SWIGLU_ALPHA=1.702, SWIGLU_LIMIT=7.0)  # fmt: skip
         _compile(_moe_quant_gemm_kernel, types, constexprs, ("k_dim", "stride_am"),
                  num_warps=c.num_warps, num_stages=c.num_stages)  # fmt: skip
+
+
+def compile_fused_moe_gemv() -> None:
+    """The quantized MoE's decode path (`fused_moe_gemv`): MXFP4 (gpt-oss: biases, the
+    clamped SwiGLU) and int4 / int8 experts, gated and not, at the default K step and a
+    short one."""
+    from pagellm.kernels.fused_moe_gemv import _moe_gemv_kernel
+
+    common = {"a_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i32", "weights_ptr": "*fp32",
+              "bias_ptr": "*bf16", "z_ptr": "*u8"}  # fmt: skip
+    formats = ((True, 4, 32, "*u8", "*u8"), (False, 4, 128, "*i32", "*fp32"),
+               (False, 8, 64, "*i32", "*fp32"))  # fmt: skip
+    for (mxfp4, bits, group, w_type, s_type), gated, block_k in itertools.product(
+        formats, (True, False), (1024, 64)
+    ):
+        sub = 0 if mxfp4 else min(group, block_k)
+        constexprs = dict(ROWS_PER_A=4 if gated else 1, GATED=gated, APPLY_WEIGHTS=not gated,
+                          BITS=bits, GROUP=group, MXFP4=mxfp4, BLOCK_N=16, BLOCK_K=block_k,
+                          SUB=sub, STEPS=block_k // sub if sub else 0, PTX=True,
+                          HAS_BIAS=mxfp4, CLAMPED=mxfp4 and gated, SWIGLU_ALPHA=1.702,
+                          SWIGLU_LIMIT=7.0)  # fmt: skip
+        types = common | {"w_ptr": w_type, "s_ptr": s_type}
+        divisible = ("k_dim", "k_bytes", "stride_am", "stride_we", "stride_wn", "n_out")
+        _compile(_moe_gemv_kernel, types, constexprs, divisible,
+                 num_warps=4)  # fmt: skip
+
+
+def mxfp4_instruction_budget() -> None:
+    """The MXFP4 MoE kernels' main loops (`benchmarks/kernel_sass.py`: the decode GEMV and the
+    64-row tiles, as launched for gpt-oss) at most 6.5 sm_90 instructions a weight element
+    (5.3 and 5.9 on 2026-12-07; 9.2 and 11.7 before the codes were built from int32 words in
+    float16 pairs, when dequantizing bounded both)."""
+    from benchmark_modules import load
+
+    kernel_sass = load("kernel_sass")
+    for name, (build, block_n, block_k) in kernel_sass.KERNELS.items():
+        text, per_thread = build(block_n, block_k, 4)
+        body = max(kernel_sass.loops(text), key=lambda ops: sum(ops.values()))
+        per_element = sum(body.values()) / per_thread
+        assert per_element <= 6.5, f"{name}: {per_element:.1f} instructions a weight element"
 
 
 def compile_lora() -> None:
@@ -290,6 +330,14 @@ def test_fused_moe_quant_compiles_for_hopper():
 
 def test_fused_moe_gpt_oss_compiles_for_hopper():
     _in_fresh_process("compile_fused_moe_gpt_oss")
+
+
+def test_fused_moe_gemv_compiles_for_hopper():
+    _in_fresh_process("compile_fused_moe_gemv")
+
+
+def test_mxfp4_moe_loops_stay_within_their_instruction_budget():
+    _in_fresh_process("mxfp4_instruction_budget")
 
 
 def test_lora_kernels_compile_for_hopper():

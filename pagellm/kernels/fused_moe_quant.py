@@ -41,10 +41,27 @@ from pagellm.kernels.fused_moe import (
     align_by_expert,
     choose_config,
 )
+from pagellm.kernels.fused_moe_gemv import (
+    GEMV_MAX_ROWS,
+    GemvConfig,
+    _e2m1_pair,
+    fused_moe_gemv,
+    gemv_serves,
+)
 from pagellm.kernels.moe_epilogue import _store_epilogue, gpt_oss_switches
 from pagellm.kernels.wna16_gemm import MAGIC, _unpack
 
 FP8_BLOCK = 128  # the fp8 block scales' rows and columns
+
+# MXFP4 experts (gpt-oss), by rows per expert (T * top_k / E), as `fused_moe.H200_CONFIGS`:
+# `benchmarks/moe.py --model gpt-oss-20b --weights mxfp4 --sweep` on an H100 (2026-12-07).
+# Dequantizing a tile costs more than its MMAs, so taller M tiles than bf16's pay from 32 rows
+# an expert (256 tokens: 0.40 ms a layer against 0.62 ms with bf16's tiles). Up to 16 rows a
+# step (T * top_k) the GEMV runs instead (`fused_moe_gemv.py`).
+MXFP4_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
+    (8, MoEConfig(16, 64, 128, 1, 4, 3)),
+    (float("inf"), MoEConfig(64, 64, 128, 1, 4, 3)),
+)
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_ok, k0, offs_k, stride_w
     """[BLOCK_K, BLOCK_N]: columns k0 + offs_k of the expert's rows offs_n, in `dtype`."""
     if MXFP4:
         w = _mxfp4_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok,
-                        k0, stride_wn, stride_sn, dtype, BLOCK_K)  # fmt: skip
+                        k0, stride_wn, stride_sn, dtype, BLOCK_K, PTX_CVT)  # fmt: skip
     elif BITS == 0:
         w = _fp8_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se, offs_n, n_ok, k0,
                       stride_wn, stride_sn, dtype, GROUP, BLOCK_K, PTX_CVT)  # fmt: skip
@@ -98,25 +115,29 @@ def _fp8_tile(w_ptr, s_ptr, offs_n, n_ok, k0, stride_wn, stride_sn, dtype, GROUP
 
 @triton.jit
 def _mxfp4_tile(q_ptr, s_ptr, offs_n, n_ok, k0, stride_qn, stride_sn, dtype,
-                BLOCK_K: tl.constexpr):  # fmt: skip
+                BLOCK_K: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Rows offs_n, columns k0 .. k0 + BLOCK_K (BLOCK_K a multiple of 32): e2m1 codes times
-    their group's power of two, exact in float32, as [BLOCK_K, BLOCK_N] in `dtype`. Codes and
-    scales are read as the row-major [BLOCK_N, bytes] tiles they are stored as (wide loads);
-    a code's magnitude bits placed in a float16 (exponent e, mantissa m: 2^(e - 15) (1 + m/2),
-    or m 2^-15 when e = 0) are its value times 2^-14, folded into the scale."""
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    qb = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_b[None, :], mask=n_ok[:, None],
-                 other=0).to(tl.int32)  # fmt: skip
-    code = tl.interleave(qb & 15, qb >> 4)  # [BLOCK_N, BLOCK_K]: column 2j is byte j's low
-    half = ((code & 7) << 9) | ((code & 8) << 12)
-    value = half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    their group's power of two, exact in float32, as [BLOCK_K, BLOCK_N] in `dtype`. The codes
+    are read as int32 words of 8 (`fused_moe_gemv._e2m1_pair` builds codes c and c + 4 of a
+    word at once); the 8 values of a word are joined into its 8 columns in order (register
+    moves), and the values' 2^-14 is folded into the scale."""
+    words_per_row: tl.constexpr = BLOCK_K // 8
+    offs_w = k0 // 8 + tl.arange(0, words_per_row)
+    words = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_qn // 4)
+                    + offs_w[None, :], mask=n_ok[:, None], other=0)  # fmt: skip
+    v0, v4 = _e2m1_pair(words, 0, PTX)
+    v1, v5 = _e2m1_pair(words, 1, PTX)
+    v2, v6 = _e2m1_pair(words, 2, PTX)
+    v3, v7 = _e2m1_pair(words, 3, PTX)
+    # [BLOCK_N, words, 2, 2, 2]: the first join's index is code c's bit 2, the last's bit 0
+    value = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                    tl.join(tl.join(v1, v5), tl.join(v3, v7)))  # fmt: skip
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :], mask=n_ok[:, None],
                 other=127).to(tl.int32)  # fmt: skip
     scale = (s << 23).to(tl.float32, bitcast=True) * 16384.0  # 2^(s - 127) * 2^14
-    for _ in tl.static_range(5):  # each group's scale repeated over its 32 columns
-        scale = tl.interleave(scale, scale)
-    return tl.trans((value * scale).to(dtype))
+    value = tl.reshape(value, (offs_n.shape[0], BLOCK_K // 32, 32)) * scale[:, :, None]
+    return tl.trans(tl.reshape(value, (offs_n.shape[0], BLOCK_K)).to(dtype))
 
 
 @triton.jit
@@ -196,15 +217,14 @@ def _moe_quant_gemm_kernel(
                     SWIGLU_LIMIT)  # fmt: skip
 
 
-def _block_k(config: MoEConfig, w: QuantizedStack, k: int) -> int:
-    """The config's K step, halved until it divides K and the weight's scale groups (mxfp4:
+def _block_k(step: int, w: QuantizedStack, k: int) -> int:
+    """The K step `step`, halved until it divides K and the weight's scale groups (mxfp4:
     until it is whole groups of 32 that divide K)."""
 
     def fits(step: int) -> bool:
         groups = step % w.group == 0 if w.mxfp4 else (w.group or k) % step == 0
         return k % step == 0 and groups
 
-    step = config.block_k
     while step > 16 and not fits(step):
         step //= 2
     if not fits(step):
@@ -230,7 +250,7 @@ def moe_gemm_quant(
     if n_w != out.shape[1] * (2 if gated else 1) or k_dim != a.shape[1]:
         raise ValueError(f"moe_gemm_quant: w {w.shape} does not fit a {tuple(a.shape)}, "
                          f"out {tuple(out.shape)}")  # fmt: skip
-    c = dataclasses.replace(config, block_k=_block_k(config, w, k_dim))
+    c = dataclasses.replace(config, block_k=_block_k(config.block_k, w, k_dim))
     num_blocks = layout.expert_ids.numel()
     scales = w.scales
     # int: [E, N_W, K * bits / 32] words; mxfp4 and fp8: as stored
@@ -259,15 +279,24 @@ def fused_moe_quant(
     w2: QuantizedStack,  # [E, H, I]
     weights: torch.Tensor,  # [T, K] float32 routing weights
     ids: torch.Tensor,  # [T, K] int32 experts
-    config: MoEConfig | None = None,
+    config: MoEConfig | GemvConfig | None = None,  # None: the GEMV at a few rows, else tiles
     bias13: torch.Tensor | None = None,  # [E, 2I] (gpt-oss)
     bias2: torch.Tensor | None = None,  # [E, H]
     activation=None,  # a `ClampedSwiGLU`; None: SiLU
 ) -> torch.Tensor:  # [T, H]
-    """`fused_moe.fused_moe` with quantized expert weights (see the module doc)."""
+    """`fused_moe.fused_moe` with quantized expert weights (see the module doc); up to
+    GEMV_MAX_ROWS rows (T * top_k) of formats it reads, `fused_moe_gemv.py`'s decode path."""
     _check(x, w13, w2, weights, ids)
     clamped = None if activation is None else (activation.alpha, activation.limit)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, ids.shape[1]
+    asked = isinstance(config, GemvConfig)
+    if gemv_serves(w13) and gemv_serves(w2):
+        if asked or (config is None and t * k <= GEMV_MAX_ROWS):
+            return fused_moe_gemv(x, w13, w2, weights, ids, config, bias13, bias2, clamped)
+    elif asked:
+        raise ValueError("fused_moe_quant: the GEMV reads int and mxfp4 experts, not fp8")
+    if config is None and w13.mxfp4:
+        config = next(c for bound, c in MXFP4_CONFIGS if t * k / e <= bound)
     config = config or choose_config(t, k, e)
     layout = align_by_expert(ids, e, config.block_m)
     act = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
@@ -290,6 +319,7 @@ def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
                              "(contiguous, fp8 with bits 0)")  # fmt: skip
         if w.scales.dtype != torch.float32 or (w.zeros is None) != fp8:
             raise ValueError("fused_moe_quant: float32 scales; int weights with zeros")
+        _block_k(128, w, w.shape[2])  # the tiles' K step exists (whichever kernel runs)
     (t, h), (e, two_i, h13) = x.shape, w13.shape
     if h13 != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
         raise ValueError(f"fused_moe_quant: x {tuple(x.shape)}, w13 {w13.shape}, w2 {w2.shape}")

@@ -77,6 +77,41 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, offs_k, KW, G, stride
 
 
 @triton.jit
+def _gemv_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, G, stride_qn, BITS: tl.constexpr,
+               GROUP: tl.constexpr, SUB: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
+    """One GEMV K step of rows offs_n: (values [BLOCK_N, STEPS * SUB] unpacked PLACED, minus
+    2^23; scales and zeros [BLOCK_N, STEPS] of the sub-blocks' groups)."""
+    per: tl.constexpr = 32 // BITS
+    words = k0 // per + tl.arange(0, STEPS * SUB // per)
+    qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
+                 mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
+    v = _unpack(qw, tl.arange(0, STEPS * SUB), BITS, True) - MAGIC
+    gs = (k0 + tl.arange(0, STEPS) * SUB) // GROUP
+    mask = n_mask[:, None] & (gs < G)[None, :]
+    offs = offs_n[:, None] * G + gs[None, :]
+    scale = tl.load(s_ptr + offs, mask=mask, other=0.0)
+    zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
+    return v, scale, zero
+
+
+@triton.jit
+def _gemv_row(v, scale, zero, x_row, k0, K, x_place, SUB: tl.constexpr, STEPS: tl.constexpr):
+    """[BLOCK_N]: one row of x (`x_row`, columns k0 ...) dotted with a `_gemv_tile` step, each
+    sub-block's scale and zero applied once (scale * (q . x - zero * sum x)); `x_place` the
+    powers of two that undo PLACED."""
+    cols = k0 + tl.arange(0, STEPS * SUB)
+    xv = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+    prod = v * (xv * x_place)[None, :]
+    if STEPS == 1:
+        dots = tl.sum(prod, axis=1)[:, None]  # [BLOCK_N, 1]
+        xsum = tl.sum(xv, axis=0)
+    else:
+        dots = tl.sum(tl.reshape(prod, (v.shape[0], STEPS, SUB)), axis=2)
+        xsum = tl.sum(tl.reshape(xv, (STEPS, SUB)), axis=1)[None, :]
+    return tl.sum(scale * (dots - zero * xsum), axis=1)
+
+
+@triton.jit
 def _wna16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
     N, K, KW, G, stride_xm, stride_qn, stride_ym,
@@ -88,34 +123,16 @@ def _wna16_gemv_kernel(
     step: tl.constexpr = STEPS * SUB
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_w = tl.arange(0, step // per)
     offs_c = tl.arange(0, step)
-    offs_s = tl.arange(0, STEPS)
     offs_r = tl.arange(0, ROWS_PAD)
     # x's column c scaled by 2^-(BITS * place): matches the PLACED unpack (exact)
     x_place = tl.exp2(-(BITS * (offs_c % per % (per // 2))).to(tl.float32))
     acc = tl.zeros((ROWS_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, step):
-        words = k0 // per + offs_w
-        qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :],
-                     mask=n_mask[:, None] & (words < KW)[None, :], other=0)  # fmt: skip
-        v = _unpack(qw, offs_c, BITS, True) - MAGIC  # [BLOCK_N, step], unpacked once
-        gs = (k0 + offs_s * SUB) // GROUP
-        mask = n_mask[:, None] & (gs < G)[None, :]
-        offs = offs_n[:, None] * G + gs[None, :]
-        scale = tl.load(s_ptr + offs, mask=mask, other=0.0)  # [BLOCK_N, STEPS]
-        zero = tl.load(z_ptr + offs, mask=mask, other=0).to(tl.float32)
-        cols = k0 + offs_c
+        v, scale, zero = _gemv_tile(q_ptr, s_ptr, z_ptr, offs_n, n_mask, k0, KW, G, stride_qn,
+                                    BITS, GROUP, SUB, STEPS)  # fmt: skip
         for r in tl.static_range(ROWS):  # each row's dot with the same unpacked tile
-            xv = tl.load(x_ptr + r * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-            prod = v * (xv * x_place)[None, :]
-            if STEPS == 1:
-                dots = tl.sum(prod, axis=1)[:, None]  # [BLOCK_N, 1]
-                xsum = tl.sum(xv, axis=0)
-            else:
-                dots = tl.sum(tl.reshape(prod, (BLOCK_N, STEPS, SUB)), axis=2)
-                xsum = tl.sum(tl.reshape(xv, (STEPS, SUB)), axis=1)[None, :]
-            part = tl.sum(scale * (dots - zero * xsum), axis=1)  # [BLOCK_N]
+            part = _gemv_row(v, scale, zero, x_ptr + r * stride_xm, k0, K, x_place, SUB, STEPS)
             acc += tl.where(offs_r[:, None] == r, part[None, :], 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
