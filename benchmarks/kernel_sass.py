@@ -31,23 +31,34 @@ _OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 _BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 
 
-def sass(fn, types: dict, constexprs: dict, divisible: tuple[str, ...], **options) -> str:
-    """sm_90 SASS of a `@triton.jit` function (pointers 16-byte aligned)."""
+def compile_sm90(fn, types: dict, constexprs: dict, divisible: tuple[str, ...] = (), **options):
+    """`fn` compiled for sm_90 (ptxas included): pointers 16-byte aligned, as torch's
+    allocations are at run time, and the `divisible` integers multiples of 16, as Triton
+    specializes them at run time; `types` for the pointers and float scalars (other scalars
+    i32); `options` num_warps, num_stages. Every constexpr without a default must be given
+    (one left out compiles as None, silently)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
-    if any(p.default is p.empty for p in fn.params if p.name in missing):  # no silent None
-        raise ValueError(f"constexprs not given: {missing}")
+    if any(not p.has_default for p in fn.params if p.name in missing):
+        raise ValueError(f"{fn.__name__}: constexprs not given: {missing}")
     attrs = {
         (i,): [["tt.divisibility", 16]]
         for i, (name, kind) in enumerate(sig.items())
         if kind[0] == "*" or name in divisible
     }
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass(fn, types: dict, constexprs: dict, divisible: tuple[str, ...], **options) -> str:
+    """sm_90 SASS of a `@triton.jit` function (`compile_sm90`), by the `nvdisasm` Triton ships."""
+    import triton
+
+    compiled = compile_sm90(fn, types, constexprs, divisible, **options)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -31,29 +31,14 @@ ATTENTION_VARIANTS = [  # (WINDOW, SOFT_CAP_LOG2, KV_FP8, SPLIT, FP8_PAIRS)
 GEMM_VARIANTS = [(False, 0, 16), (True, 0, 64), (True, 128, 64)]  # (A_FP8, W_BLOCK, BLOCK_M)
 
 
-def _typed(fn, types: dict[str, str]) -> dict[str, str]:
-    """Triton's signature of `fn`: constexprs, the given types, i32 for the other scalars."""
-    return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params}
-
-
 def _compile(
     fn, types: dict[str, str], constexprs: dict, divisible: tuple[str, ...] = (), **options
 ) -> str:
-    """PTX of `fn` for sm_90; `options`: num_warps, num_stages (Triton's defaults else)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """PTX of `fn` for sm_90 (`benchmarks/kernel_sass.py: compile_sm90`; `options`:
+    num_warps, num_stages, Triton's defaults else)."""
+    from benchmark_modules import load
 
-    signature = _typed(fn, types)
-    # pointers 16-byte aligned, as torch's allocations are at run time (wide loads), and the
-    # `divisible` integers multiples of 16, as Triton specializes them at run time
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, (name, t) in enumerate(signature.items())
-        if t[0] == "*" or name in divisible
-    }
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = load("kernel_sass").compile_sm90(fn, types, constexprs, divisible, **options)
     assert compiled.asm["cubin"]  # via ptxas
     return compiled.asm["ptx"]
 
