@@ -275,7 +275,7 @@ def test_msgspec_round_trip_of_every_validated_request():
 
 
 @pytest.mark.parametrize("killed", [False, True])
-def test_an_exited_core_gets_time_for_its_death_report(killed, monkeypatch):
+def test_an_exited_core_gets_time_for_its_death_report(killed, monkeypatch, tmp_path):
     """The core reports its error just before it exits; the reader may see the exit before
     the report arrives. A core that exited itself gets _REPORT_S from the first sighting of
     the exit (so the caller hears "EngineCore died: <reason>"); one killed by a signal sends
@@ -290,7 +290,7 @@ def test_an_exited_core_gets_time_for_its_death_report(killed, monkeypatch):
     suicide = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     client.proc = subprocess.Popen([sys.executable, "-c", suicide if killed else "exit(3)"])
     client.proc.wait()
-    client.dead_error, client._exit_seen = None, None
+    client.ipc_dir, client.dead_error, client._exit_seen = str(tmp_path), None, None  # no file
     ctx = zmq.Context()
     client.output_socket = ctx.socket(zmq.PULL)
     client.output_socket.bind("inproc://death-report")
@@ -315,3 +315,26 @@ def test_an_exited_core_gets_time_for_its_death_report(killed, monkeypatch):
         core_side.close(linger=0)
         client.output_socket.close(linger=0)
         ctx.term()
+
+
+def test_an_exited_core_is_judged_by_the_report_it_left(tmp_path):
+    """A core that died of an error wrote its reason beside the sockets before it exited: the
+    client names it as soon as it sees the exit, not after waiting for the socket's copy (on a
+    loaded machine that copy once lost the race, and the error said only "exited
+    unexpectedly"). Without a report the verdict waits for the socket (_REPORT_S)."""
+    import subprocess
+    import sys
+
+    from pagellm.engine.core_proc import write_death_report
+    from pagellm.engine.core_process import DEATH_REPORT
+
+    client = object.__new__(core_client.SyncMPClient)
+    client.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    client.proc.wait()
+    client.ipc_dir, client.dead_error, client._exit_seen = str(tmp_path), None, None
+    client._check_alive()  # exited, no report yet: the socket's copy gets its time
+    assert client.dead_error is None
+    write_death_report(str(tmp_path / DEATH_REPORT), msgspec.msgpack.encode(["X", "boom"]))
+    with pytest.raises(EngineDeadError, match="EngineCore died: boom"):
+        client._check_alive()
+    assert not (tmp_path / (DEATH_REPORT + ".tmp")).exists()

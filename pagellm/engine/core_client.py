@@ -8,7 +8,9 @@
 
 If the child dies, every waiting call raises EngineDeadError within a poll (_POLL_MS; the
 asyncio client, a server's, polls more often: a restart waits on it) and, when the child
-exited itself, the time its death report may take to arrive (_REPORT_S).
+exited itself, the time its death report may take to arrive (_REPORT_S); a core that dies of
+an error also leaves the report in the directory before it exits (`DEATH_REPORT`), read at
+once.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import zmq.asyncio
 from pagellm import envs
 from pagellm.config import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.engine.core_process import cleanup, startup_error
+from pagellm.engine.core_process import DEATH_REPORT, cleanup, startup_error
 from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -239,6 +241,9 @@ class MPClient(EngineCoreClient):
             raise self.dead_error
         if self.proc.poll() is None:
             return
+        reason = self._death_report()
+        if reason is not None:
+            self._mark_dead(f"EngineCore died: {reason}")
         # A core that dies of an error reports it just before it exits, and the report may
         # still be on its way to the output socket: a core that exited itself (a code >= 0;
         # not one killed by a signal, which sends nothing) gives the reader _REPORT_S from
@@ -254,6 +259,15 @@ class MPClient(EngineCoreClient):
         if waited < _EXIT_GRACE_S and self._output_pending():
             return
         self._mark_dead(f"EngineCore process exited unexpectedly (code {self.proc.returncode})")
+
+    def _death_report(self) -> str | None:
+        """The reason an exited core left in the IPC directory (`core_proc.write_death_report`,
+        written before it exited): the socket's report may still be on its way."""
+        try:
+            with open(os.path.join(self.ipc_dir, DEATH_REPORT), "rb") as f:
+                return str(msgspec.msgpack.decode(f.read())[1])
+        except (OSError, msgspec.DecodeError, IndexError, TypeError, KeyError):
+            return None
 
     def _output_pending(self) -> bool:
         """Frames from the core not read yet (through a blocking view of the socket: the same

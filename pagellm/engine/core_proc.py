@@ -36,6 +36,7 @@ import zmq
 from pagellm.config import EngineConfig
 from pagellm.core.sampled import error_output
 from pagellm.engine.core import EngineCore
+from pagellm.engine.core_process import DEATH_REPORT
 from pagellm.protocol import (
     EngineCoreOutputs,
     EngineCoreOutputType,
@@ -106,7 +107,9 @@ class EngineCoreProc(EngineCore):
         self.output_queue.put((EngineCoreOutputType.FAILED, message))
         self.input_queue.put((_DIED, message[1]))
 
-    def output_thread(self, sock: zmq.Socket) -> None:
+    def output_thread(self, sock: zmq.Socket, report_path: str) -> None:
+        """Sends the output queue; a FAILED message is also written to `report_path` first
+        (`write_death_report`)."""
         try:
             encoder = msgspec.msgpack.Encoder()
             buffer = bytearray()
@@ -115,9 +118,11 @@ class EngineCoreProc(EngineCore):
                 if kind is None:  # the loop has ended: everything before this is sent
                     return
                 encoder.encode_into(message, buffer)
+                if kind == EngineCoreOutputType.FAILED:
+                    write_death_report(report_path, bytes(buffer))
                 sock.send_multipart((kind.value, buffer), copy=True)
         except BaseException as e:
-            _output_thread_died(sock, e)
+            _output_thread_died(sock, e, report_path)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -170,12 +175,26 @@ def _name_fields(message: str) -> str:
     return f"{message[: match.start()]}{field}{message[match.end() :]}"
 
 
-def _output_thread_died(sock: zmq.Socket, error: BaseException) -> None:
+def write_death_report(path: str, payload: bytes) -> None:
+    """The FAILED message's payload ([error type, message], msgpack) as a file beside the
+    sockets, whole before the process can exit: the client reads it when it sees the exit, so
+    the reason never depends on the frame winning the race to the socket (it can lose on a
+    loaded machine)."""
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(payload)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the directory is gone (the client shut down): the socket still tells
+        pass
+
+
+def _output_thread_died(sock: zmq.Socket, error: BaseException, report_path: str) -> None:
     """Nothing can reach the client any more: tell it if the socket still works, then exit
     (the client sees the process end within its poll interval)."""
     logger.error("EngineCore output thread died:\n%s", traceback.format_exc())
     try:
         message = ["OutputThreadDied", f"the output thread died: {type(error).__name__}: {error}"]
+        write_death_report(report_path, msgspec.msgpack.encode(message))
         frames = (EngineCoreOutputType.FAILED.value, msgspec.msgpack.encode(message))
         sent = sock.send_multipart(frames, copy=False, track=True)
         sent.wait(_POLL_S)  # handed to ZMQ's I/O thread: it goes out before the exit
@@ -208,7 +227,8 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, ipc
         _send_failure(out, [type(e).__name__, str(e)])
         raise
     core.output_queue.put((EngineCoreOutputType.READY, _ready(core)))
-    writer = threading.Thread(target=core.output_thread, args=(out,), name="core-output")
+    report = os.path.join(ipc_dir, DEATH_REPORT)
+    writer = threading.Thread(target=core.output_thread, args=(out, report), name="core-output")
     writer.start()
     try:
         core.run_busy_loop()

@@ -1,6 +1,7 @@
 """The EngineCore child process as its parent (`MPClient`) ends it: politely (its stdin
 closed, a SHUTDOWN message), then not (terminate, kill), its sockets closed and its IPC files
 removed; and the error of a child that failed to start, in its own type for the common ones.
+A core that dies of an error leaves its reason in the IPC directory too (DEATH_REPORT).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pagellm.protocol import EngineCoreRequestType
 from pagellm.utils import wait_or_kill
 
 _SHUTDOWN_S = 5.0  # how long the core process gets to exit before it is killed
+DEATH_REPORT = "failed"  # in the IPC directory: the core's FAILED payload, written before it exits
 
 
 def cleanup(proc: subprocess.Popen, in_sock, out_sock, ipc_dir: str) -> None:
