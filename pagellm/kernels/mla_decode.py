@@ -75,14 +75,9 @@ def _mla_decode_kernel(
     if HAS_REQS:
         req = tl.load(reqs_ptr + row_id).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r = tl.arange(0, RANK_PAD)
-    offs_p = tl.arange(0, ROPE_PAD)
     head_ok = heads < num_heads
-    q_rows = q_ptr + row_id * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + offs_r[None, :], mask=head_ok[:, None] & (offs_r < RANK)[None, :])
-    q_pe = tl.load(
-        q_rows + RANK + offs_p[None, :], mask=head_ok[:, None] & (offs_p < ROPE)[None, :]
-    )
+    q_lat, q_pe = _queries(q_ptr, row_id, heads, head_ok, stride_qt, stride_qh, RANK, ROPE,
+                           RANK_PAD, ROPE_PAD)  # fmt: skip
     seq_len = tl.load(seq_lens_ptr + req)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)  # noqa: E741
@@ -92,25 +87,66 @@ def _mla_decode_kernel(
     first = tl.program_id(2) * per_split
     last = tl.minimum(first + per_split, seq_len)
     for start in range(first, last, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        key_ok = pos < last
-        block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=key_ok)
-        rows = cache_ptr + block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-        lat = tl.load(rows[:, None] + offs_r[None, :], mask=key_ok[:, None] & (offs_r < RANK))
-        pe = tl.load(rows[:, None] + RANK + offs_p[None, :], mask=key_ok[:, None] & (offs_p < ROPE))
-        lat = lat.to(q_lat.dtype)
-        scores = _dot(q_lat, tl.trans(lat), FP32_DOT) + _dot(
-            q_pe, tl.trans(pe.to(q_pe.dtype)), FP32_DOT
-        )
-        scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + _dot(p.to(lat.dtype), lat, FP32_DOT)
-        m = m_new
+        m, l, acc = _attend_step(q_lat, q_pe, m, l, acc, start, last,  # noqa: E741
+                                 block_table_ptr + req * stride_bt, cache_ptr, qk_scale,
+                                 stride_cb, stride_cs, RANK, ROPE, RANK_PAD, ROPE_PAD, BLOCK_N,
+                                 BLOCK_SIZE, FP32_DOT)  # fmt: skip
+    _store(acc, m, l, row_id, heads, head_ok, out_ptr, ml_ptr, num_heads, num_splits,
+           stride_ot, stride_oh, RANK, RANK_PAD, SPLIT)  # fmt: skip
+
+
+@triton.jit
+def _queries(q_ptr, row_id, heads, head_ok, stride_qt, stride_qh, RANK: tl.constexpr,
+             ROPE: tl.constexpr, RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr):  # fmt: skip
+    """The row's queries for `heads`: latent [BLOCK_H, RANK_PAD], rotary [BLOCK_H, ROPE_PAD]."""
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_p = tl.arange(0, ROPE_PAD)
+    q_rows = q_ptr + row_id * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=head_ok[:, None] & (offs_r < RANK)[None, :])
+    q_pe = tl.load(
+        q_rows + RANK + offs_p[None, :], mask=head_ok[:, None] & (offs_p < ROPE)[None, :]
+    )
+    return q_lat, q_pe
+
+
+@triton.jit
+def _attend_step(q_lat, q_pe, m, l, acc, start, last, bt_row, cache_ptr, qk_scale, stride_cb,  # noqa: E741
+                 stride_cs, RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr,
+                 ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 FP32_DOT: tl.constexpr):  # fmt: skip
+    """Keys start .. start + BLOCK_N (those below `last`), read through the request's block
+    table row: the online softmax's running max m, sum l and latent accumulator acc, updated.
+    Each cache row's latent part is both the key (with the rotary part) and the value."""
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_p = tl.arange(0, ROPE_PAD)
+    pos = start + tl.arange(0, BLOCK_N)
+    key_ok = pos < last
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=key_ok)
+    rows = cache_ptr + block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+    lat = tl.load(rows[:, None] + offs_r[None, :], mask=key_ok[:, None] & (offs_r < RANK))
+    pe = tl.load(rows[:, None] + RANK + offs_p[None, :], mask=key_ok[:, None] & (offs_p < ROPE))
+    lat = lat.to(q_lat.dtype)
+    scores = _dot(q_lat, tl.trans(lat), FP32_DOT) + _dot(
+        q_pe, tl.trans(pe.to(q_pe.dtype)), FP32_DOT
+    )
+    scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+    acc = acc * alpha[:, None] + _dot(p.to(lat.dtype), lat, FP32_DOT)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store(acc, m, l, row_id, heads, head_ok, out_ptr, ml_ptr, num_heads, num_splits,  # noqa: E741
+           stride_ot, stride_oh, RANK: tl.constexpr, RANK_PAD: tl.constexpr,
+           SPLIT: tl.constexpr):  # fmt: skip
+    """SPLIT: the unnormalized partials and (m, l) at [row, split, head] (contiguous float32
+    buffers, `_combine` merges them); else the normalized output rows."""
+    offs_r = tl.arange(0, RANK_PAD)
     out_mask = head_ok[:, None] & (offs_r < RANK)[None, :]
-    if SPLIT:  # partials at [row, split, head]: contiguous float32 buffers
+    if SPLIT:
         row = (row_id * num_splits + tl.program_id(2)) * num_heads + heads
         tl.store(out_ptr + row[:, None] * RANK + offs_r[None, :], acc, mask=out_mask)
         tl.store(ml_ptr + row * 2, m, mask=head_ok)
