@@ -240,6 +240,47 @@ def test_fused_moe_quant_rejects_bad_inputs():
         fq.fused_moe_quant(x, w13, odd_group, weights, ids)
 
 
+@pytest.mark.parametrize("config", [None, TINY, TINY_GEMV])
+def test_fused_moe_quant_refuses_what_it_would_misread(config):
+    """Found by a sweep: each of these was read as if laid out as expected (wrong outputs, no
+    error) by one kernel or both; now a ValueError whichever runs."""
+    w13, _ = _int_stack(4, 64, 32, 4, 32, 1)
+    w2, _ = _int_stack(4, 32, 32, 4, 32, 2)
+    x, _, _, weights, ids = _problem(2, 4, 32, 32, torch.float32)
+    pairs = torch.stack([ids, ids], dim=-1)  # ids[..., 0] below: a strided view of the same
+    bias13, bias2 = torch.zeros(4, 64), torch.zeros(4, 32)
+    wide = torch.zeros(4, 128)
+    g16, _ = _int_stack(4, 64, 32, 4, 16, 1)  # two groups a row
+    expanded = g16.zeros[..., :1].expand(-1, -1, 2)  # zeros shared by a row's groups: a view
+    cases = {
+        "ids must be contiguous int32": dict(ids=pairs[..., 0]),
+        "ids must be contiguous int32, got torch.int64": dict(ids=ids.long()),
+        r"bias \(4, 32\) for weights": dict(bias13=bias13[:, :32].contiguous()),
+        r"bias \(4, 64\) for weights": dict(bias13=wide[:, ::2]),  # strided
+        "expected contiguous": dict(w13=fq.QuantizedStack(g16.q, g16.scales, expanded, 4, 16)),
+        r"scales \(4, 64, 2\) for \(4, 64, 32\)": dict(
+            w13=fq.QuantizedStack(
+                w13.q, torch.ones(4, 64, 2), torch.zeros(4, 64, 1, dtype=torch.uint8), 4, 32
+            )
+        ),  # fmt: skip
+    }
+    for message, change in cases.items():
+        args = dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids, bias13=None, bias2=bias2)
+        args |= change
+        with pytest.raises(ValueError, match=message):
+            fq.fused_moe_quant(args["x"], args["w13"], args["w2"], args["weights"], args["ids"],
+                               config, args["bias13"], args["bias2"])  # fmt: skip
+
+
+def test_tile_configs_are_checked():
+    """Tiles that are not powers of two failed inside Triton ("arange's range must be a power
+    of 2"); now the configs say so."""
+    with pytest.raises(ValueError, match="MoEConfig: tiles"):
+        fm.MoEConfig(16, 64, 96, 1, 4, 3)
+    with pytest.raises(ValueError, match="GemvConfig"):
+        fq.GemvConfig(24, 1024, 4)
+
+
 # ---- CUDA ----------------------------------------------------------------------------------
 
 

@@ -181,6 +181,13 @@ def test_mxfp4_kept_as_stored_names_a_malformed_tensor(tmp_path, monkeypatch):
         save_file({**tensors, name: bad}, path)
         with pytest.raises(ValueError, match=f"{name}.*{message}"):
             load_our_model(str(tmp_path / "mxfp4"))
+    # a scale the kernels cannot hold in float32 (2^(s - 127) * 2^14 overflows above 240)
+    name = name.replace("_blocks", "_scales")
+    huge = tensors[name].clone()
+    huge[0, 0, 0] = 241
+    save_file({**tensors, name: huge}, path)
+    with pytest.raises(ValueError, match=f"{name}: a scale byte of 241 .* at most 240"):
+        load_our_model(str(tmp_path / "mxfp4"))
 
 
 @pytest.mark.gpu

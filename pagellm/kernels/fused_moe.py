@@ -49,6 +49,12 @@ class MoEConfig:
     num_warps: int
     num_stages: int
 
+    def __post_init__(self) -> None:
+        tiles = (self.block_m, self.block_n, self.block_k)
+        if any(b < 16 or b & (b - 1) for b in tiles) or min(self.group_m, self.num_warps) < 1:
+            raise ValueError(f"MoEConfig: tiles {tiles} must be powers of two >= 16 "
+                             f"(tl.dot), group_m and num_warps >= 1: {self}")  # fmt: skip
+
 
 # H200, bf16, by the average number of rows per expert (T * top_k / E). Shared memory per
 # stage of the gated GEMM: 2 bytes * (BM * BK + 2 * BK * BN); compiled for sm_90 the rows

@@ -42,6 +42,11 @@ class GemvConfig:
     block_k: int
     num_warps: int
 
+    def __post_init__(self) -> None:
+        if any(b < 1 or b & (b - 1) for b in (self.block_n, self.block_k, self.num_warps)):
+            raise ValueError(f"GemvConfig: block_n, block_k and num_warps are powers of two: "
+                             f"{self}")  # fmt: skip
+
 
 def gemv_config(rows: int, k: int) -> GemvConfig:
     """Tiles for `rows` rows of K inputs: `benchmarks/moe.py --gemv-sweep`'s best on an H100

@@ -14,7 +14,9 @@ written back to memory in bf16).
     mxfp4 (gpt-oss)      q [E, N, K / 2] uint8 (two e2m1 codes a byte, column 2j low), scales
                          uint8 [E, N, K / 32] (E8M0: 2 ** (s - 127)); BLOCK_K a multiple of 32
                          (a K step reads whole groups); values and powers of two built
-                         exactly (a scale byte 0, 2 ** -127, reads as 0)
+                         exactly (a scale byte 0, 2 ** -127, reads as 0; bytes above 240
+                         overflow the float32 that holds 2 ** (s - 127) * 2 ** 14: the
+                         loader refuses them, `mxfp4.MAX_KERNEL_SCALE`)
 
 gpt-oss's expert biases and clamped SwiGLU are `fused_moe.py`'s switches, in the same
 epilogue (`_store_epilogue`).
@@ -286,7 +288,7 @@ def fused_moe_quant(
 ) -> torch.Tensor:  # [T, H]
     """`fused_moe.fused_moe` with quantized expert weights (see the module doc); up to
     GEMV_MAX_ROWS rows (T * top_k) of formats it reads, `fused_moe_gemv.py`'s decode path."""
-    _check(x, w13, w2, weights, ids)
+    _check(x, w13, w2, weights, ids, bias13, bias2)
     clamped = None if activation is None else (activation.alpha, activation.limit)
     (t, h), (e, two_i, _), k = x.shape, w13.shape, ids.shape[1]
     asked = isinstance(config, GemvConfig)
@@ -308,7 +310,7 @@ def fused_moe_quant(
     return y.view(t, k, h).sum(1)
 
 
-def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
+def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids, bias13, bias2) -> None:
     for w in (w13, w2):
         if w.mxfp4:
             _check_mxfp4(w)
@@ -320,6 +322,12 @@ def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
         if w.scales.dtype != torch.float32 or (w.zeros is None) != fp8:
             raise ValueError("fused_moe_quant: float32 scales; int weights with zeros")
         _block_k(128, w, w.shape[2])  # the tiles' K step exists (whichever kernel runs)
+        _check_scales(w)
+    for bias, w in ((bias13, w13), (bias2, w2)):
+        if bias is not None and (tuple(bias.shape) != w.shape[:2] or not bias.is_contiguous()):
+            raise ValueError(f"fused_moe_quant: bias {tuple(bias.shape)} for weights {w.shape}")
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"fused_moe_quant: ids must be contiguous int32, got {ids.dtype}")
     (t, h), (e, two_i, h13) = x.shape, w13.shape
     if h13 != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
         raise ValueError(f"fused_moe_quant: x {tuple(x.shape)}, w13 {w13.shape}, w2 {w2.shape}")
@@ -327,6 +335,22 @@ def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids) -> None:
         raise ValueError(f"fused_moe_quant: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
     if x.stride(1) != 1 or not weights.is_contiguous():
         raise ValueError("fused_moe_quant: x rows and the routing weights must be contiguous")
+
+
+def _check_scales(w: QuantizedStack) -> None:
+    """int: scales and zeros [E, N, ceil(K / group)]; fp8: [E, N] (rows) or [E, ceil(N / 128),
+    ceil(K / 128)] (blocks)."""
+    e, n, k = w.shape
+    if w.bits:
+        want = (e, n, -(-k // w.group))
+        if w.zeros.shape != want or not w.zeros.is_contiguous():
+            raise ValueError(f"fused_moe_quant: zeros {tuple(w.zeros.shape)} for {w.shape} in "
+                             f"groups of {w.group}: expected contiguous {want}")  # fmt: skip
+    else:
+        want = (e, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)) if w.group else (e, n)
+    if w.scales.shape != want:
+        raise ValueError(f"fused_moe_quant: scales {tuple(w.scales.shape)} for {w.shape}: "
+                         f"expected {want}")  # fmt: skip
 
 
 def _check_mxfp4(w: QuantizedStack) -> None:

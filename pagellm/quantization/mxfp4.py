@@ -30,6 +30,7 @@ from pagellm.quantization.base import (
 
 logger = logging.getLogger(__name__)
 STACKS = ("w13", "w2")
+STORED_NAMES = {"w13": "gate_up_proj", "w2": "down_proj"}  # gpt-oss's names of the stacks
 
 # the 16 e2m1 codes: sign bit 3, then exponent and mantissa
 FP4_VALUES = (
@@ -51,6 +52,9 @@ FP4_VALUES = (
     -6.0,
 )
 BLOCK_BYTES = 16  # 32 values a scale
+# the CUDA kernels build a group's 2^(s - 127) times 2^14 in one float32: finite up to 240
+# (weights up to 6 x 2^113; E8M0's 255 is NaN)
+MAX_KERNEL_SCALE = 240
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
@@ -113,13 +117,16 @@ class Mxfp4Config(QuantizationConfig):
     def experts_method(self, prefix: str, layer) -> ExpertsMethod | None:
         if layer.part.size % 32 or layer.hidden_size % 32:
             return None
-        return Mxfp4ExpertsMethod()
+        return Mxfp4ExpertsMethod(prefix)
 
 
 class Mxfp4ExpertsMethod(ExpertsMethod):
     """One MoE layer's experts as stored: `w13_blocks` [E, 2I, H / 32, 16] (gate rows, then
     up rows: the model's loader de-interleaves them), `w13_scales` [E, 2I, H / 32], `w2_*`
     likewise over I; its biases stay in the model dtype."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix  # the layer's name, for errors
 
     def create_weights(self, layer) -> None:
         e = layer.num_experts
@@ -145,6 +152,14 @@ class Mxfp4ExpertsMethod(ExpertsMethod):
             blocks = getattr(layer, f"{stacked}_blocks").detach()
             q = blocks.reshape(*blocks.shape[:2], -1)  # [E, N, K / 2]
             scales = getattr(layer, f"{stacked}_scales").detach()
+            top = int(scales.max()) if scales.numel() else 0
+            if top > MAX_KERNEL_SCALE:
+                name = f"{self.prefix}.{STORED_NAMES[stacked]}_scales"
+                raise ValueError(
+                    f"MXFP4 tensor {name}: a scale byte of {top} "
+                    f"(2^{top - 127}); the CUDA kernels take at most {MAX_KERNEL_SCALE} "
+                    "(quantization='none' dequantizes the experts at load)"
+                )
             stacks.append(QuantizedStack(q, scales.contiguous(), None, 4, 32, mxfp4=True))
         layer.quantized_experts = Mxfp4GpuExperts(*stacks)
 
