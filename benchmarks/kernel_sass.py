@@ -116,7 +116,7 @@ def moe_tiles_mxfp4(block_n: int, block_k: int, warps: int, block_m: int = 64):
 
 KERNELS = {
     "moe_gemv_mxfp4": (moe_gemv_mxfp4, 8, 1024),
-    "moe_tiles_mxfp4": (moe_tiles_mxfp4, 64, 128),
+    "moe_tiles_mxfp4": (moe_tiles_mxfp4, 64, 64),  # gpt-oss's: K = 2,880 takes steps of 64
 }
 
 

@@ -18,16 +18,17 @@ model routes). Timed, each as the median replay of a CUDA graph over enough laye
 - `gemm_ms`: the two grouped GEMMs alone, on a precomputed layout;
 - `cublas_ms`: cuBLAS on the same total FLOPs and the same weight bytes: a batched matmul
   over the A experts the routing hits, each with ceil(T * top_k / A) rows (a perfectly
-  balanced grouped GEMM), gate_up then down.
-
+  balanced grouped GEMM), gate_up then down;
 - `gemv_ms` (int4 / mxfp4 experts, T * top_k <= GEMV_MAX_ROWS): `fused_moe_quant`'s default
   there, the decode path of `fused_moe_gemv.py` (no layout, one program a row); `fused_ms`
-  is then the tiled kernel forced by its config.
+  is then the tiled kernel forced by its config (quantized experts: the engine's tiles for
+  them, `fused_moe_quant.default_config`).
 
 `ratio` = cublas_ms / gemm_ms (the goal: >= 0.8 at decode sizes). TFLOP/s counts the real
 rows' FLOPs; TB/s the active experts' weight bytes. `--sweep` times the GEMMs for every
 candidate tile config per T, prints the best, and ends with the table to paste into
-`pagellm/kernels/fused_moe.py: H200_CONFIGS` (keyed by rows per expert, T * top_k / E);
+`pagellm/kernels/fused_moe.py: H200_CONFIGS` (`--weights mxfp4`: `fused_moe_quant.py:
+MXFP4_CONFIGS`; keyed by rows per expert, T * top_k / E);
 `--gemv-sweep` times the GEMV's candidate tiles (`fused_moe_gemv.gemv_config`).
 The last line is one JSON object with every number.
 """
@@ -216,12 +217,15 @@ def main() -> None:
     args = ap.parse_args()
     from pagellm.kernels.fused_moe import choose_config
     from pagellm.kernels.fused_moe_gemv import GEMV_MAX_ROWS
+    from pagellm.kernels.fused_moe_quant import default_config
 
     shape = SHAPES[args.model]
     results = []
     for tokens in args.tokens:
         p = Problem(shape, tokens, kind=args.weights)
-        config = choose_config(tokens, shape[1], shape[0])
+        # the engine's tiles: bf16's table, or the quantized experts' (MXFP4 has its own)
+        config = p.quantized and default_config(tokens, shape[1], shape[0], p.quantized[0][0])
+        config = config or choose_config(tokens, shape[1], shape[0])
         row = {"tokens": tokens, "active_experts": p.active, "config": config.__dict__}
         row["fused_ms"] = round(time_fused(p, config), 4)
         gemv = args.weights in ("int4", "mxfp4") and tokens * shape[1] <= GEMV_MAX_ROWS

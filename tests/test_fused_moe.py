@@ -195,6 +195,7 @@ def _fp8_stack(e, n, k, block, seed):
 QUANT_CASES = {  # name: (stack maker for (E, N, K, seed), hidden, inter)
     "int4-g32": (lambda e, n, k, s: _int_stack(e, n, k, 4, 32, s), 64, 32),
     "int4-channel": (lambda e, n, k, s: _int_stack(e, n, k, 4, k, s), 64, 48),
+    "int4-g32-k96": (lambda e, n, k, s: _int_stack(e, n, k, 4, 32, s), 96, 32),  # K tails
     "int8-g16": (lambda e, n, k, s: _int_stack(e, n, k, 8, 16, s), 32, 48),
     "fp8-rows": (lambda e, n, k, s: _fp8_stack(e, n, k, False, s), 64, 32),
     "fp8-blocks": (lambda e, n, k, s: _fp8_stack(e, n, k, True, s), 128, 128),

@@ -94,6 +94,18 @@ def test_fused_moe_mxfp4_bias_and_clamped_swiglu(dtype, num_tokens, config):
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("config", [fq.GemvConfig(16, 64, 4), TINY_GEMV])
+def test_mxfp4_gemv_masks_the_k_tail(config):
+    """H = 96 (three groups): K steps of 64 leave half a step, of 32 none; I = 32."""
+    x, w13, w2, weights, ids = _problem(2, 4, 96, 32, torch.float32, seed=7)
+    (q13, d13), (q2, d2) = _mxfp4_stack(w13), _mxfp4_stack(w2)
+    bias13, bias2 = _biases(4, 96, 32, torch.float32)
+    act = ClampedSwiGLU(alpha=1.702, limit=0.5)
+    out = fq.fused_moe_quant(x, q13, q2, weights, ids, config, bias13, bias2, act)
+    ref = experts_torch(x, d13, d2, weights, ids, bias13, bias2, act)
+    _close(out, ref, torch.float32)
+
+
 def test_fused_moe_mxfp4_rejects_bad_scales():
     x, w13, w2, weights, ids = _problem(3, 4, 64, 32, torch.float32)
     (q13, _), (q2, _) = _mxfp4_stack(w13), _mxfp4_stack(w2)

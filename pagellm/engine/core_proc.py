@@ -179,7 +179,9 @@ def write_death_report(path: str, payload: bytes) -> None:
     """The FAILED message's payload ([error type, message], msgpack) as a file beside the
     sockets, whole before the process can exit: the client reads it when it sees the exit, so
     the reason never depends on the frame winning the race to the socket (it can lose on a
-    loaded machine)."""
+    loaded machine). The first report stays: a later one is a consequence of it."""
+    if os.path.exists(path):
+        return
     try:
         with open(path + ".tmp", "wb") as f:
             f.write(payload)

@@ -9,8 +9,9 @@ rows are the [T, K] routing as it comes.
 
     int4 / int8   `wna16_gemm`'s GEMV step: values placed in their words, a group's scale and
                   zero applied once (scale * (q . x - zero * sum x))
-    mxfp4         each byte's two codes dotted with x's even and odd columns (no interleave),
-                  the 16 bytes of a group summed, then times its power of two
+    mxfp4         int32 words of 8 codes: codes c and c + 4 of a word built as one float16
+                  pair (`_e2m1_pair`) and dotted with x's columns 8 w + c and 8 w + c + 4;
+                  a group's 4 words summed, then times its power of two
     fp8           not here: `fused_moe_quant`'s tiled kernel
 
 Above GEMV_MAX_ROWS rows (T * top_k) experts repeat and reading an expert once per row costs
@@ -149,6 +150,8 @@ def _moe_gemv_kernel(
         acc = tl.zeros((BLOCK_N,), tl.float32)
         acc_up = tl.zeros((BLOCK_N,), tl.float32)
         kw = k_dim // per
+        # `_gemv_tile`'s G, groups a row, is the scales' row stride: scales and zeros are
+        # contiguous [E, N, G] (`fused_moe_quant._check_scales`)
         for k0 in range(0, k_dim, BLOCK_K):
             v, scale, zero = _gemv_tile(w_e, s_e, z_e, offs_n, n_ok, k0, kw, stride_sn,
                                         stride_wn, BITS, GROUP, SUB, STEPS)  # fmt: skip

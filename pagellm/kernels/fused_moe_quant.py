@@ -57,12 +57,13 @@ FP8_BLOCK = 128  # the fp8 block scales' rows and columns
 
 # MXFP4 experts (gpt-oss), by rows per expert (T * top_k / E), as `fused_moe.H200_CONFIGS`:
 # `benchmarks/moe.py --model gpt-oss-20b --weights mxfp4 --sweep` on an H100 (2026-12-07).
-# Dequantizing a tile costs more than its MMAs, so taller M tiles than bf16's pay from 32 rows
-# an expert (256 tokens: 0.40 ms a layer against 0.62 ms with bf16's tiles). Up to 16 rows a
-# step (T * top_k) the GEMV runs instead (`fused_moe_gemv.py`).
+# Dequantizing a tile costs more than its MMAs, so taller M tiles than bf16's pay above 8 rows
+# an expert (256 tokens: 0.40 ms a layer against 0.62 ms with bf16's tiles). K steps of 64:
+# the sweep's 128 halved for K = 2,880 (45 x 64), as `_block_k` would. Up to 16 rows a step
+# (T * top_k) the GEMV runs instead (`fused_moe_gemv.py`).
 MXFP4_CONFIGS: tuple[tuple[float, MoEConfig], ...] = (
-    (8, MoEConfig(16, 64, 128, 1, 4, 3)),
-    (float("inf"), MoEConfig(64, 64, 128, 1, 4, 3)),
+    (8, MoEConfig(16, 64, 64, 1, 4, 3)),
+    (float("inf"), MoEConfig(64, 64, 64, 1, 4, 3)),
 )
 
 
@@ -297,9 +298,7 @@ def fused_moe_quant(
             return fused_moe_gemv(x, w13, w2, weights, ids, config, bias13, bias2, clamped)
     elif asked:
         raise ValueError("fused_moe_quant: the GEMV reads int and mxfp4 experts, not fp8")
-    if config is None and w13.mxfp4:
-        config = next(c for bound, c in MXFP4_CONFIGS if t * k / e <= bound)
-    config = config or choose_config(t, k, e)
+    config = config or default_config(t, k, e, w13)
     layout = align_by_expert(ids, e, config.block_m)
     act = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
     moe_gemm_quant(x, w13, act, layout, config, rows_per_a=k, gated=True, bias=bias13,
@@ -308,6 +307,15 @@ def fused_moe_quant(
     moe_gemm_quant(act, w2, y, layout, config, rows_per_a=1, routing_weights=weights.view(-1),
                    bias=bias2)  # fmt: skip
     return y.view(t, k, h).sum(1)
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, w: QuantizedStack) -> MoEConfig:
+    """The tiles `fused_moe_quant` picks for this many rows: MXFP4_CONFIGS for MXFP4 experts,
+    `fused_moe.choose_config`'s (bf16's) otherwise."""
+    if w.mxfp4:
+        rows_per_expert = num_tokens * top_k / num_experts
+        return next(c for bound, c in MXFP4_CONFIGS if rows_per_expert <= bound)
+    return choose_config(num_tokens, top_k, num_experts)
 
 
 def _check(x, w13: QuantizedStack, w2: QuantizedStack, weights, ids, bias13, bias2) -> None:
