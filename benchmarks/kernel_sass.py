@@ -8,6 +8,7 @@ instructions an element: the number that bounded the MXFP4 MoE kernels (docs/not
     python benchmarks/kernel_sass.py moe_gemv_mxfp4          # the decode GEMV (gate | up)
     python benchmarks/kernel_sass.py moe_tiles_mxfp4 --dump /tmp/tiles.sass
     python benchmarks/kernel_sass.py moe_gemv_mxfp4 --block-n 16 --block-k 512
+    python benchmarks/kernel_sass.py wna16_gemm --num-warps 8 --block-n 128   # dense int4
 
 Integer arguments that are multiples of 16 at run time are marked so (Triton specializes on
 that when it launches): without it the loads compile to single bytes and the count means
@@ -114,9 +115,54 @@ def moe_tiles_mxfp4(block_n: int, block_k: int, warps: int, block_m: int = 64):
     return text, 2 * block_n * block_k / (32 * warps)
 
 
+def moe_tiles_int4(block_n: int, block_k: int, warps: int, block_m: int = 64):
+    """The int4 experts' tiles (Qwen3-MoE's GPTQ shape: groups of 128, bf16 x)."""
+    from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
+
+    types = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
+             "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+             "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
+    constexprs = dict(ROWS_PER_A=1, GATED=True, APPLY_WEIGHTS=False, BITS=4, GROUP=128,
+                      PTX_CVT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                      GROUP_M=1)  # fmt: skip
+    divisible = ("k_dim", "stride_am", "stride_wn", "stride_we", "stride_se", "stride_sn", "n_out")
+    text = sass(_moe_quant_gemm_kernel, types, constexprs, divisible, num_warps=warps,
+                num_stages=3)  # fmt: skip
+    return text, 2 * block_n * block_k / (32 * warps)
+
+
+def _wna16(kernel, constexprs: dict, warps: int, **options) -> str:
+    types = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
+             "bias_ptr": "*bf16", "y_ptr": "*bf16"}  # fmt: skip
+    divisible = ("K", "KW", "G", "stride_xm", "stride_qn", "stride_ym")
+    constexprs = dict(BITS=4, GROUP=128, HAS_BIAS=False, PTX=True) | constexprs
+    return sass(kernel, types, constexprs, divisible, num_warps=warps, **options)
+
+
+def wna16_gemv(block_n: int, block_k: int, warps: int):
+    """The dense int4 GEMV at one row (Llama-3.1-8B's narrow projections' tile)."""
+    from pagellm.kernels.wna16_gemm import _sub_blocks, _wna16_gemv_kernel
+
+    sub, steps = _sub_blocks(block_k, 128, 4)
+    constexprs = dict(ROWS=1, ROWS_PAD=1, BLOCK_N=block_n, SUB=sub, STEPS=steps)
+    return _wna16(_wna16_gemv_kernel, constexprs, warps), block_n * block_k / (32 * warps)
+
+
+def wna16_gemm(block_n: int, block_k: int, warps: int, block_m: int = 64):
+    """The dense int4 tensor-core GEMM (a many-row decode step), bf16 x."""
+    from pagellm.kernels.wna16_gemm import _wna16_gemm_kernel
+
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=True, EVEN_K=True)
+    text = _wna16(_wna16_gemm_kernel, constexprs, warps, num_stages=3)
+    return text, block_n * block_k / (32 * warps)
+
+
 KERNELS = {
     "moe_gemv_mxfp4": (moe_gemv_mxfp4, 8, 1024),
     "moe_tiles_mxfp4": (moe_tiles_mxfp4, 64, 64),  # gpt-oss's: K = 2,880 takes steps of 64
+    "moe_tiles_int4": (moe_tiles_int4, 64, 128),
+    "wna16_gemv": (wna16_gemv, 8, 2048),
+    "wna16_gemm": (wna16_gemm, 64, 128),
 }
 
 

@@ -156,19 +156,22 @@ GEMV_TILES = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
 
 
 def gemm_tiles(m: int) -> list[dict]:
-    """Tensor-core GEMM candidates for M rows."""
+    """Tensor-core GEMM candidates for M rows; the last: the first one with the float32
+    unpack instead of 16-bit pairs (PAIRS=False), for comparison."""
     if m <= 16:
-        return [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
-                for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 4)]  # fmt: skip
-    if m >= 128:  # a decode step of many rows: fewer unpacks of each weight (taller tiles)
+        tiles = [{"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": st}
+                 for bn in (32, 64, 128) for bk in (64, 128) for st in (2, 4)]  # fmt: skip
+    elif m >= 128:  # a decode step of many rows: fewer unpacks of each weight (taller tiles)
         tall = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
                 for bm in (128, 256) if bm <= m for bn in (64, 128) for w in (4, 8)
                 for st in (3, 4) if bm * bn <= 128 * 128 or w == 8]  # fmt: skip
-        first = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-        return [first] + tall
-    block_ms = [bm for bm in (32, 64, 128) if bm <= max(32, m)][-2:]
-    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 3}
-            for bm in block_ms for bn in (64, 128) for w in (4, 8)]  # fmt: skip
+        tiles = [{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}]
+        tiles += tall
+    else:
+        block_ms = [bm for bm in (32, 64, 128) if bm <= max(32, m)][-2:]
+        tiles = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": 3}
+                 for bm in block_ms for bn in (64, 128) for w in (4, 8)]  # fmt: skip
+    return tiles + [tiles[0] | {"PAIRS": False}]
 
 
 def time_config(x: torch.Tensor, ints: list, config: dict) -> float:
@@ -217,6 +220,9 @@ def sweep(m: int, hbm: float) -> dict:
               f"({gb_s[1] / (hbm * 1e3):.0%})", flush=True)  # fmt: skip
         ranked = sorted(range(len(times)), key=times.__getitem__)[:5]
         print("  top: " + "; ".join(f"{tiles[i]} {times[i]:.4f}" for i in ranked), flush=True)
+        if not gemv:  # the last candidate: the first tile with the float32 unpack
+            per_proj[name]["float32_unpack_ms"] = round(times[-1], 4)
+            print(f"  float32 unpack, {tiles[0]}: {times[-1]:.4f} ms", flush=True)
         torch.cuda.empty_cache()
     best = min(range(len(totals)), key=totals.__getitem__)
     print(f"best over the layer at M={m}: {tiles[best]} {totals[best]:.4f} ms", flush=True)

@@ -227,6 +227,23 @@ def test_fused_moe_quant_matches_torch_on_dequantized_weights(case, num_tokens, 
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("group,h,i", [(64, 128, 64), (0, 64, 48), (32, 64, 32)])
+def test_int4_expert_tiles_under_fp16_x(group, h, i):
+    """Under 16-bit x the int4 tiles of K steps of 64 or more are built as 16-bit pairs
+    (`wna16_gemm._int4_pairs`, their scale rounded to x's dtype first; shorter steps, groups
+    of 32, the float32 unpack): fp16 here (the interpreter's tl.dot misreads bf16; bf16 runs
+    in the gpu tests), 9 tokens through the tiled kernel. Group 0: one group over K (the down
+    projection's K = 48 takes steps of 16)."""
+    x, _, _, weights, ids = _problem(9, 4, h, i, torch.float16)
+    w13, d13 = _int_stack(4, 2 * i, h, 4, group or h, 1)
+    w2, d2 = _int_stack(4, h, i, 4, group or i, 2)
+    config = fm.MoEConfig(block_m=16, block_n=32, block_k=64, group_m=2, num_warps=4, num_stages=2)
+    out = fq.fused_moe_quant(x, w13, w2, weights, ids, config)
+    ref = experts_torch(x.cpu().float(), d13.half().float(), d2.half().float(), weights.cpu(),
+                        ids.cpu())  # fmt: skip
+    _close(out, ref, torch.float16)
+
+
 def test_fused_moe_quant_rejects_bad_inputs():
     w13, _ = _int_stack(4, 64, 32, 4, 32, 1)
     w2, _ = _int_stack(4, 32, 32, 4, 32, 2)

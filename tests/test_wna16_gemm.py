@@ -24,6 +24,21 @@ if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 X_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from pagellm.kernels.wna16_gemm import _int4_pairs
+
+    @triton.jit
+    def _pairs_tile(w_ptr, z_ptr, s_ptr, o_ptr, BF16: tl.constexpr, PTX: tl.constexpr):
+        """[4, 16] values of `_int4_pairs` from [4, 2] words, as float32."""
+        rows, words = tl.arange(0, 4), tl.arange(0, 2)
+        qw = tl.load(w_ptr + rows[:, None] * 2 + words[None, :])
+        dtype = tl.bfloat16 if BF16 else tl.float16
+        v = _int4_pairs(qw, tl.load(z_ptr + rows), tl.load(s_ptr + rows), dtype, PTX)
+        tl.store(o_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :], v.to(tl.float32))
+
 
 def _weight(n: int, k: int, bits: int, group: int, sym: bool):
     """(canonical qweight, scales, zeros, dequantized float32 [N, K]) on DEVICE."""
@@ -92,6 +107,58 @@ def test_many_rows_take_the_dequantized_weight(monkeypatch, bits, group, k):
     want = F.linear(x.float(), deq, bias.float())
     tol = 2e-2 * want.abs().max() if X_DTYPE != torch.float32 else 1e-3
     torch.testing.assert_close(got, want, rtol=1e-2, atol=tol)
+
+
+# the interpreter's tl.dot misreads bf16 operands: bf16 products are checked on CUDA, and the
+# pairs' bf16 bits without a product (test_int4_pairs_hold_each_value_in_column_order)
+PAIR_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu, id="bf16-gpu"),
+               pytest.param(torch.float16, marks=pytest.mark.gpu, id="fp16-gpu")]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", PAIR_DTYPES)
+@pytest.mark.parametrize("group,k,block_k", [(64, 160, 64), (-1, 128, 64), (128, 256, 128)])
+def test_int4_weights_built_as_16_bit_pairs(dtype, group, k, block_k):
+    """4-bit weights under bf16 / fp16 x: the GEMM builds a word's values j and j + 4 as one
+    16-bit pair (`_int4_pairs`) and puts its 8 values back in column order. One-hot rows of x
+    read single columns, so each output is one weight as the kernel built it: (q - zero) times
+    the scale rounded to x's dtype, rounded once (the interpreter's cast truncates: one ulp).
+    A short last group (160 = 64 + 64 + 32, the last step past K) and one group over K."""
+    from pagellm.kernels.wna16_gemm import wna16_gemm
+
+    torch.manual_seed(k + group)
+    qweight, scales, zeros, _, size = _weight(64, k, 4, group, False)
+    q = torch.stack([qweight & 15, qweight >> 4], -1).flatten(1).int()
+    g = torch.arange(k, device=q.device) // size
+    s16 = scales.to(dtype).float()[:, g]
+    want = ((q - zeros.int()[:, g]) * s16).to(dtype)  # [N, K]
+    cols = torch.randperm(k)[:24]
+    x = torch.zeros(24, k, device=DEVICE, dtype=dtype)
+    x[torch.arange(24), cols] = 1
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 2}
+    got = wna16_gemm(x, qweight, scales, zeros, 4, size, config=config)
+    if DEVICE == "cuda":
+        torch.testing.assert_close(got, want[:, cols].t(), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got.float(), want[:, cols].t().float(), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, *PAIR_DTYPES])
+def test_int4_pairs_hold_each_value_in_column_order(dtype):
+    """`_int4_pairs` alone (the interpreter's float32 model of its PTX, or the PTX on CUDA):
+    words of 8 known values -> each value minus its row's zero, times the row's scale
+    rounded to `dtype`, at its column (8 w + j)."""
+    q = torch.randint(0, 16, (4, 16))
+    words = (q.view(4, 2, 8) << (4 * torch.arange(8))).sum(-1)  # value j in bits 4j ..
+    words = torch.where(words >= 2**31, words - 2**32, words).int()
+    zeros = torch.tensor([8, 0, 15, 3], dtype=torch.int32)
+    scales = torch.tensor([1.0, 0.013, 3.1e-3, 0.5])
+    want = ((q - zeros[:, None]) * scales.to(dtype).float()[:, None]).to(dtype).float()
+    out = torch.zeros(4, 16, device=DEVICE)
+    on = [t.to(DEVICE) for t in (words, zeros, scales)]
+    _pairs_tile[(1,)](*on, out, BF16=dtype == torch.bfloat16, PTX=DEVICE == "cuda")
+    # the interpreter's bf16 casts truncate (the scale's and the product's)
+    exact = DEVICE == "cuda" or dtype == torch.float16
+    torch.testing.assert_close(out.cpu(), want, rtol=0 if exact else 2**-6, atol=0)
 
 
 def test_wna16_gemm_checks_its_inputs():

@@ -154,12 +154,12 @@ def _moe_gemv_kernel(
         # contiguous [E, N, G] (`fused_moe_quant._check_scales`)
         for k0 in range(0, k_dim, BLOCK_K):
             v, scale, zero = _gemv_tile(w_e, s_e, z_e, offs_n, n_ok, k0, kw, stride_sn,
-                                        stride_wn, BITS, GROUP, SUB, STEPS)  # fmt: skip
+                                        stride_wn, BITS, GROUP, SUB, STEPS, PTX)  # fmt: skip
             acc += _gemv_row(v, scale, zero, x_row, k0, k_dim, x_place, SUB, STEPS)
             if GATED:
                 up = offs_n + n_out
                 v, scale, zero = _gemv_tile(w_e, s_e, z_e, up, n_ok, k0, kw, stride_sn, stride_wn,
-                                            BITS, GROUP, SUB, STEPS)  # fmt: skip
+                                            BITS, GROUP, SUB, STEPS, PTX)  # fmt: skip
                 acc_up += _gemv_row(v, scale, zero, x_row, k0, k_dim, x_place, SUB, STEPS)
     rows = tl.zeros((1,), tl.int64) + row
     _store_epilogue(acc[None, :], acc_up[None, :], out_ptr, weights_ptr, bias_ptr, expert,

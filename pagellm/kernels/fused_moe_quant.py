@@ -51,7 +51,7 @@ from pagellm.kernels.fused_moe_gemv import (
     gemv_serves,
 )
 from pagellm.kernels.moe_epilogue import _store_epilogue, gpt_oss_switches
-from pagellm.kernels.wna16_gemm import MAGIC, _unpack
+from pagellm.kernels.wna16_gemm import MAGIC, PAIRS_MIN_K, _int4_pairs, _unpack
 
 FP8_BLOCK = 128  # the fp8 block scales' rows and columns
 
@@ -99,7 +99,7 @@ def _weight_tile(w_ptr, s_ptr, z_ptr, expert, offs_n, n_ok, k0, offs_k, stride_w
     else:
         w = _int_tile(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                       z_ptr + expert * stride_se, offs_n, n_ok, k0, offs_k, stride_wn,
-                      stride_sn, dtype, BITS, GROUP)  # fmt: skip
+                      stride_sn, dtype, BITS, GROUP, PTX_CVT)  # fmt: skip
     return w
 
 
@@ -145,15 +145,20 @@ def _mxfp4_tile(q_ptr, s_ptr, offs_n, n_ok, k0, stride_qn, stride_sn, dtype,
 
 @triton.jit
 def _int_tile(q_ptr, s_ptr, z_ptr, offs_n, n_ok, k0, offs_k, stride_qn, stride_sn, dtype,
-              BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+              BITS: tl.constexpr, GROUP: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """int rows' columns k0 + offs_k (in group k0 // GROUP), (q - zero) * scale, read as int32
-    words and unpacked as `wna16_gemm` unpacks them (no integer-to-float conversion)."""
+    words and unpacked as `wna16_gemm` unpacks them (no integer-to-float conversion): 4-bit
+    values for bf16 / fp16 x as 16-bit pairs (`_int4_pairs`, K steps from PAIRS_MIN_K: see
+    `wna16_gemm.pairs_serve`), else in float32."""
     words = k0 // (32 // BITS) + tl.arange(0, offs_k.shape[0] // (32 // BITS))
     qw = tl.load(q_ptr + offs_n[:, None] * stride_qn + words[None, :], mask=n_ok[:, None], other=0)
     s_off = offs_n * stride_sn + k0 // GROUP
     scale = tl.load(s_ptr + s_off, mask=n_ok, other=0.0)
-    zero = tl.load(z_ptr + s_off, mask=n_ok, other=0).to(tl.float32)
-    w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero[:, None])) * scale[:, None]
+    zero = tl.load(z_ptr + s_off, mask=n_ok, other=0)
+    sixteen_bit: tl.constexpr = dtype == tl.bfloat16 or dtype == tl.float16
+    if BITS == 4 and sixteen_bit and offs_k.shape[0] >= PAIRS_MIN_K:
+        return tl.trans(_int4_pairs(qw, zero.to(tl.int32), scale, dtype, PTX))
+    w = (_unpack(qw, offs_k, BITS, False) - (MAGIC + zero.to(tl.float32)[:, None])) * scale[:, None]
     return tl.trans(w.to(dtype))  # [BLOCK_K, BLOCK_N]
 
 
