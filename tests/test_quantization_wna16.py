@@ -223,13 +223,61 @@ def test_names_and_unsupported_configs(tmp_path):
     _set_config(folder, bits=3)
     with pytest.raises(ValueError, match="gptq: 3-bit weights are not supported"):
         load_our_model(folder)
-    _set_config(folder, bits=4, dynamic={"lm_head": {"bits": 8, "group_size": 32}})
-    with pytest.raises(ValueError, match="`dynamic` .* for lm_head; .* lm_head=False"):
+    _set_config(folder, bits=4, dynamic={"+:model.layers.[": {"bits": 8}})
+    with pytest.raises(ValueError, match=r"GPTQ dynamic rule '\+:model.layers.\[': not a regex"):
+        load_our_model(folder)
+    _set_config(folder, dynamic={".*layers.0.self_attn.k_proj": {"bits": 8}})
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.qkv_proj: the GPTQ dynamic rules "
+                                         r"set the parts of this fused layer apart"):  # fmt: skip
         load_our_model(folder)
     folder, _ = _packed(tmp_path / "awq", "llama", Packing("awq", 4, 32, False))
     _set_config(folder, version="gemv")
     with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
         load_our_model(folder)
+
+
+# GPTQModel's per-module rules: the first match applies ("-:" leaves a module float); other
+# settings (damp_percent) only mattered to the quantizer
+DYNAMIC = {"-:model\\.layers\\.1\\.mlp\\.": {},
+           "+:.*self_attn\\.o_proj": {"bits": 8, "group_size": 64, "damp_percent": 0.05},
+           r".*down_proj": {"group_size": -1, "sym": False},
+           "lm_head": {"bits": 8, "group_size": 128}}  # fmt: skip
+
+
+def test_gptq_dynamic_rules_give_modules_their_own_settings(tmp_path, monkeypatch):
+    """A GPTQModel checkpoint with `dynamic` rules (layer 1's MLP left float, o_proj 8-bit in
+    groups of 64, down_proj channel-wise with zero points) and its LM head quantized
+    (lm_head=True: 8-bit): each module read with its own settings; logits and the engine's
+    greedy ids equal the dequantized model's."""
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    folder = make_tiny_hf_model("llama", tmp_path, std=0.1, tie_word_embeddings=False, **TINY)
+    reference = str(tmp_path / "reference")
+    quantize_folder(folder, reference, Packing("gptq", 4, 32), dynamic=DYNAMIC, lm_head=True)
+    stored = load_file(os.path.join(folder, "model.safetensors"))
+    assert "model.layers.1.mlp.down_proj.weight" in stored  # left float by "-:"
+    assert "model.layers.0.mlp.down_proj.qweight" in stored and "lm_head.qweight" in stored
+    model = load_our_model(folder)
+    layer0, layer1 = model.model.layers
+    settings = {
+        name: module.quant_method.scheme.key
+        for name, module in (
+            ("o", layer0.self_attn.o_proj),
+            ("down", layer0.mlp.down_proj),
+            ("qkv", layer1.self_attn.qkv_proj),
+            ("head", model.lm_head),
+        )
+    }
+    assert settings == {"o": (8, 64, True, False), "down": (4, -1, False, False),
+                        "qkv": (4, 32, True, False), "head": (8, 128, True, False)}  # fmt: skip
+    assert getattr(layer1.mlp.down_proj, "quant_method", None) is None  # float, as stored
+    _logits_match(folder, reference)
+    prompts = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = {}
+    for path in (folder, reference):
+        with LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
+            ids[path] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert ids[folder] == ids[reference]
 
 
 # ---------------------------------------------------------------- tensor parallel

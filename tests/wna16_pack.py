@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -162,18 +163,26 @@ def quantization_config(p: Packing) -> dict:
             "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
 
 
-def quantize_folder(folder: str, reference: str, p: Packing) -> None:
+def quantize_folder(folder: str, reference: str, p: Packing, dynamic: dict | None = None,
+                    lm_head: bool = False) -> None:  # fmt: skip
     """Rewrite the HF folder's projections in format `p`; write the dequantized model to
-    `reference` (a copy of the folder with float weights)."""
+    `reference` (a copy of the folder with float weights). GPTQ only: `dynamic`, GPTQModel's
+    per-module rules ({regex: settings}; the first whose regex matches a module's name from
+    its start applies; "-:" leaves the module float, else bits / group_size / sym /
+    desc_act replace p's), written into the config; `lm_head`: the LM head packed too."""
     path = os.path.join(folder, "model.safetensors")
     state = load_file(path)
     shutil.copytree(folder, reference, dirs_exist_ok=True)
     ref_state = dict(state)
     for name in [n for n in state if n.endswith(".weight")]:
         stem = name.removesuffix(".weight")
-        if stem.rpartition(".")[2] not in PROJECTIONS:  # MoE experts too; routers ("gate") not
+        leaf = stem.rpartition(".")[2]
+        if leaf not in PROJECTIONS and not (lm_head and stem == "lm_head"):
+            continue  # MoE experts are packed too; routers ("gate") are not
+        packing = _rule(p, dynamic or {}, stem)
+        if packing is None:
             continue
-        tensors, deq = format_tensors(stem, state.pop(name), p)
+        tensors, deq = format_tensors(stem, state.pop(name), packing)
         state.update({k: v.contiguous() for k, v in tensors.items()})
         ref_state[name] = deq
     save_file(state, path)
@@ -181,4 +190,19 @@ def quantize_folder(folder: str, reference: str, p: Packing) -> None:
     config_path = os.path.join(folder, "config.json")
     config = json.load(open(config_path))
     config["quantization_config"] = quantization_config(p)
+    if dynamic:
+        config["quantization_config"]["dynamic"] = dynamic
+    if lm_head:
+        config["quantization_config"]["lm_head"] = True
     json.dump(config, open(config_path, "w"), indent=1)
+
+
+def _rule(p: Packing, dynamic: dict, module: str) -> Packing | None:
+    """The packing of one module under GPTQModel's `dynamic` rules (None: left float)."""
+    for pattern, settings in dynamic.items():
+        if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
+            if pattern.startswith("-:"):
+                return None
+            fields = {"bits": "bits", "group_size": "group", "sym": "sym", "desc_act": "act_order"}
+            return replace(p, **{fields[k]: v for k, v in settings.items() if k in fields})
+    return p

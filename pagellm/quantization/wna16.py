@@ -55,9 +55,9 @@ logger = logging.getLogger(__name__)
 class WNA16LinearMethod(LinearMethod):
     """One Linear's int weights: canonical parameters while loading, then the kernel's."""
 
-    def __init__(self, config: WNA16Config) -> None:
+    def __init__(self, config: WNA16Config, scheme: WNA16Scheme) -> None:
         self.config = config
-        self.scheme = config.scheme
+        self.scheme = scheme  # the config's, or a GPTQ `dynamic` rule's for these layers
 
     def create_weights(self, layer) -> None:
         # the checkpoint's names (qweight, weight_packed, ...) for the canonical tensors
@@ -130,7 +130,7 @@ class WNA16LinearMethod(LinearMethod):
                 qweight, g_idx = permute_columns(qweight, s.bits, perm), None
         weight = None
         if g_idx is None and not self.config.dequantize and not getattr(layer, "dense_only", False):
-            weight = self.config.kernel_weight(qweight, scales, zeros, group, perm)
+            weight = self.config.kernel_weight(qweight, scales, zeros, s.bits, group, perm)
         if weight is None:  # dequantized: the runner packs it like any float weight
             dense = self._dequantized(layer, qweight, scales, zeros, group, g_idx, perm)
             layer.weight = nn.Parameter(dense.to(self.config.dtype), requires_grad=False)
@@ -179,8 +179,10 @@ class WNA16Config(QuantizationConfig):
         self.dtype = dtype
         self.device = device
         self.dequantize = dequantize
-        self.method = WNA16LinearMethod(self)
+        # one method a scheme (GPTQ `dynamic` rules give some modules their own)
+        self.methods = {scheme.key: WNA16LinearMethod(self, scheme)}
         self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint module -> full (N, K)
+        self.module_schemes: dict[str, WNA16Scheme] = {}  # checkpoint module -> its scheme
         self.kernels: dict[str, int] = {}  # what served the layers, for the log
         # MoE experts: our experts module -> {stacked: one expert projection's full (N, K)}
         self.expert_shapes: dict[str, dict[str, tuple[int, int]]] = {}
@@ -200,13 +202,36 @@ class WNA16Config(QuantizationConfig):
             return None
         if self._ignored(prefix, layer):
             return None
+        scheme = self._layer_scheme(prefix, layer)
+        if scheme is None:  # a `dynamic` rule leaves it unquantized
+            return None
         k = getattr(layer, "full_in_features", layer.in_features)
         full_rows = getattr(layer, "full_rows", None)
         n = getattr(layer, "full_out_features", layer.out_features)
         self.shapes[prefix] = (sum(full_rows.values()) if full_rows else n, k)
+        self.module_schemes[prefix] = scheme
         for name, rows in (full_rows or {}).items():
             self.shapes[f"{prefix.rpartition('.')[0]}.{name}"] = (rows, k)
-        return self.method
+            self.module_schemes[f"{prefix.rpartition('.')[0]}.{name}"] = scheme
+        if scheme.key not in self.methods:
+            self.methods[scheme.key] = WNA16LinearMethod(self, scheme)
+        return self.methods[scheme.key]
+
+    def _layer_scheme(self, prefix: str, layer) -> WNA16Scheme | None:
+        """A layer's scheme by its checkpoint modules' names (`WNA16Scheme.for_module`: GPTQ's
+        `dynamic` rules); the parts of a fused layer must agree."""
+        if not self.scheme.overrides:
+            return self.scheme
+        parts = {n.removesuffix(".weight"): None for n in checkpoint_names(prefix, layer)}
+        for name in parts:
+            parts[name] = self.scheme.for_module(name)
+        settings = {name: s.key if s else "unquantized" for name, s in parts.items()}
+        if len(set(settings.values())) > 1:
+            raise ValueError(
+                f"{prefix}: the GPTQ dynamic rules set the parts of this fused layer apart "
+                f"({settings}: bits, group_size, sym, desc_act); they are served as one layer"
+            )
+        return next(iter(parts.values()))
 
     def attach(self, model: nn.Module) -> int:
         # a MoE model's checkpoint names for its experts (`MoEWeights`): the tensors are
@@ -268,7 +293,13 @@ class WNA16Config(QuantizationConfig):
 
     def prepare_tensor(self, name: str, tensor: torch.Tensor, dtype: torch.dtype):
         module, _, leaf = name.rpartition(".")
-        shape = self.shapes.get(module) or self._expert_shape(module)
+        shape = self.shapes.get(module)
+        scheme = self.module_schemes.get(module, self.scheme)
+        if shape is None and (shape := self._expert_shape(module)) is not None:
+            found = self.scheme.for_module(module)
+            if found is None or found.key != self.scheme.key:
+                raise ValueError(f"{name}: a GPTQ dynamic rule gives this MoE expert its own "
+                                 "settings; experts are served with the config's")  # fmt: skip
         if shape is None:  # an unquantized layer's or a norm's tensor
             return tensor.to(dtype) if tensor.is_floating_point() else tensor
         if leaf == "weight_shape":
@@ -276,11 +307,11 @@ class WNA16Config(QuantizationConfig):
                 raise ValueError(f"{name}: the checkpoint says {tensor.tolist()}, the model's "
                                  f"layer is {list(shape)}")  # fmt: skip
             return None
-        role = {v: k for k, v in self.scheme.names.items()}.get(leaf)
-        if role == "g_idx" and not self.scheme.act_order:
+        role = {v: k for k, v in scheme.names.items()}.get(leaf)
+        if role == "g_idx" and not scheme.act_order:
             # without act-order the groups are k // group_size (as vLLM reads it): a g_idx
             # saying otherwise is a config that lost its act-order, not one to drop silently
-            trivial = torch.arange(shape[1]) // self.scheme.group(shape[1])
+            trivial = torch.arange(shape[1]) // scheme.group(shape[1])
             if tuple(tensor.shape) != (shape[1],) or not torch.equal(tensor.long(), trivial):
                 raise ValueError(
                     f"{name}: the {self.name} config states no act-order (desc_act / actorder) "
@@ -290,14 +321,13 @@ class WNA16Config(QuantizationConfig):
         if role is None:
             if leaf == "weight" and tensor.is_floating_point():
                 raise ValueError(f"{name}: a float weight where the {self.name} checkpoint's "
-                                 f"layer should hold {self.scheme.names['qweight']!r}")  # fmt: skip
+                                 f"layer should hold {scheme.names['qweight']!r}")  # fmt: skip
             return tensor.to(dtype) if tensor.is_floating_point() else tensor
-        return to_canonical(self.scheme, role, name, tensor, *shape)
+        return to_canonical(scheme, role, name, tensor, *shape)
 
-    def kernel_weight(self, qweight, scales, zeros, group, perm) -> QuantizedWeight | None:
+    def kernel_weight(self, qweight, scales, zeros, bits, group, perm) -> QuantizedWeight | None:
         """The weight for this device's kernels (groups contiguous; act-order columns
         sorted by `perm`), or None where they cannot take it (then the layer is dequantized)."""
-        bits = self.scheme.bits
         if self.device.type == "cuda":
             from pagellm.quantization.wna16_gpu import gpu_weight
 
@@ -335,4 +365,6 @@ class WNA16Config(QuantizationConfig):
         how = "dequantized at load" if self.dequantize else "int weights kept"
         extra = ", act-order" if s.act_order else ""
         zeros = "symmetric" if s.sym else "zero points"
+        if s.overrides:
+            extra += f", {len(s.overrides)} dynamic rule{'s' * (len(s.overrides) > 1)}"
         return f"{s.method} ({s.bits}-bit, {group}, {zeros}{extra}; {how})"

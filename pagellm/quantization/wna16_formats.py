@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -62,6 +62,9 @@ class WNA16Scheme:
     lm_head: bool = False  # the LM head is quantized too
     act_order: bool = False  # the checkpoint stores each input's group (g_idx)
     names: dict[str, str] = field(default_factory=dict)  # role -> checkpoint name
+    # GPTQ's `dynamic` rules in order: (regex, settings replacing the config's; None: the
+    # matching modules are left unquantized)
+    overrides: tuple[tuple[str, dict | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -77,6 +80,21 @@ class WNA16Scheme:
     @property
     def offset(self) -> int:
         return 1 << (self.bits - 1)
+
+    @property
+    def key(self) -> tuple:
+        """What tells two modules' schemes apart (`for_module`)."""
+        return self.bits, self.group_size, self.sym, self.act_order
+
+    def for_module(self, module: str) -> WNA16Scheme | None:
+        """One checkpoint module's scheme: the first `overrides` rule whose regex matches its
+        name from the start (as vLLM and GPTQModel read `dynamic`): None where it leaves the
+        module unquantized, else its settings over the config's; the config's where none
+        matches."""
+        for pattern, settings in self.overrides:
+            if re.match(pattern, module):
+                return None if settings is None else replace(self, overrides=(), **settings)
+        return self
 
     def groups(self, k: int) -> int:
         return 1 if self.group_size == -1 else -(-k // self.group_size)
@@ -116,19 +134,47 @@ def _gptq(cfg: dict) -> WNA16Scheme:
     fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-    if cfg.get("dynamic"):
-        raise ValueError(
-            f"GPTQ `dynamic` per-module settings are not supported (here for "
-            f"{', '.join(map(str, cfg['dynamic']))}; GPTQModel writes one for lm_head=True: "
-            "quantize with lm_head=False)"
-        )
-    return WNA16Scheme(
+    scheme = WNA16Scheme(
         "gptq", int(cfg.get("bits", 4)), int(cfg.get("group_size", 128)),
         bool(cfg.get("sym", True)), zero_minus_one=fmt == "gptq",
         act_order=bool(cfg.get("desc_act", False)),
         ignore=tuple(cfg.get("modules_to_not_convert") or ()),
         lm_head=bool(cfg.get("lm_head", False)), names=CHECKPOINT_NAMES["gptq"],
+        overrides=_dynamic(cfg.get("dynamic") or {}),
     )  # fmt: skip
+    for _, settings in scheme.overrides:  # each rule's settings checked as a scheme
+        if settings is not None:
+            replace(scheme, overrides=(), **settings)
+    return scheme
+
+
+DYNAMIC_SETTINGS = {"bits": ("bits", int), "group_size": ("group_size", int),
+                    "sym": ("sym", bool), "desc_act": ("act_order", bool)}  # fmt: skip
+
+
+def _dynamic(rules: dict) -> tuple[tuple[str, dict | None], ...]:
+    """GPTQModel's `dynamic` config ({regex: settings}) as `WNA16Scheme.overrides`: a "-:"
+    prefix leaves the matching modules unquantized; "+:" (or none) replaces the config's
+    bits, group_size, sym and desc_act for them (other settings, such as damp_percent, only
+    mattered to the quantizer: vLLM reads these four too)."""
+    if not isinstance(rules, dict):
+        raise ValueError(f"GPTQ dynamic: a {{regex: settings}} object, got {rules!r}")
+    out = []
+    for pattern, settings in rules.items():
+        regex = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ValueError(f"GPTQ dynamic rule {pattern!r}: not a regex ({exc})") from None
+        if pattern.startswith("-:"):
+            out.append((regex, None))
+            continue
+        if not isinstance(settings, dict):
+            raise ValueError(f"GPTQ dynamic rule {pattern!r}: settings {settings!r} are not an "
+                             "object")  # fmt: skip
+        out.append((regex, {DYNAMIC_SETTINGS[k][0]: DYNAMIC_SETTINGS[k][1](v)
+                            for k, v in settings.items() if k in DYNAMIC_SETTINGS}))  # fmt: skip
+    return tuple(out)
 
 
 def _compressed_tensors(cfg: dict) -> WNA16Scheme:
