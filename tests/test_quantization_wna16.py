@@ -227,8 +227,8 @@ def test_names_and_unsupported_configs(tmp_path):
     with pytest.raises(ValueError, match=r"GPTQ dynamic rule '\+:model.layers.\[': not a regex"):
         load_our_model(folder)
     _set_config(folder, dynamic={".*layers.0.self_attn.k_proj": {"bits": 8}})
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.qkv_proj: the GPTQ dynamic rules "
-                                         r"set the parts of this fused layer apart"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.qkv_proj: the checkpoint's "
+                                         r"per-module settings .* set the parts"):  # fmt: skip
         load_our_model(folder)
     folder, _ = _packed(tmp_path / "awq", "llama", Packing("awq", 4, 32, False))
     _set_config(folder, version="gemv")
@@ -278,6 +278,42 @@ def test_gptq_dynamic_rules_give_modules_their_own_settings(tmp_path, monkeypatc
         with LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
             ids[path] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert ids[folder] == ids[reference]
+
+
+def test_compressed_tensors_config_groups_give_modules_their_own_settings(tmp_path):
+    """llm-compressor's mixed recipes: several config groups, each module packed by the
+    group whose target names it, else whose "re:" pattern matches it, else "Linear"; a
+    recipe without "Linear" leaves the modules it does not target float."""
+    ct = "compressed-tensors"
+    mixed = {
+        "group_0": (["Linear"], Packing(ct, 4, 32)),
+        "group_1": (["re:.*down_proj$"], Packing(ct, 8, -1)),
+        "group_2": (["model.layers.0.self_attn.o_proj"], Packing(ct, 4, 64, False)),
+    }
+    only = {"group_0": (["re:.*mlp\\.(gate|up)_proj"], Packing(ct, 4, 32, False))}
+    want = {
+        "mixed": {
+            "o": (4, 64, False, False),
+            "down": (8, -1, True, False),
+            "qkv": (4, 32, True, False),
+        },
+        "only": {"o": None, "down": None, "qkv": None, "gate_up": (4, 32, False, False)},
+    }
+    for name, groups in (("mixed", mixed), ("only", only)):
+        folder = make_tiny_hf_model("qwen2", tmp_path / name, std=0.1, **TINY)
+        reference = str(tmp_path / name / "reference")
+        quantize_folder(folder, reference, Packing(ct, 4, 32), groups=groups)
+        layer = load_our_model(folder).model.layers[0]
+        modules = {
+            "o": layer.self_attn.o_proj,
+            "down": layer.mlp.down_proj,
+            "qkv": layer.self_attn.qkv_proj,
+            "gate_up": layer.mlp.gate_up_proj,
+        }
+        got = {key: method.scheme.key if (method := getattr(m, "quant_method", None)) else None
+               for key, m in modules.items() if key in want[name]}  # fmt: skip
+        assert got == want[name]
+        _logits_match(folder, reference)
 
 
 # ---------------------------------------------------------------- tensor parallel

@@ -164,12 +164,15 @@ def quantization_config(p: Packing) -> dict:
 
 
 def quantize_folder(folder: str, reference: str, p: Packing, dynamic: dict | None = None,
-                    lm_head: bool = False) -> None:  # fmt: skip
+                    lm_head: bool = False, groups: dict | None = None) -> None:  # fmt: skip
     """Rewrite the HF folder's projections in format `p`; write the dequantized model to
     `reference` (a copy of the folder with float weights). GPTQ only: `dynamic`, GPTQModel's
     per-module rules ({regex: settings}; the first whose regex matches a module's name from
     its start applies; "-:" leaves the module float, else bits / group_size / sym /
-    desc_act replace p's), written into the config; `lm_head`: the LM head packed too."""
+    desc_act replace p's), written into the config; `lm_head`: the LM head packed too.
+    compressed-tensors only: `groups`, {name: (targets, Packing)} config groups in place of
+    p's one (a module packed by the group whose target is its name, else a "re:" pattern
+    matching it, else "Linear"; none: left float)."""
     path = os.path.join(folder, "model.safetensors")
     state = load_file(path)
     shutil.copytree(folder, reference, dirs_exist_ok=True)
@@ -179,7 +182,7 @@ def quantize_folder(folder: str, reference: str, p: Packing, dynamic: dict | Non
         leaf = stem.rpartition(".")[2]
         if leaf not in PROJECTIONS and not (lm_head and stem == "lm_head"):
             continue  # MoE experts are packed too; routers ("gate") are not
-        packing = _rule(p, dynamic or {}, stem)
+        packing = _group(groups, stem) if groups else _rule(p, dynamic or {}, stem)
         if packing is None:
             continue
         tensors, deq = format_tensors(stem, state.pop(name), packing)
@@ -194,7 +197,23 @@ def quantize_folder(folder: str, reference: str, p: Packing, dynamic: dict | Non
         config["quantization_config"]["dynamic"] = dynamic
     if lm_head:
         config["quantization_config"]["lm_head"] = True
+    if groups:
+        config["quantization_config"]["config_groups"] = {
+            name: quantization_config(packing)["config_groups"]["group_0"] | {"targets": targets}
+            for name, (targets, packing) in groups.items()
+        }
     json.dump(config, open(config_path, "w"), indent=1)
+
+
+def _group(groups: dict, module: str) -> Packing | None:
+    """The packing of one module under compressed-tensors config groups."""
+    by_name = lambda t: t == module  # noqa: E731
+    by_regex = lambda t: t.startswith("re:") and re.match(t[3:], module)  # noqa: E731
+    for matches in (by_name, by_regex, lambda t: t == "Linear"):
+        for targets, packing in groups.values():
+            if any(matches(t) for t in targets):
+                return packing
+    return None
 
 
 def _rule(p: Packing, dynamic: dict, module: str) -> Packing | None:

@@ -219,7 +219,7 @@ class WNA16Config(QuantizationConfig):
 
     def _layer_scheme(self, prefix: str, layer) -> WNA16Scheme | None:
         """A layer's scheme by its checkpoint modules' names (`WNA16Scheme.for_module`: GPTQ's
-        `dynamic` rules); the parts of a fused layer must agree."""
+        `dynamic` rules, compressed-tensors' config groups); a fused layer's parts agree."""
         if not self.scheme.overrides:
             return self.scheme
         parts = {n.removesuffix(".weight"): None for n in checkpoint_names(prefix, layer)}
@@ -228,8 +228,9 @@ class WNA16Config(QuantizationConfig):
         settings = {name: s.key if s else "unquantized" for name, s in parts.items()}
         if len(set(settings.values())) > 1:
             raise ValueError(
-                f"{prefix}: the GPTQ dynamic rules set the parts of this fused layer apart "
-                f"({settings}: bits, group_size, sym, desc_act); they are served as one layer"
+                f"{prefix}: the checkpoint's per-module settings (GPTQ dynamic rules, "
+                f"compressed-tensors config groups) set the parts of this fused layer apart "
+                f"({settings}: bits, group_size, sym, act-order); they are served as one layer"
             )
         return next(iter(parts.values()))
 
@@ -298,8 +299,9 @@ class WNA16Config(QuantizationConfig):
         if shape is None and (shape := self._expert_shape(module)) is not None:
             found = self.scheme.for_module(module)
             if found is None or found.key != self.scheme.key:
-                raise ValueError(f"{name}: a GPTQ dynamic rule gives this MoE expert its own "
-                                 "settings; experts are served with the config's")  # fmt: skip
+                raise ValueError(f"{name}: the checkpoint gives this MoE expert settings of its "
+                                 "own (a GPTQ dynamic rule, a compressed-tensors config group); "
+                                 "experts are served with the config's main ones")  # fmt: skip
         if shape is None:  # an unquantized layer's or a norm's tensor
             return tensor.to(dtype) if tensor.is_floating_point() else tensor
         if leaf == "weight_shape":

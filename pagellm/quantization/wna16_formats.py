@@ -178,14 +178,49 @@ def _dynamic(rules: dict) -> tuple[tuple[str, dict | None], ...]:
 
 
 def _compressed_tensors(cfg: dict) -> WNA16Scheme:
+    """The config groups of a pack-quantized checkpoint (several in llm-compressor's mixed
+    recipes): a module takes the group whose target names it exactly, else whose "re:"
+    target matches its name from the start, else the group targeting the class "Linear" (as
+    compressed-tensors matches them), as `WNA16Scheme.overrides`; a module no group targets
+    stays float."""
     groups = list((cfg.get("config_groups") or {}).values())
     formats = {g.get("format") or cfg.get("format") for g in groups} or {cfg.get("format")}
-    if len(groups) != 1 or formats != {"pack-quantized"}:
+    if not groups or formats != {"pack-quantized"}:
         raise ValueError(
-            f"compressed-tensors: one config group in format pack-quantized is supported, "
+            f"compressed-tensors: config groups in format pack-quantized are supported, "
             f"got {len(groups)} group(s) in {sorted(map(str, formats))}"
         )
-    group = groups[0]
+    ignore = tuple(cfg.get("ignore") or ())
+    settings = [_ct_settings(group) for group in groups]
+    targets = [tuple(group.get("targets") or ()) for group in groups]
+    by_class = [i for i, t in enumerate(targets) if "Linear" in t]
+    if len(by_class) > 1:
+        raise ValueError("compressed-tensors: more than one config group targets 'Linear'")
+    unknown = {t for ts in targets for t in ts if t != "Linear" and not t.startswith("re:")
+               and not re.fullmatch(r"[\w.]+", t)}  # fmt: skip
+    if unknown:
+        raise ValueError(f"compressed-tensors: targets {sorted(unknown)} are neither module "
+                         "names, 're:' patterns nor 'Linear'")  # fmt: skip
+    base = settings[by_class[0]] if by_class else settings[0]
+    overrides = [(re.escape(t) + "$", settings[i]) for i, ts in enumerate(targets) for t in ts
+                 if t != "Linear" and not t.startswith("re:")]  # fmt: skip
+    overrides += [(t[3:], settings[i]) for i, ts in enumerate(targets) for t in ts
+                  if t.startswith("re:")]  # fmt: skip
+    if overrides or not by_class:  # the rest: the "Linear" group's, else left float
+        overrides.append((".*", base if by_class else None))
+    scheme = WNA16Scheme(
+        "compressed-tensors", **base, ignore=ignore,
+        lm_head=any(_targets_lm_head(group, ignore) for group in groups),
+        names=CHECKPOINT_NAMES["compressed-tensors"], overrides=tuple(overrides),
+    )  # fmt: skip
+    for _, each in scheme.overrides:  # each group's settings checked as a scheme
+        if each is not None:
+            replace(scheme, overrides=(), **each)
+    return scheme
+
+
+def _ct_settings(group: dict) -> dict:
+    """One compressed-tensors config group's weights as `WNA16Scheme` fields."""
     w = group.get("weights") or {}
     if group.get("input_activations") or w.get("type", "int") != "int":
         raise ValueError("compressed-tensors pack-quantized: only int weights with float "
@@ -197,13 +232,9 @@ def _compressed_tensors(cfg: dict) -> WNA16Scheme:
     size = int(w.get("group_size") or 0) if strategy == "group" else -1
     if strategy == "group" and size <= 0:
         raise ValueError("compressed-tensors group strategy without a group_size")
-    ignore = tuple(cfg.get("ignore") or ())
-    return WNA16Scheme(
-        "compressed-tensors", int(w.get("num_bits", 4)), size, bool(w.get("symmetric", True)),
-        ignore=ignore, lm_head=_targets_lm_head(group, ignore),
-        act_order=str(w.get("actorder")).lower() in ("group", "dynamic", "true"),
-        names=CHECKPOINT_NAMES["compressed-tensors"],
-    )  # fmt: skip
+    act_order = str(w.get("actorder")).lower() in ("group", "dynamic", "true")
+    return {"bits": int(w.get("num_bits", 4)), "group_size": size,
+            "sym": bool(w.get("symmetric", True)), "act_order": act_order}  # fmt: skip
 
 
 def _targets_lm_head(group: dict, ignore: tuple[str, ...]) -> bool:
