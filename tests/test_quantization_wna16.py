@@ -223,7 +223,11 @@ def test_names_and_unsupported_configs(tmp_path):
     _set_config(folder, bits=3)
     with pytest.raises(ValueError, match="gptq: 3-bit weights are not supported"):
         load_our_model(folder)
-    _set_config(folder, bits=4, dynamic={"+:model.layers.[": {"bits": 8}})
+    _set_config(folder, bits=4, group_size=64)  # the tensors' groups are of 32
+    with pytest.raises(ValueError, match=r"g_idx puts the inputs in groups of 32, the gptq "
+                                         r"config's group_size is 64"):  # fmt: skip
+        load_our_model(folder)
+    _set_config(folder, group_size=32, bits=4, dynamic={"+:model.layers.[": {"bits": 8}})
     with pytest.raises(ValueError, match=r"GPTQ dynamic rule '\+:model.layers.\[': not a regex"):
         load_our_model(folder)
     _set_config(folder, dynamic={".*layers.0.self_attn.k_proj": {"bits": 8}})

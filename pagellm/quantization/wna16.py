@@ -315,6 +315,13 @@ class WNA16Config(QuantizationConfig):
             # saying otherwise is a config that lost its act-order, not one to drop silently
             trivial = torch.arange(shape[1]) // scheme.group(shape[1])
             if tuple(tensor.shape) != (shape[1],) or not torch.equal(tensor.long(), trivial):
+                groups = int(tensor.max()) + 1 if tensor.numel() else 0
+                other = -(-shape[1] // groups) if groups else 0
+                if other and torch.equal(tensor.long(), torch.arange(shape[1]) // other):
+                    raise ValueError(
+                        f"{name}: this g_idx puts the inputs in groups of {other}, the "
+                        f"{self.name} config's group_size is {scheme.group_size}"
+                    )
                 raise ValueError(
                     f"{name}: the {self.name} config states no act-order (desc_act / actorder) "
                     f"but this g_idx is not k // group_size"
