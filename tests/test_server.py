@@ -252,6 +252,7 @@ def test_disconnect_while_waiting_for_non_streamed_response_frees_kv_blocks(serv
         ({"prompt": "x", "logit_bias": {"-5": 1}}, ["logit_bias", "vocab"]),
         ({"prompt": "x", "n": 10**6}, ["n"]),  # would block the server while fanning out
         ({"prompt": ["x"] * 2049}, ["prompt"]),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, ["stream_options", "stream"]),
     ],
 )
 def test_bad_completion_requests_are_400(server, body, words):
@@ -266,6 +267,9 @@ def test_bad_chat_requests_are_400(server):
     _error(_post(server, "/v1/chat/completions", {"messages": "hi"}), 400)
     tools = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
     assert "tools" in _error(_post(server, "/v1/chat/completions", tools), 400)["message"]
+    usage = {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}}
+    error = _error(_post(server, "/v1/chat/completions", usage), 400)
+    assert "stream_options is only allowed when stream is true" in error["message"]
 
 
 def test_tokenize_and_detokenize(server, llm):

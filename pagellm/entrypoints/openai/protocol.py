@@ -177,8 +177,21 @@ def _known_fields_only(schema: dict[str, Any]) -> None:
         schema.setdefault("properties", {}).setdefault(name, {})
 
 
-def _chat_schema(schema: dict[str, Any]) -> None:
+def _stream_options_need_stream(schema: dict[str, Any]) -> None:
+    """JSON schema of `SamplingRequest._stream_options_need_stream`."""
+    schema.setdefault("allOf", []).append({"anyOf": [
+        {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        {"properties": {"stream_options": {"type": "null"}}},
+    ]})  # fmt: skip
+
+
+def _sampling_schema(schema: dict[str, Any]) -> None:
     _known_fields_only(schema)
+    _stream_options_need_stream(schema)
+
+
+def _chat_schema(schema: dict[str, Any]) -> None:
+    _sampling_schema(schema)
     schema["anyOf"] = [  # top_logprobs above 0 needs logprobs
         {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
         {"properties": {"top_logprobs": {"enum": [0, None]}}},
@@ -188,7 +201,7 @@ def _chat_schema(schema: dict[str, Any]) -> None:
 class SamplingRequest(RequestModel):
     """The fields completions and chat share; unknown ones are kept, to be refused."""
 
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_known_fields_only)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=_sampling_schema)
 
     model: Text | None = None
     n: IntIn(RANGES["n"].low, MAX_N) = 1
@@ -231,6 +244,13 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true (as OpenAI "
+                             "and vLLM answer)")  # fmt: skip
+        return self
 
     response_format: dict[str, Any] | None = None
 
@@ -284,7 +304,7 @@ class SamplingRequest(RequestModel):
 
 
 def _completion_schema(schema: dict[str, Any]) -> None:
-    _known_fields_only(schema)
+    _sampling_schema(schema)
     schema["properties"]["suffix"] = {"enum": ["", None]}  # unsupported: refused when set
 
 
