@@ -374,6 +374,6 @@ class WNA16Config(QuantizationConfig):
         how = "dequantized at load" if self.dequantize else "int weights kept"
         extra = ", act-order" if s.act_order else ""
         zeros = "symmetric" if s.sym else "zero points"
-        if s.overrides:
-            extra += f", {len(s.overrides)} dynamic rule{'s' * (len(s.overrides) > 1)}"
+        if s.overrides:  # GPTQ's dynamic rules, compressed-tensors' config groups
+            extra += f", {len(s.overrides)} per-module rule{'s' * (len(s.overrides) > 1)}"
         return f"{s.method} ({s.bits}-bit, {group}, {zeros}{extra}; {how})"
