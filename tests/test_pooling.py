@@ -115,6 +115,32 @@ def test_score_is_the_cosine_of_embeddings(llm):
         assert score.outputs.score == pytest.approx(expected, abs=1e-5)
 
 
+def test_default_prompt_and_truncate_dim_as_sentence_transformers(folder, tmp_path):
+    """config_sentence_transformers.json's default prompt goes before every text, and its
+    truncate_dim cuts the normalized embeddings (not normalized again), as ST's encode;
+    a request's `dimensions` still takes its own cut."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    copy = shutil.copytree(folder, tmp_path / "prompted")
+    path = copy / "config_sentence_transformers.json"
+    config = json.loads(path.read_text())
+    config.update(prompts={"query": "why is the ", "document": ""}, default_prompt_name="query",
+                  truncate_dim=16)  # fmt: skip
+    path.write_text(json.dumps(config))
+    hf_config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**hf_config, "is_matryoshka": True}))
+    want = SentenceTransformer(str(copy), device="cpu").encode(TEXTS[:2])
+    assert want.shape == (2, 16) and abs(float(np.linalg.norm(want[0])) - 1) > 1e-3
+    with LLM(str(copy), dtype="float32", max_model_len=32, kv_cache_memory_bytes=1 << 24) as llm:
+        got = np.stack([o.outputs.embedding for o in llm.embed(TEXTS[:2], use_tqdm=False)])
+        cut = llm.embed(TEXTS[0], PoolingParams(dimensions=8), use_tqdm=False)[0]
+    for ours, ref in zip(got, want):
+        close(ours, ref)
+    assert len(cut.outputs.embedding) == 8
+
+
 def test_pooler_config_from_sentence_transformers_files(tmp_path):
     """Both ST layouts: 6.x's `pooling_mode`, 5.x's boolean keys; no Normalize: raw."""
     from types import SimpleNamespace

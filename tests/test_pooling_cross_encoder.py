@@ -95,6 +95,31 @@ def test_the_configs_cross_encoder_activation(folder, hf, tmp_path):
     assert scores == pytest.approx(logits, abs=1e-5)
 
 
+def test_a_sentence_transformers_6_activation_and_an_empty_pair(folder, hf, tmp_path):
+    """sentence-transformers 6 saves a CrossEncoder's activation in
+    config_sentence_transformers.json (not config.json): Identity scores are the raw logits.
+    A pair with an empty text is still a pair ([CLS] a [SEP] [SEP], as ST tokenizes it; HF
+    given two strings reads "" as no pair)."""
+    import json
+    import shutil
+
+    copy = shutil.copytree(folder, tmp_path / "st6")
+    st6 = {"activation_fn": "torch.nn.modules.linear.Identity", "model_type": "CrossEncoder"}
+    (copy / "config_sentence_transformers.json").write_text(json.dumps(st6))
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.base.modules.transformer.Transformer"}]  # fmt: skip
+    (copy / "modules.json").write_text(json.dumps(modules))
+    with LLM(str(copy), dtype="float32", max_model_len=32, kv_cache_memory_bytes=1 << 24) as llm:
+        tokenizer = llm.get_tokenizer()
+        scores = [s.outputs.score for s in llm.score([QUERY, ""], [DOCS[0], ""], use_tqdm=False)]
+    pair = tokenizer([""], [""], return_tensors="pt")
+    assert pair["input_ids"].shape[1] == 3  # [CLS] [SEP] [SEP]
+    with torch.no_grad():
+        empty = float(hf(**pair).logits[0, 0])
+    assert scores == pytest.approx([float(_logits(hf, tokenizer, QUERY, DOCS[0])[0]), empty],
+                                   abs=1e-5)  # fmt: skip
+
+
 def test_truncation_below_the_special_tokens_is_refused(llm):
     """HF cannot cut a pair below its [CLS] / [SEP]s and returns it whole: scoring its last
     token would be a number about nothing."""

@@ -76,6 +76,11 @@ class PoolerConfig:
     # lowercased first with do_lower_case
     max_seq_length: int | None = None
     lowercase: bool = False
+    # config_sentence_transformers.json: the default prompt's text (default_prompt_name's),
+    # put before every text input; truncate_dim: embeddings cut to it after normalizing
+    # (sentence-transformers' order), where a request asks no `dimensions`
+    default_prompt: str = ""
+    truncate_dim: int | None = None
     # a cross-encoder's activation as its config names it (ST's activation_fn): "sigmoid",
     # "softmax" or "identity"; None: softmax (sigmoid for one label)
     activation: str | None = None
@@ -85,7 +90,9 @@ class PoolerConfig:
     classify_activation: str | None = None
 
     def st_text(self, text: str) -> str:
-        """A text input as sentence-transformers reads it (do_lower_case: lowercased)."""
+        """A text input as sentence-transformers reads it (after the default prompt;
+        do_lower_case: lowercased)."""
+        text = self.default_prompt + text
         return text.lower() if self.lowercase else text
 
     def __post_init__(self) -> None:

@@ -158,10 +158,14 @@ def pair_prompt(
 ) -> dict[str, list[int]]:
     """The two texts as the tokenizer encodes a pair (a cross-encoder's input: its ids and,
     where it has them, token types), truncated (the longer text first) to `max_length`."""
+    # as a batch of one pair, as sentence-transformers calls it (called with two strings HF
+    # reads an empty text 2 as no pair: [CLS] a [SEP] where the pair is [CLS] a [SEP] [SEP])
     if max_length is None:
-        encoded = tokenizer(text_1, text_2)
+        encoded = tokenizer([text_1], [text_2])
     else:
-        encoded = tokenizer(text_1, text_2, truncation=True, max_length=max_length)
+        encoded = tokenizer([text_1], [text_2], truncation=True, max_length=max_length)
+    encoded = {key: value[0] for key, value in encoded.items()}
+    if max_length is not None:
         if len(encoded["input_ids"]) > max_length:  # HF could not: fewer than its specials
             raise ValueError(
                 f"truncate_prompt_tokens ({max_length}) is fewer than a pair's special tokens "

@@ -2,7 +2,9 @@
 
 sentence-transformers stores the pipeline in `modules.json`: a `Pooling` module (its folder's
 `config.json` names the mode: `pooling_mode_lasttoken`, `pooling_mode_mean_tokens`,
-`pooling_mode_cls_token`) and, for unit vectors, a `Normalize` module. Matryoshka support is
+`pooling_mode_cls_token`) and, for unit vectors, a `Normalize` module; its
+`config_sentence_transformers.json` the default prompt, `truncate_dim` and (6.x) a
+CrossEncoder's `activation_fn`, applied as sentence-transformers applies them. Matryoshka support is
 the HF config's `is_matryoshka` / `matryoshka_dimensions`. Without these files a decoder
 embeds with its last token, normalized (vLLM's default); a `*ForSequenceClassification`
 checkpoint classifies with the last token, an encoder's with its CLS.
@@ -70,9 +72,10 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     if unserved:
         raise ValueError(
             f"{folder}/modules.json: modules {unserved}; pagellm serves Transformer, Pooling "
-            "and Normalize only (a Dense projection after pooling is not applied)"
+            "and Normalize only"
         )
     st = _st_transformer_config(folder) if modules else {}
+    model = _st_model_config(folder) if modules else {}
     pooling = next((m for m in modules if _kind(m) == _POOLING), None)
     encoder = is_encoder_architecture(arch)
     default_type = "CLS" if encoder else "LAST"  # vLLM's defaults
@@ -81,12 +84,23 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     if is_classifier(arch):
         return PoolerConfig(task="classify", pooling_type=default_type, normalize=False,
                             num_labels=num_labels(hf_config), encoder=encoder,
-                            activation=_cross_encoder_activation(hf_config),
+                            activation=_cross_encoder_activation(hf_config, model),
                             classify_activation=_PROBLEM_TYPES.get(
                                 getattr(hf_config, "problem_type", None)))  # fmt: skip
-    pooling_type = default_type
+    pooling_type, include_prompt = default_type, True
     if pooling is not None:
-        pooling_type = _pooling_mode(os.path.join(folder, pooling.get("path", ""), "config.json"))
+        path = os.path.join(folder, pooling.get("path", ""), "config.json")
+        pooling_type, include_prompt = _pooling_mode(path)
+    prompt = _default_prompt(model)
+    if prompt and not include_prompt and pooling_type != "LAST":
+        raise ValueError(
+            f"{folder}: the default prompt {prompt!r} is left out of the pooling "
+            f"(include_prompt: false), which pagellm does not do for {pooling_type} pooling"
+        )
+    truncate_dim = model.get("truncate_dim")
+    if truncate_dim is not None and (not isinstance(truncate_dim, int) or truncate_dim < 1):
+        raise ValueError(f"{folder}/config_sentence_transformers.json: truncate_dim "
+                         f"{truncate_dim!r} is not a positive integer")  # fmt: skip
     dims = getattr(hf_config, "matryoshka_dimensions", None)
     return PoolerConfig(
         task="embed",
@@ -97,6 +111,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
         encoder=encoder,
         max_seq_length=st.get("max_seq_length"),
         lowercase=bool(st.get("do_lower_case", False)),
+        default_prompt=prompt,
+        truncate_dim=truncate_dim,
     )
 
 
@@ -156,10 +172,37 @@ def _st_transformer_config(folder: str) -> dict[str, Any]:
     return config
 
 
-def _cross_encoder_activation(hf_config: Any) -> str | None:
+def _st_model_config(folder: str) -> dict[str, Any]:
+    """config_sentence_transformers.json (prompts, default_prompt_name, truncate_dim; a
+    6.x CrossEncoder's activation_fn), or {}."""
+    path = os.path.join(folder, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return config if isinstance(config, dict) else {}
+
+
+def _default_prompt(model: dict[str, Any]) -> str:
+    """The text of the model's default prompt (default_prompt_name's), "" without one."""
+    name = model.get("default_prompt_name")
+    if not name:
+        return ""
+    prompts = model.get("prompts") or {}
+    if name not in prompts:
+        raise ValueError(f"config_sentence_transformers.json: default_prompt_name {name!r} is "
+                         f"not among its prompts {sorted(prompts)}")  # fmt: skip
+    return str(prompts[name])
+
+
+def _cross_encoder_activation(hf_config: Any, model: dict[str, Any]) -> str | None:
+    """The activation a cross-encoder's files name: config_sentence_transformers.json (6.x),
+    else config.json's sentence_transformers (4.x, 5.x) or <4.0's key."""
     st = getattr(hf_config, "sentence_transformers", None) or {}
-    name = st.get("activation_fn") or getattr(
-        hf_config, "sbert_ce_default_activation_function", None
+    name = (
+        model.get("activation_fn")
+        or st.get("activation_fn")
+        or getattr(hf_config, "sbert_ce_default_activation_function", None)
     )
     if not name:
         return None
@@ -173,7 +216,8 @@ def _kind(module: dict[str, Any]) -> str:
     return str(module.get("type", "")).rpartition(".")[2]
 
 
-def _pooling_mode(path: str) -> str:
+def _pooling_mode(path: str) -> tuple[str, bool]:
+    """The Pooling module's mode (as vLLM's pooling type) and its include_prompt."""
     if not os.path.isfile(path):
         raise ValueError(f"{path}: modules.json names a Pooling module without its config")
     with open(path) as f:
@@ -191,4 +235,4 @@ def _pooling_mode(path: str) -> str:
             f"{path}: pooling mode {modes or 'none'}; pagellm pools with exactly one of "
             f"{', '.join(_MODES)}"
         )
-    return _MODES[modes[0]]
+    return _MODES[modes[0]], bool(config.get("include_prompt", True))

@@ -118,7 +118,10 @@ class Pooler:
             if params.dimensions is not None:
                 values = values[: params.dimensions]
             normalize = self.config.normalize if params.normalize is None else params.normalize
-            return F.normalize(values, dim=-1) if normalize else values
+            values = F.normalize(values, dim=-1) if normalize else values
+            if params.dimensions is None and self.config.truncate_dim is not None:
+                values = values[: self.config.truncate_dim]  # after normalizing, as ST cuts
+            return values
         if params.use_activation is False:
             return values
         activation = self.config.activation  # the config's; None: by the number of labels
