@@ -85,6 +85,30 @@ def test_mixed_adapters_equal_hf_peft(served):
             assert expected != _expected(refs, prompt, None), name
 
 
+def test_a_config_narrower_than_its_weights_is_read_as_peft_reads_it(served, tmp_path):
+    """PEFT puts LoRA layers where the config says (`target_modules`, `layers_to_transform`)
+    and loads only their weights: a file with more (the "all" adapter, its config narrowed to
+    q_proj and v_proj of layer 1) is served as HF + PEFT serve it."""
+    from model_utils import hf_model
+    from peft import PeftModel
+
+    llm, loras, _, _ = served
+    copy = shutil.copytree(loras["all"].lora_path, tmp_path / "narrowed")
+    config = json.loads((copy / "adapter_config.json").read_text())
+    config.update(target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    (copy / "adapter_config.json").write_text(json.dumps(config))
+    base = hf_model(config["base_model_name_or_path"])
+    ref = PeftModel.from_pretrained(base, str(copy)).base_model.model.eval()
+    prompt = _prompts()[1]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("narrowed", 7, str(copy)))[0]  # fmt: skip
+    expected = hf_generate_greedy(ref, [prompt], NEW_TOKENS)[0]
+    assert out.outputs[0].token_ids == expected
+    whole = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                         lora_request=loras["all"])[0]  # fmt: skip
+    assert whole.outputs[0].token_ids != expected  # the dropped weights mattered
+
+
 def test_prefix_cache_keyed_by_adapter(served):
     """The same prompt again: a hit under the same adapter, none under another or the base
     model, and each output still its own model's."""

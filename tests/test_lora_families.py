@@ -89,6 +89,8 @@ def test_module_the_family_lacks_is_named(served, tmp_path):
     file = tmp_path / "bad" / "adapter_model.safetensors"
     tensors = load_file(file)
     save_file({k.replace("c_fc", "gate_proj"): v for k, v in tensors.items()}, file)
+    config = tmp_path / "bad" / "adapter_config.json"  # an adapter made for a Llama-like MLP
+    config.write_text(config.read_text().replace('"c_fc"', '"gate_proj"'))
     bad = LoRARequest("bad", 9, str(tmp_path / "bad"))
     prompt = _prompts()[0]
     with pytest.raises(ValueError, match=r"no mlp\.gate_proj in layers\.0 .*mlp\.c_fc"):

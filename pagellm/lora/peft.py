@@ -13,6 +13,7 @@ A config without `lora_alpha` takes PEFT's default (8).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 
 from pagellm.lora.layers import lora_targets
+
+logger = logging.getLogger(__name__)
 
 # `...layers.N.<module path>.lora_A.weight`: the module's path inside decoder layer N
 _KEY = re.compile(r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])(?:\.default)?\.weight$")
@@ -145,7 +148,7 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
         raise ValueError(
             f"LoRA adapter {path!r}: rank {rank} is over max_lora_rank={max_lora_rank}"
         )
-    pairs = _pair_tensors(path, _read_tensors(path), len(shapes))
+    pairs = _pair_tensors(path, _read_tensors(path), len(shapes), config)
     for (layer, module), (a, b) in pairs.items():
         if module not in shapes[layer]:
             raise ValueError(
@@ -160,6 +163,30 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
                 f"B ({fan_out}, {rank})"
             )
     return LoRAAdapter(rank, adapter_scaling(config), pairs)
+
+
+def _targeted(config: dict[str, Any], name: str, layer: int) -> bool:
+    """Whether PEFT, building the adapter from its config, puts a LoRA layer on module `name`
+    (its name in the base model) of decoder layer `layer` (PEFT loads the weights of those
+    only: a config narrower than its file leaves the rest unread). `target_modules`: a list
+    names modules exactly or by their last names, a string is a regex over the whole name
+    ("all-linear": every projection); `exclude_modules` likewise; `layers_to_transform`:
+    the layer indices kept."""
+
+    def names(entries) -> bool:
+        if isinstance(entries, str):
+            return entries == "all-linear" or re.fullmatch(entries, name) is not None
+        return any(name == e or name.endswith("." + e) for e in entries)
+
+    targets, excluded = config.get("target_modules"), config.get("exclude_modules")
+    if targets is not None and not names(targets):
+        return False
+    if excluded and names(excluded):
+        return False
+    layers = config.get("layers_to_transform")
+    if layers is not None:
+        return layer in ([layers] if isinstance(layers, int) else layers)
+    return True
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -183,10 +210,12 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _pair_tensors(
-    path: str, tensors: dict[str, torch.Tensor], num_layers: int
+    path: str, tensors: dict[str, torch.Tensor], num_layers: int, config: dict[str, Any]
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, module) -> (A, B) in float32; an unknown module or layer is an error."""
+    """(layer, module) -> (A, B) in float32 of the modules the config targets (`_targeted`);
+    an unknown module or layer is an error."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    untargeted: set[str] = set()
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None or "vision" in key:
@@ -195,6 +224,10 @@ def _pair_tensors(
                 "attention and MLP projections of the decoder layers)"
             )
         layer = int(match[1])
+        name = key[: match.start(3) - len(".lora_")].removeprefix("base_model.model.")
+        if not _targeted(config, name, layer):
+            untargeted.add(name)
+            continue
         if layer >= num_layers:
             raise ValueError(
                 f"LoRA adapter {path!r}: {key!r} is for layer {layer}; the base model has "
@@ -206,6 +239,13 @@ def _pair_tensors(
         if set(half) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {path!r}: layers.{layer}.{module} lacks lora_A or B")
         pairs[layer, module] = (half["A"], half["B"])
+    if untargeted:
+        names = sorted(untargeted)
+        logger.warning("LoRA adapter %r: the weights of %d modules its config does not target "
+                       "are left unread, as PEFT leaves them (%s%s)", path, len(names),
+                       ", ".join(names[:3]), ", ..." if len(names) > 3 else "")  # fmt: skip
     if not pairs:
-        raise ValueError(f"LoRA adapter {path!r}: no LoRA weights in it")
+        raise ValueError(f"LoRA adapter {path!r}: no LoRA weights in it of the modules its "
+                         "config targets (target_modules, exclude_modules, "
+                         "layers_to_transform)")  # fmt: skip
     return pairs
