@@ -52,6 +52,24 @@ def test_classify_equals_hf(llm, folder):
         llm.score(TEXTS[0], TEXTS[1], use_tqdm=False)
 
 
+def test_a_pad_id_inside_a_prompt_shifts_the_positions_as_hf(llm, folder):
+    """HF's RoBERTa counts positions over non-pad tokens (a pad id sits at padding_idx): a
+    prompt with the pad id inside (XLM-R's tokenizer reads a literal "<pad>" so), in a batch
+    after another prompt, gets HF's logits."""
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(TEXTS[0])
+    padded = ids[:3] + [0, 0] + ids[3:]
+    prompts = [{"prompt_token_ids": ids}, {"prompt_token_ids": padded}]
+    raw = llm.classify(prompts, PoolingParams(use_activation=False), use_tqdm=False)
+    for out, prompt in zip(raw, (ids, padded)):
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0]
+        assert out.outputs.probs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
 def test_positions_end_where_the_table_does(folder):
     """40 position embeddings counted from pad_token_id + 1 = 1: 39 tokens at most."""
     from pagellm import EngineArgs

@@ -220,7 +220,7 @@ class BertEmbeddingModel(nn.Module):
     ) -> torch.Tensor:
         # attn_metadata: the step's CommonAttentionMetadata (an encoder reads no cache)
         n = attn_metadata.num_actual_tokens
-        ids, positions = input_ids[:n], positions[:n] + self.position_offset
+        ids, positions = input_ids[:n], self.embedding_positions(input_ids[:n], positions[:n])
         types = self.token_type_ids
         types = torch.zeros_like(ids) if types is None or len(types) != n else types
         x = self.embeddings(ids, positions, types)  # [T, hidden]
@@ -230,6 +230,10 @@ class BertEmbeddingModel(nn.Module):
         for layer in self.encoder.layer:
             x = layer(x, layout)
         return x
+
+    def embedding_positions(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The position embeddings' indices of the step's tokens (each prompt whole)."""
+        return positions + self.position_offset
 
     def pool_head(self, pooled: torch.Tensor) -> torch.Tensor:
         return pooled
@@ -279,7 +283,17 @@ class XLMRobertaEmbeddingModel(BertEmbeddingModel):
 
     def __init__(self, config: Any, attn_backend_cls: type | None = None) -> None:
         super().__init__(config, attn_backend_cls)
-        self.position_offset = config.pad_token_id + 1  # HF counts from padding_idx + 1
+        self.pad = config.pad_token_id
+        self.position_offset = self.pad + 1  # HF counts from padding_idx + 1
+
+    def embedding_positions(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """As HF's RoBERTa: padding_idx + the count of non-pad tokens up to each token, and
+        padding_idx for a pad id (one inside a text shifts the positions after it)."""
+        real = (ids != self.pad).long()
+        counts = torch.cumsum(real, 0)
+        starts = torch.arange(len(ids), device=ids.device) - positions  # each prompt's first
+        before = torch.where(starts > 0, counts[(starts - 1).clamp(min=0)], 0)
+        return (counts - before) * real + self.pad
 
 
 class XLMRobertaForSequenceClassification(XLMRobertaEmbeddingModel):
