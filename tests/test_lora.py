@@ -156,7 +156,7 @@ def _add_embedding(tensors):
     "edit, words",
     [
         (_narrow_down_proj, "layers.0.mlp.down_proj has A (2, 127)"),
-        (_add_embedding, "embed_tokens"),
+        (_add_embedding, "LoRA on the embeddings: 'base_model.model.model.embed_tokens"),
     ],
 )
 def test_bad_adapter_fails_alone(served, tmp_path, edit, words):

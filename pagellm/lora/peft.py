@@ -189,6 +189,17 @@ def _targeted(config: dict[str, Any], name: str, layer: int) -> bool:
     return True
 
 
+def _unsupported_kind(key: str, config: dict[str, Any]) -> str:
+    """What an unsupported tensor is part of, for the error (else "")."""
+    saved = config.get("modules_to_save") or ()
+    if ".modules_to_save." in key or any(f".{m}." in key for m in saved):
+        return f"modules_to_save ({', '.join(saved) or 'a trained copy of a module'}): "
+    for module, what in (("lm_head", "the LM head"), ("embed_tokens", "the embeddings")):
+        if f".{module}." in key:
+            return f"LoRA on {what}: "
+    return ""
+
+
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
     pt = os.path.join(path, "adapter_model.bin")
@@ -219,8 +230,9 @@ def _pair_tensors(
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None or "vision" in key:
+            what = _unsupported_kind(key, config)
             raise ValueError(
-                f"LoRA adapter {path!r}: module {key!r} is not supported (targets: the "
+                f"LoRA adapter {path!r}: {what}{key!r} is not supported (targets: the "
                 "attention and MLP projections of the decoder layers)"
             )
         layer = int(match[1])
