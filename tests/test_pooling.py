@@ -141,6 +141,33 @@ def test_default_prompt_and_truncate_dim_as_sentence_transformers(folder, tmp_pa
     assert len(cut.outputs.embedding) == 8
 
 
+def test_dense_modules_after_pooling_as_sentence_transformers(folder, tmp_path):
+    """Dense modules between Pooling and Normalize (stella's and LaBSE's layout): a linear
+    without bias and Identity, then one with bias and Tanh, each pooled vector through them
+    in order; `dimensions` is checked against the last one's 16 outputs."""
+    from model_utils import st_modules
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(folder, device="cpu")
+    modules = st_modules()
+    torch.manual_seed(1)
+    first = modules.Dense(64, 48, bias=False, activation_function=torch.nn.Identity())
+    second = modules.Dense(48, 16, activation_function=torch.nn.Tanh())
+    for dense in (first, second):
+        torch.nn.init.normal_(dense.linear.weight, std=0.3)
+    model = SentenceTransformer(modules=[st[0], st[1], first, second, modules.Normalize()])
+    model.save(str(tmp_path / "dense"))
+    want = SentenceTransformer(str(tmp_path / "dense"), device="cpu").encode(TEXTS[:3])
+    assert want.shape == (3, 16)
+    with LLM(str(tmp_path / "dense"), dtype="float32", max_model_len=32,
+             kv_cache_memory_bytes=1 << 24) as llm:  # fmt: skip
+        got = [o.outputs.embedding for o in llm.embed(TEXTS[:3], use_tqdm=False)]
+        with pytest.raises(ValueError, match="does not support Matryoshka"):
+            llm.embed(TEXTS[0], PoolingParams(dimensions=8), use_tqdm=False)
+    for ours, ref in zip(got, want):
+        close(ours, ref)
+
+
 def test_pooler_config_from_sentence_transformers_files(tmp_path):
     """Both ST layouts: 6.x's `pooling_mode`, 5.x's boolean keys; no Normalize: raw."""
     from types import SimpleNamespace
@@ -171,7 +198,7 @@ def test_pooler_config_from_sentence_transformers_files(tmp_path):
 
 def test_sentence_transformers_length_case_and_modules(tmp_path):
     """sentence_bert_config.json's max_seq_length and do_lower_case are read (ST truncates to
-    the length and lowercases); a module after Pooling that is not Normalize (a Dense
+    the length and lowercases); a module after Pooling that is not Dense or Normalize (a
     projection) is refused rather than skipped."""
     from types import SimpleNamespace
 
@@ -189,8 +216,8 @@ def test_sentence_transformers_length_case_and_modules(tmp_path):
     hf = SimpleNamespace(architectures=["BertModel"])
     config = load_pooler_config(str(tmp_path), hf)
     assert (config.max_seq_length, config.lowercase) == (8, True)
-    modules.append({"idx": 2, "name": "2", "path": "2_Dense",
-                    "type": "sentence_transformers.models.Dense"})  # fmt: skip
+    modules.append({"idx": 2, "name": "2", "path": "2_Router",
+                    "type": "sentence_transformers.base.modules.router.Router"})  # fmt: skip
     (tmp_path / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(ValueError, match="Dense"):
+    with pytest.raises(ValueError, match="Router"):
         load_pooler_config(str(tmp_path), hf)

@@ -81,6 +81,10 @@ class PoolerConfig:
     # (sentence-transformers' order), where a request asks no `dimensions`
     default_prompt: str = ""
     truncate_dim: int | None = None
+    # sentence-transformers Dense modules after pooling, in order: (folder, activation:
+    # identity, tanh, relu, sigmoid, gelu, silu); `embedding_size` their last out_features
+    dense: tuple[tuple[str, str], ...] = ()
+    embedding_size: int | None = None
     # a cross-encoder's activation as its config names it (ST's activation_fn): "sigmoid",
     # "softmax" or "identity"; None: softmax (sigmoid for one label)
     activation: str | None = None

@@ -110,8 +110,9 @@ class InputProcessor:
                 "(LLM.embed / classify / score), it does not generate"
             )
         pc = mc.pooler_config
-        params.verify_for_model(pc.task, mc.hf_config.hidden_size, pc.matryoshka,
-                                pc.matryoshka_dimensions, mc.model)  # fmt: skip
+        size = pc.embedding_size or mc.hf_config.hidden_size  # after Dense modules: theirs
+        params.verify_for_model(pc.task, size, pc.matryoshka, pc.matryoshka_dimensions,
+                                mc.model)  # fmt: skip
         keep = params.truncate_prompt_tokens
         keep = mc.max_model_len if keep == -1 else keep
         if keep is not None and keep > mc.max_model_len:

@@ -31,8 +31,11 @@ from pagellm.models.registry import is_encoder_architecture, is_pooling_architec
 RUNNERS = ("auto", "generate", "pooling")
 # a module's "type" ends with its class: sentence_transformers.models.Pooling (up to 5.x),
 # sentence_transformers.sentence_transformer.modules.pooling.Pooling (6.x)
-_POOLING, _NORMALIZE = "Pooling", "Normalize"
-_SERVED_MODULES = ("Transformer", _POOLING, _NORMALIZE)  # any other (Dense, ...) is refused
+_POOLING, _NORMALIZE, _DENSE = "Pooling", "Normalize", "Dense"
+_SERVED_MODULES = ("Transformer", _POOLING, _DENSE, _NORMALIZE)  # any other is refused
+# a Dense module's activation_function -> the pooler's
+_DENSE_ACTIVATIONS = {"Identity": "identity", "Tanh": "tanh", "ReLU": "relu",
+                      "Sigmoid": "sigmoid", "GELU": "gelu", "SiLU": "silu"}  # fmt: skip
 # a CrossEncoder's activation_fn (config.sentence_transformers, or <4.0's key) -> ours
 _ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax"}
 _MODES = {  # the ST Pooling mode -> vLLM's pooling type
@@ -71,8 +74,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
     unserved = [str(m.get("type")) for m in modules if _kind(m) not in _SERVED_MODULES]
     if unserved:
         raise ValueError(
-            f"{folder}/modules.json: modules {unserved}; pagellm serves Transformer, Pooling "
-            "and Normalize only"
+            f"{folder}/modules.json: modules {unserved}; pagellm serves Transformer, Pooling, "
+            "Dense and Normalize only"
         )
     st = _st_transformer_config(folder) if modules else {}
     model = _st_model_config(folder) if modules else {}
@@ -97,6 +100,7 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
             f"{folder}: the default prompt {prompt!r} is left out of the pooling "
             f"(include_prompt: false), which pagellm does not do for {pooling_type} pooling"
         )
+    dense = _dense_modules(folder, modules)
     truncate_dim = model.get("truncate_dim")
     if truncate_dim is not None and (not isinstance(truncate_dim, int) or truncate_dim < 1):
         raise ValueError(f"{folder}/config_sentence_transformers.json: truncate_dim "
@@ -113,6 +117,8 @@ def load_pooler_config(folder: str | None, hf_config: Any) -> PoolerConfig:
         lowercase=bool(st.get("do_lower_case", False)),
         default_prompt=prompt,
         truncate_dim=truncate_dim,
+        dense=tuple((path, act) for path, act, _ in dense),
+        embedding_size=dense[-1][2] if dense else None,
     )
 
 
@@ -170,6 +176,31 @@ def _st_transformer_config(folder: str) -> dict[str, Any]:
             if isinstance(length, int) and length < 1 << 30:  # HF's "no limit" is ~1e30
                 config["max_seq_length"] = length
     return config
+
+
+def _dense_modules(folder: str, modules: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """The Dense modules after Pooling, in order: (folder, activation, out_features)."""
+    kinds = [_kind(m) for m in modules]
+    out = []
+    for i, module in enumerate(modules):
+        if kinds[i] != _DENSE:
+            continue
+        path = os.path.join(folder, module.get("path", ""))
+        if _POOLING not in kinds[:i] or _NORMALIZE in kinds[:i]:
+            raise ValueError(f"{path}: a Dense module is served between Pooling and Normalize "
+                             "only (on the sentence embedding)")  # fmt: skip
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{path}: modules.json names a Dense module without its config")
+        with open(config_path) as f:
+            config = json.load(f)
+        name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+        activation = _DENSE_ACTIVATIONS.get(name.rpartition(".")[2])
+        if activation is None:
+            raise ValueError(f"{config_path}: activation_function {name!r} is not served "
+                             f"({', '.join(_DENSE_ACTIVATIONS)})")  # fmt: skip
+        out.append((path, activation, int(config["out_features"])))
+    return out
 
 
 def _st_model_config(folder: str) -> dict[str, Any]:

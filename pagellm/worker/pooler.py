@@ -30,6 +30,8 @@ class Pooler:
         self.params: dict[str, PoolingParams] = {}
         # MEAN: the sum of the states computed so far [hidden]; CLS: the first token's state
         self.partial: dict[str, torch.Tensor] = {}
+        # sentence-transformers Dense modules: (weight [out, in], bias or None, activation)
+        self.dense = [_load_dense(path, act) for path, act in config.dense]
 
     def add_request(self, req_id: str, params: PoolingParams | None) -> None:
         self.params[req_id] = params if params is not None else PoolingParams()
@@ -115,6 +117,8 @@ class Pooler:
 
     def _finish(self, params: PoolingParams, values: torch.Tensor) -> torch.Tensor:
         if self.config.task == "embed":
+            for weight, bias, activation in self.dense:
+                values = _ACTIVATIONS[activation](F.linear(values, weight, bias))
             if params.dimensions is not None:
                 values = values[: params.dimensions]
             normalize = self.config.normalize if params.normalize is None else params.normalize
@@ -132,3 +136,28 @@ class Pooler:
         if activation == "sigmoid" or values.numel() == 1:
             return torch.sigmoid(values)
         return torch.softmax(values, dim=-1)
+
+
+_ACTIVATIONS = {"identity": lambda x: x, "tanh": torch.tanh, "relu": torch.relu,
+                "sigmoid": torch.sigmoid, "gelu": F.gelu, "silu": F.silu}  # fmt: skip
+
+
+def _load_dense(path: str, activation: str) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """A sentence-transformers Dense module's weights (its folder's model.safetensors or
+    pytorch_model.bin: linear.weight, linear.bias), float32 on the host, where the pooled
+    vectors are finished."""
+    import os
+
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        tensors = load_file(st)
+    elif os.path.isfile(pt):
+        tensors = torch.load(pt, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path}: a Dense module without model.safetensors")
+    if "linear.weight" not in tensors:
+        raise ValueError(f"{path}: a Dense module's weights lack linear.weight")
+    bias = tensors.get("linear.bias")
+    return tensors["linear.weight"].float(), None if bias is None else bias.float(), activation
