@@ -192,6 +192,20 @@ def test_an_activation_the_experts_cannot_run_is_refused(tmp_path):
         load_our_model(folder)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (dict(n_group=3), "n_group=3 must divide the 8 routed experts into groups of at least 2"),
+    (dict(n_group=8, topk_group=2), "groups of at least 2"),  # V3 scores a group by its top 2
+    (dict(topk_group=5), "topk_group=5 must be 1 to n_group=4"),
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9: a token routes to 1 to 8 experts"),
+])  # fmt: skip
+def test_routing_a_config_cannot_do_is_refused_at_load(tmp_path, overrides, words):
+    """Routing HF fails on at its first forward (groups not dividing the experts, more kept
+    groups than groups, more experts a token than there are) is a clear error at load."""
+    folder = make_tiny_deepseek("deepseek_v3", tmp_path, **overrides)
+    with pytest.raises(ValueError, match=words):
+        load_our_model(folder)
+
+
 def test_v3_router_under_v2_name_is_refused(tmp_path):
     folder = make_tiny_deepseek("deepseek_v2", tmp_path, topk_method="noaux_tc")
     with pytest.raises(ValueError, match="topk_method 'noaux_tc' is V3's router"):

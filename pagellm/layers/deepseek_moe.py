@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.layers.mlp import GatedMLP
-from pagellm.layers.moe import FusedMoE
+from pagellm.layers.moe import FusedMoE, check_routing
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -63,6 +63,8 @@ class DeepseekRouter(nn.Module):
         self.grouped = sigmoid or getattr(config, "topk_method", "greedy") == "group_limited_greedy"
         self.renormalize = sigmoid and bool(getattr(config, "norm_topk_prob", False))
         self.scaling = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+        check_routing(e, self.top_k, self.n_group if self.grouped else None, self.topk_group,
+                      per_group=2 if sigmoid else 1)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] float32, ids [T, K] int32

@@ -54,6 +54,24 @@ def _kernels(x: torch.Tensor):
     return _kernel_module() if x.is_cuda else None
 
 
+def check_routing(num_experts: int, top_k: int, n_group: int | None = None,
+                  topk_group: int | None = None, per_group: int = 1) -> None:  # fmt: skip
+    """A config's routing, checked when the model is built (it would fail at the first
+    step's top-k, as HF's does): 1 <= top_k <= the experts; grouped (DeepSeek): the groups
+    divide the experts, each holds `per_group` (V3 scores a group by its top two), and
+    1 <= topk_group <= n_group."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k}: a token routes to 1 to {num_experts} "
+                         f"experts (the config's)")  # fmt: skip
+    if n_group is None:
+        return
+    if n_group < 1 or num_experts % n_group or num_experts // n_group < per_group:
+        raise ValueError(f"n_group={n_group} must divide the {num_experts} routed experts into "
+                         f"groups of at least {per_group}")  # fmt: skip
+    if not 1 <= (topk_group or 0) <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be 1 to n_group={n_group}")
+
+
 def select_experts(
     logits: torch.Tensor,  # [T, E] router logits
     top_k: int,
@@ -134,6 +152,7 @@ class FusedMoE(nn.Module):
             self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
         self.activation = activation
+        check_routing(num_experts, top_k)
         self.top_k = top_k
         self.renormalize = renormalize
         self.num_experts, self.hidden_size = e, h
