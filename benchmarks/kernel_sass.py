@@ -98,37 +98,34 @@ def moe_gemv_mxfp4(block_n: int, block_k: int, warps: int):
     return text, 2 * block_n * block_k / (32 * warps)  # gate and up
 
 
-def moe_tiles_mxfp4(block_n: int, block_k: int, warps: int, block_m: int = 64):
+def _moe_tiles(block_n: int, block_k: int, warps: int, block_m: int, mxfp4: bool):
     from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
 
-    types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "z_ptr": "*u8",
-             "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-             "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
-    constexprs = dict(ROWS_PER_A=4, GATED=True, APPLY_WEIGHTS=False, BITS=4, GROUP=32,
-                      PTX_CVT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                      GROUP_M=1, MXFP4=True, HAS_BIAS=True, CLAMPED=True, SWIGLU_ALPHA=1.702,
-                      SWIGLU_LIMIT=7.0)  # fmt: skip
-    divisible = ("k_dim", "stride_am", "stride_wn", "stride_we", "stride_se", "stride_be",
-                 "n_out")  # fmt: skip
+    types = {"a_ptr": "*bf16", "w_ptr": "*u8" if mxfp4 else "*i32",
+             "s_ptr": "*u8" if mxfp4 else "*fp32", "z_ptr": "*u8", "out_ptr": "*bf16",
+             "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32",
+             "weights_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
+    constexprs = dict(ROWS_PER_A=4 if mxfp4 else 1, GATED=True, APPLY_WEIGHTS=False, BITS=4,
+                      GROUP=32 if mxfp4 else 128, PTX_CVT=True, BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=1)  # fmt: skip
+    if mxfp4:  # gpt-oss's biases and clamped SwiGLU
+        constexprs |= dict(MXFP4=True, HAS_BIAS=True, CLAMPED=True, SWIGLU_ALPHA=1.702,
+                           SWIGLU_LIMIT=7.0)  # fmt: skip
+    divisible = ("k_dim", "stride_am", "stride_wn", "stride_we", "stride_se", "stride_sn",
+                 "stride_be", "n_out")  # fmt: skip
     text = sass(_moe_quant_gemm_kernel, types, constexprs, divisible, num_warps=warps,
                 num_stages=3)  # fmt: skip
-    return text, 2 * block_n * block_k / (32 * warps)
+    return text, 2 * block_n * block_k / (32 * warps)  # gate and up
+
+
+def moe_tiles_mxfp4(block_n: int, block_k: int, warps: int, block_m: int = 64):
+    """gpt-oss's MXFP4 experts' tiles (groups of 32, E8M0 scales)."""
+    return _moe_tiles(block_n, block_k, warps, block_m, mxfp4=True)
 
 
 def moe_tiles_int4(block_n: int, block_k: int, warps: int, block_m: int = 64):
     """The int4 experts' tiles (Qwen3-MoE's GPTQ shape: groups of 128, bf16 x)."""
-    from pagellm.kernels.fused_moe_quant import _moe_quant_gemm_kernel
-
-    types = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8",
-             "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-             "num_padded_ptr": "*i32", "weights_ptr": "*fp32", "bias_ptr": "*bf16"}  # fmt: skip
-    constexprs = dict(ROWS_PER_A=1, GATED=True, APPLY_WEIGHTS=False, BITS=4, GROUP=128,
-                      PTX_CVT=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                      GROUP_M=1)  # fmt: skip
-    divisible = ("k_dim", "stride_am", "stride_wn", "stride_we", "stride_se", "stride_sn", "n_out")
-    text = sass(_moe_quant_gemm_kernel, types, constexprs, divisible, num_warps=warps,
-                num_stages=3)  # fmt: skip
-    return text, 2 * block_n * block_k / (32 * warps)
+    return _moe_tiles(block_n, block_k, warps, block_m, mxfp4=False)
 
 
 def _wna16(kernel, constexprs: dict, warps: int, **options) -> str:

@@ -82,13 +82,17 @@ def test_logits_equal_the_dequantized_models(case, tmp_path):
 def test_engine_greedy_ids_equal_the_dequantized_models(case, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
     arch, packing, _ = CASES[case]
-    folder, reference = _packed(tmp_path, arch, packing)
-    prompts = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7 + i]} for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _engine_ids_match(*_packed(tmp_path, arch, packing), prompts=6, tokens=12)
+
+
+def _engine_ids_match(folder: str, reference: str, prompts: int, tokens: int) -> None:
+    """The engine's greedy ids on the packed folder equal those on its dequantized twin."""
+    requests = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7 + i]} for i in range(prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     ids = {}
     for path in (folder, reference):
         with LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
-            ids[path] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            ids[path] = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
     assert ids[folder] == ids[reference]
 
 
@@ -275,13 +279,7 @@ def test_gptq_dynamic_rules_give_modules_their_own_settings(tmp_path, monkeypatc
                         "qkv": (4, 32, True, False), "head": (8, 128, True, False)}  # fmt: skip
     assert getattr(layer1.mlp.down_proj, "quant_method", None) is None  # float, as stored
     _logits_match(folder, reference)
-    prompts = [{"prompt_token_ids": [3, 17 + i, 99, 250, 7 + i]} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    ids = {}
-    for path in (folder, reference):
-        with LLM(model=path, dtype="float32", max_model_len=128, max_num_seqs=4) as llm:
-            ids[path] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert ids[folder] == ids[reference]
+    _engine_ids_match(folder, reference, prompts=4, tokens=10)
 
 
 def test_compressed_tensors_config_groups_give_modules_their_own_settings(tmp_path):
