@@ -57,7 +57,7 @@ class WNA16LinearMethod(LinearMethod):
 
     def __init__(self, config: WNA16Config, scheme: WNA16Scheme) -> None:
         self.config = config
-        self.scheme = scheme  # the config's, or a GPTQ `dynamic` rule's for these layers
+        self.scheme = scheme  # the config's, or a per-module rule's (`WNA16Scheme.for_module`)
 
     def create_weights(self, layer) -> None:
         # the checkpoint's names (qweight, weight_packed, ...) for the canonical tensors
