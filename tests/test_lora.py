@@ -109,6 +109,49 @@ def test_a_config_narrower_than_its_weights_is_read_as_peft_reads_it(served, tmp
     assert whole.outputs[0].token_ids != expected  # the dropped weights mattered
 
 
+@pytest.mark.parametrize("rslora", [False, True])
+def test_rank_and_alpha_patterns_equal_hf_peft(served, tmp_path, rslora):
+    """PEFT's `rank_pattern` / `alpha_pattern` (regex keys ending a module's name, the first
+    that matches wins) give some modules their own rank and alpha: served in one slot of the
+    largest rank, each module's own scale; the ids equal HF + PEFT's, and an adapter without
+    the patterns (same seed) gives others."""
+    llm, _, refs, _ = served
+    config = dict(
+        r=4, lora_alpha=8, target_modules=ATTN + MLP, use_rslora=rslora,
+        rank_pattern={"q_proj": 8, r"layers\.1\.mlp\.down_proj": 1, "up_proj": 2},
+        alpha_pattern={"v_proj": 32, r"model\.layers\.0\.self_attn\.o_proj": 0.5},
+    )  # fmt: skip
+    base = hf_model(llm.llm_engine.config.model_config.model)
+    path, ref = make_peft_adapter(base, config, tmp_path / "patterns", seed=40)
+    assert ref.model.layers[0].self_attn.q_proj.lora_A["default"].weight.shape[0] == 8
+    prompts = _prompts()[:3]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("patterns", 80 + rslora, path))  # fmt: skip
+    plain = {k: v for k, v in config.items() if not k.endswith("_pattern")}
+    _, flat = make_peft_adapter(hf_model(llm.llm_engine.config.model_config.model), plain,
+                                tmp_path / "plain", seed=40)  # fmt: skip
+    for prompt, out in zip(prompts, outs):
+        want = hf_generate_greedy(ref, [prompt], NEW_TOKENS)[0]
+        assert out.outputs[0].token_ids == want
+        assert want != hf_generate_greedy(flat, [prompt], NEW_TOKENS)[0]
+
+
+def test_a_pattern_rank_over_max_or_malformed_is_refused(served, tmp_path):
+    llm, loras, _, _ = served
+    folder = tmp_path / "odd"
+    shutil.copytree(loras["all"].lora_path, folder)  # r=2
+    config = json.loads((folder / "adapter_config.json").read_text())
+    cases = (({"rank_pattern": {"q_proj": 16}}, "rank 16 is over max_lora_rank=8"),
+             ({"rank_pattern": {"q_proj": 3}}, "needs A (3, "),
+             ({"alpha_pattern": {"q_proj": "4"}}, "alpha_pattern['q_proj']='4'"),
+             ({"rank_pattern": {"(q_proj": 2}}, "rank_pattern key '(q_proj'"))  # fmt: skip
+    for edit, words in cases:
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ValueError, match=re.escape(words)):
+            llm.generate("hi", GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("odd", 90, str(folder)))  # fmt: skip
+
+
 def test_prefix_cache_keyed_by_adapter(served):
     """The same prompt again: a hit under the same adapter, none under another or the base
     model, and each output still its own model's."""

@@ -4,9 +4,13 @@ A folder holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_m
 `adapter_model.safetensors` (or `adapter_model.bin`) with, per target module,
 `...layers.N.self_attn.q_proj.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]. PEFT
 adds `lora_B(lora_A(x)) * scaling` to the module's output, `scaling` = alpha / r (rsLoRA:
-alpha / sqrt(r)). Everything the base model cannot take (another module, a shape, a rank
-over `max_lora_rank`, a bias, DoRA, an init or layer replication that changes the base model
-when PEFT loads the adapter) is a `ValueError` naming it, raised before the request is queued.
+alpha / sqrt(r)). `rank_pattern` / `alpha_pattern` give some modules their own r and alpha
+(PEFT's `get_pattern_key`: the first key whose regex ends the module's name); the adapter's
+rank is then the largest, and a module whose scale is not the adapter's has the ratio folded
+into its B at load (one scale a slot). Everything the base model cannot take (another module,
+a shape, a rank over `max_lora_rank`, a bias, DoRA, an init or layer replication that changes
+the base model when PEFT loads the adapter) is a `ValueError` naming it, raised before the
+request is queued.
 A config without `lora_alpha` takes PEFT's default (8).
 """
 
@@ -36,7 +40,7 @@ Shapes = list[dict[str, tuple[int, int]]]
 class LoRAAdapter:
     """One adapter's weights: (layer, module) -> (A [r, in], B [out, r]), float32, host."""
 
-    rank: int
+    rank: int  # the largest of its modules' ranks
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
@@ -130,25 +134,56 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
-def adapter_scaling(config: dict[str, Any]) -> float:
-    """PEFT's scale: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-    r, alpha = int(config["r"]), float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA))
+def adapter_scaling(config: dict[str, Any], r: Any = None, alpha: Any = None) -> float:
+    """PEFT's scale: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA (`r` / `alpha`: a
+    module's own, from the patterns)."""
+    r = int(config["r"] if r is None else r)
+    alpha = float(config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA) if alpha is None else alpha)
     return alpha / math.sqrt(r) if config.get("use_rslora", False) else alpha / r
+
+
+def _patterns(path: str, config: dict[str, Any]) -> tuple[dict, dict]:
+    """`rank_pattern` and `alpha_pattern`, checked: regex keys, int ranks, number alphas."""
+    found = []
+    for field, ok in (("rank_pattern", lambda v: type(v) is int),
+                      ("alpha_pattern", lambda v: type(v) in (int, float))):  # fmt: skip
+        pattern = config.get(field) or {}
+        if not isinstance(pattern, dict):
+            raise ValueError(f"LoRA adapter {path!r}: {field} is not a JSON object")
+        for key, value in pattern.items():
+            if not ok(value):
+                raise ValueError(f"LoRA adapter {path!r}: {field}[{key!r}]={value!r} is not a "
+                                 "number of the right kind")  # fmt: skip
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise ValueError(f"LoRA adapter {path!r}: {field} key {key!r}: {e}") from None
+        found.append(pattern)
+    return found[0], found[1]
+
+
+def _pattern_value(pattern: dict, name: str, default: Any) -> Any:
+    """PEFT's `get_pattern_key`: the first key whose regex ends `name` at a dot."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
 
 
 def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
     """The adapter at `path`, checked against the base model's targets (see the module doc)."""
     config = read_adapter_config(path)
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise ValueError(f"LoRA adapter {path!r}: rank_pattern / alpha_pattern are not supported")
-    rank = int(config["r"])
-    if rank < 1:
-        raise ValueError(f"LoRA adapter {path!r}: rank {rank} is not a rank (r must be >= 1)")
-    if rank > max_lora_rank:
-        raise ValueError(
-            f"LoRA adapter {path!r}: rank {rank} is over max_lora_rank={max_lora_rank}"
-        )
-    pairs = _pair_tensors(path, _read_tensors(path), len(shapes), config)
+    rank_pattern, alpha_pattern = _patterns(path, config)
+    names: dict[tuple[int, str], str] = {}  # (layer, module) -> its full name in HF's model
+    pairs = _pair_tensors(path, _read_tensors(path), len(shapes), config, names)
+    ranks = {key: _pattern_value(rank_pattern, names[key], config["r"]) for key in pairs}
+    for rank in {config["r"], *ranks.values()}:
+        if rank < 1:
+            raise ValueError(f"LoRA adapter {path!r}: rank {rank} is not a rank (r must be >= 1)")
+        if rank > max_lora_rank:
+            raise ValueError(
+                f"LoRA adapter {path!r}: rank {rank} is over max_lora_rank={max_lora_rank}"
+            )
     for (layer, module), (a, b) in pairs.items():
         if module not in shapes[layer]:
             raise ValueError(
@@ -156,13 +191,20 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
                 f"(adapters may target {', '.join(sorted(shapes[layer]))})"
             )
         fan_in, fan_out = shapes[layer][module]
+        rank = ranks[layer, module]
         if a.shape != (rank, fan_in) or b.shape != (fan_out, rank):
             raise ValueError(
                 f"LoRA adapter {path!r}: layers.{layer}.{module} has A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}; the base model's {module} needs A ({rank}, {fan_in}) and "
                 f"B ({fan_out}, {rank})"
             )
-    return LoRAAdapter(rank, adapter_scaling(config), pairs)
+    scaling = adapter_scaling(config) or 1.0  # lora_alpha 0: every module's scale in its B
+    for key, (a, b) in pairs.items():
+        alpha = _pattern_value(alpha_pattern, names[key], None)
+        own = adapter_scaling(config, ranks[key], alpha)
+        if own != scaling:
+            pairs[key] = (a, b * (own / scaling))
+    return LoRAAdapter(max(ranks.values()), scaling, pairs)
 
 
 def _targeted(config: dict[str, Any], name: str, layer: int) -> bool:
@@ -221,10 +263,14 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _pair_tensors(
-    path: str, tensors: dict[str, torch.Tensor], num_layers: int, config: dict[str, Any]
+    path: str,
+    tensors: dict[str, torch.Tensor],
+    num_layers: int,
+    config: dict[str, Any],
+    names: dict[tuple[int, str], str],
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, module) -> (A, B) in float32 of the modules the config targets (`_targeted`);
-    an unknown module or layer is an error."""
+    an unknown module or layer is an error. `names` gets each pair's full module name."""
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     untargeted: set[str] = set()
     for key, tensor in tensors.items():
@@ -246,6 +292,7 @@ def _pair_tensors(
                 f"{num_layers} layers"
             )
         halves.setdefault((layer, match[2]), {})[match[3]] = tensor.float()
+        names[layer, match[2]] = name
     pairs = {}
     for (layer, module), half in halves.items():
         if set(half) != {"A", "B"}:
