@@ -75,6 +75,7 @@ class LatentBatch:
         ([70, 3], 20, 24, 8, 16, 1),  # 20 heads: two programs, the second masked
         ([70, 3, 1], 20, 24, 8, 16, 3),  # segments; the short requests' later ones empty
         ([1, 33], 4, 32, 8, 4, None),  # the wrapper's choice (an H100's SMs: many splits)
+        ([70, 3, 1], 40, 24, 8, 16, 3),  # 32 heads a program (block_h): two, one masked
     ],
 )
 def test_kernel_equals_torch_reference(dtype, seq_lens, heads, rank, rope, block_size, num_splits):
@@ -82,6 +83,7 @@ def test_kernel_equals_torch_reference(dtype, seq_lens, heads, rank, rope, block
     out = kernel.mla_decode(
         batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, rank, 0.3,
         max_seq_len=max(seq_lens), block_n=16, num_splits=num_splits,
+        block_h=32 if heads > 32 else 16,
     )  # fmt: skip
     assert out.shape == (len(seq_lens), heads, rank) and out.dtype == dtype
     torch.testing.assert_close(

@@ -186,14 +186,17 @@ def mla_decode(
     block_n: int = 32,
     num_splits: int | None = None,  # None: `choose_num_splits`
     reqs: torch.Tensor | None = None,  # [n] int32: the request of each row (a mixed step)
+    block_h: int = 16,  # heads a program: each program reads its request's rows once
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [n, H, R] in q's dtype
     """softmax(scale * q_h . rows) @ c over each request's cached rows, per head."""
     n, num_heads, width = q.shape
     _check(q, kv_cache, block_table, seq_lens, rank)
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     out = torch.empty(n, num_heads, rank, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    block_h = 16
     grid_heads = triton.cdiv(num_heads, block_h)
     if num_splits is None:
         num_splits = choose_num_splits(n * grid_heads, max_seq_len, block_n, _num_sms(q.device))
@@ -212,7 +215,7 @@ def mla_decode(
         RANK=rank, ROPE=width - rank, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(width - rank)), BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2], FP32_DOT=q.dtype == torch.float32,
-        SPLIT=split, HAS_REQS=reqs is not None,
+        SPLIT=split, HAS_REQS=reqs is not None, num_warps=num_warps,
     )  # fmt: skip
     if split:
         out.copy_(_combine(target, ml))
