@@ -136,6 +136,21 @@ def test_rank_and_alpha_patterns_equal_hf_peft(served, tmp_path, rslora):
         assert want != hf_generate_greedy(flat, [prompt], NEW_TOKENS)[0]
 
 
+def test_config_rank_every_pattern_replaces_is_not_checked(served, tmp_path):
+    """Rank-reduction tools write a nominal `r` (here over max_lora_rank, or 0) and give every
+    module its rank in `rank_pattern`: PEFT builds only the patterns' ranks, and so do we."""
+    llm, _, _, _ = served
+    prompt = _prompts()[2]
+    for r, name in ((32, "nominal32"), (0, "nominal0")):
+        config = dict(r=r, lora_alpha=16, target_modules=ATTN + MLP,
+                      rank_pattern={"self_attn.*": 8, "mlp.*": 4})  # fmt: skip
+        base = hf_model(llm.llm_engine.config.model_config.model)
+        path, ref = make_peft_adapter(base, config, tmp_path / name, seed=50 + r)
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest(name, 100 + r, path))  # fmt: skip
+        assert out[0].outputs[0].token_ids == hf_generate_greedy(ref, [prompt], NEW_TOKENS)[0]
+
+
 def test_a_pattern_rank_over_max_or_malformed_is_refused(served, tmp_path):
     llm, loras, _, _ = served
     folder = tmp_path / "odd"

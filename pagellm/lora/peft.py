@@ -177,7 +177,7 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
     names: dict[tuple[int, str], str] = {}  # (layer, module) -> its full name in HF's model
     pairs = _pair_tensors(path, _read_tensors(path), len(shapes), config, names)
     ranks = {key: _pattern_value(rank_pattern, names[key], config["r"]) for key in pairs}
-    for rank in {config["r"], *ranks.values()}:
+    for rank in sorted(set(ranks.values())):  # `r` itself only where no pattern replaces it
         if rank < 1:
             raise ValueError(f"LoRA adapter {path!r}: rank {rank} is not a rank (r must be >= 1)")
         if rank > max_lora_rank:
@@ -198,7 +198,9 @@ def load_adapter(path: str, shapes: Shapes, max_lora_rank: int) -> LoRAAdapter:
                 f"{tuple(b.shape)}; the base model's {module} needs A ({rank}, {fan_in}) and "
                 f"B ({fan_out}, {rank})"
             )
-    scaling = adapter_scaling(config) or 1.0  # lora_alpha 0: every module's scale in its B
+    # the slot's scale: the config's (1.0 if it is 0: lora_alpha 0, or r 0 with every module's
+    # rank in rank_pattern); each module's own, where it differs, folded into its B
+    scaling = (adapter_scaling(config) if config["r"] >= 1 else 0.0) or 1.0
     for key, (a, b) in pairs.items():
         alpha = _pattern_value(alpha_pattern, names[key], None)
         own = adapter_scaling(config, ranks[key], alpha)
