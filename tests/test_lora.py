@@ -167,6 +167,33 @@ def test_a_pattern_rank_over_max_or_malformed_is_refused(served, tmp_path):
                          lora_request=LoRARequest("odd", 90, str(folder)))  # fmt: skip
 
 
+def test_hub_id_resolves_to_the_cached_snapshot(served, tmp_path, monkeypatch):
+    """A `lora_path` that is no folder but a Hub id (`org/name`) is resolved as models are:
+    the Hugging Face cache's snapshot (offline here), read by the engine core from there; an
+    id in neither is a ValueError naming it, and the engine serves on."""
+    import huggingface_hub.constants
+    from model_utils import fake_hub_snapshot
+
+    llm, loras, refs, _ = served
+    cache = tmp_path / "hub"
+    fake_hub_snapshot(cache, "org/attn-adapter", loras["attn"].lora_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)  # no folder org/attn-adapter here
+    prompt = _prompts()[1]
+    hub = LoRARequest("hub", 120, "org/attn-adapter")
+    for _ in range(2):  # the second time from the resolved folder, checked once
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=hub)
+        assert out[0].outputs[0].token_ids == _expected(refs, prompt, "attn")
+    assert hub.lora_path == "org/attn-adapter"  # the caller's request is left as given
+    with pytest.raises(ValueError, match="org/missing-adapter"):
+        llm.generate("hi", GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("missing", 121, "org/missing-adapter"))  # fmt: skip
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
+                       lora_request=loras["all"])  # fmt: skip
+    assert out[0].outputs[0].token_ids == _expected(refs, prompt, "all")
+
+
 def test_prefix_cache_keyed_by_adapter(served):
     """The same prompt again: a hit under the same adapter, none under another or the base
     model, and each output still its own model's."""
@@ -235,7 +262,7 @@ def test_core_fails_a_bad_adapter_alone(served, tmp_path, monkeypatch):
     """The caller's check skipped: the engine core's read of the adapter (before queueing)
     fails that request alone, and the engine serves the next."""
     llm, loras, refs, _ = served
-    monkeypatch.setattr(llm.llm_engine.input_processor, "check_lora", lambda lora: None)
+    monkeypatch.setattr(llm.llm_engine.input_processor, "check_lora", lambda lora: lora)
     bad = LoRARequest(
         "bad", 22, _broken_copy(loras["all"].lora_path, tmp_path / "b", _add_embedding)
     )

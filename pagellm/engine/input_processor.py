@@ -58,7 +58,7 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Returns the prompt text (None for token-id prompts) and the request for the core."""
-        self.check_lora(lora_request)
+        lora_request = self.check_lora(lora_request)  # a Hub id's: its snapshot folder
         pooling = self.model_config.pooler_config
         if isinstance(params, PoolingParams) or pooling is not None:
             return self._process_pooling(request_id, prompt, params, arrival_time, priority)

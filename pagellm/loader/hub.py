@@ -19,6 +19,7 @@ META_PATTERNS = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt"]
 TOKENIZER_PATTERNS += ["*.model", "chat_template.*", "added_tokens.json", "config.json"]
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+ADAPTER_PATTERNS = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]
 _NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.bin")
 
 
@@ -50,6 +51,12 @@ def download_config(repo_id: str, revision: str | None, cache_dir: str | None) -
     """The local snapshot folder of `repo_id` with its config.json only (`pagellm plan`)."""
     _, reason = _list_files(repo_id, revision)
     return _snapshot(repo_id, revision, cache_dir, ["config.json"], reason)
+
+
+def download_adapter(repo_id: str, cache_dir: str | None = None) -> str:
+    """The local snapshot folder of a PEFT adapter's repo (its config and weights files)."""
+    _, reason = _list_files(repo_id, None)
+    return _snapshot(repo_id, None, cache_dir, ADAPTER_PATTERNS, reason)
 
 
 def download_tokenizer(repo_id: str, revision: str | None, cache_dir: str | None) -> str:

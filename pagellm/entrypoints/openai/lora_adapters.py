@@ -80,8 +80,9 @@ class LoRAAdapters:
         self._reserve(name, inplace)
         try:  # the folder is read outside the lock and the event loop: other names load
             request = LoRARequest(name, next(self._ids), path)
-            await asyncio.to_thread(self._checked, request)
-            error = await self.engine.call_utility("load_lora", name, request.lora_int_id, path)
+            request = await asyncio.to_thread(self._checked, request)  # a Hub id's folder
+            error = await self.engine.call_utility("load_lora", name, request.lora_int_id,
+                                                   request.lora_path)  # fmt: skip
             if error:
                 raise ValueError(f"LoRA adapter {path!r}: {error}")
         except BaseException:
@@ -129,7 +130,7 @@ class LoRAAdapters:
 
     def _checked(self, request: LoRARequest) -> LoRARequest:
         try:
-            self.engine.input_processor.check_lora(request)
+            request = self.engine.input_processor.check_lora(request)
         except (ValueError, TypeError):
             raise
         except Exception as e:  # whatever a foreign folder raises is still its fault
