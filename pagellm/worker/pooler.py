@@ -11,6 +11,8 @@ classifier's logits through softmax (sigmoid for one label). All in float32.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -146,8 +148,6 @@ def _load_dense(path: str, activation: str) -> tuple[torch.Tensor, torch.Tensor 
     """A sentence-transformers Dense module's weights (its folder's model.safetensors or
     pytorch_model.bin: linear.weight, linear.bias), float32 on the host, where the pooled
     vectors are finished."""
-    import os
-
     st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
     if os.path.isfile(st):
         from safetensors.torch import load_file
