@@ -194,6 +194,26 @@ def test_hub_id_resolves_to_the_cached_snapshot(served, tmp_path, monkeypatch):
     assert out[0].outputs[0].token_ids == _expected(refs, prompt, "all")
 
 
+def test_chat_and_streams_take_the_adapter(served):
+    """`chat`, `generate_stream` and `chat_stream` under one adapter for every prompt: the ids
+    of HF + PEFT on the prompt the engine tokenized."""
+    from model_utils import GEMMA_CHAT_TEMPLATE
+
+    llm, loras, refs, _ = served
+    messages = [{"role": "user", "content": "the cat"}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, chat_template=GEMMA_CHAT_TEMPLATE,
+                    lora_request=loras["mlp_rs"])[0]  # fmt: skip
+    want = _expected(refs, chat.prompt_token_ids, "mlp_rs")
+    assert chat.outputs[0].token_ids == want != _expected(refs, chat.prompt_token_ids, None)
+    deltas = list(llm.chat_stream(messages, GREEDY, chat_template=GEMMA_CHAT_TEMPLATE,
+                                  lora_request=loras["mlp_rs"]))  # fmt: skip
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == want
+    prompt = _prompts()[0]
+    final = list(llm.generate_stream({"prompt_token_ids": prompt}, GREEDY,
+                                     lora_request=[loras["all"]]))[-1]  # fmt: skip
+    assert final.outputs[0].token_ids == _expected(refs, prompt, "all")
+
+
 def test_prefix_cache_keyed_by_adapter(served):
     """The same prompt again: a hit under the same adapter, none under another or the base
     model, and each output still its own model's."""
