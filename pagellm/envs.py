@@ -146,6 +146,18 @@ def cpu_quant_max_rows(default: int) -> int:
     return default if value is None else int(value)
 
 
+def cpu_quant_dense_copy() -> str:
+    """PAGELLM_CPU_QUANT_DENSE_COPY: whether the CPU's quantized layers (GGUF blocks, int4 /
+    int8 checkpoints) keep a dequantized copy for batches beyond the block kernel's rows:
+    "1" always, "0" never (each such batch dequantizes each layer into one reused buffer),
+    "auto" (default) when every copy together takes at most a quarter of this machine's
+    memory (`pagellm.quantization.cpu_int.DenseCopies`)."""
+    value = os.environ.get("PAGELLM_CPU_QUANT_DENSE_COPY", "auto").strip().lower()
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"PAGELLM_CPU_QUANT_DENSE_COPY={value!r}: expected auto, 1 or 0")
+    return value
+
+
 def lora_cuda_graphs() -> bool:
     """A LoRA engine on CUDA replays CUDA graphs for decode steps (the slot and scale buffers
     filled before each replay; tests/test_lora_gpu.py). PAGELLM_LORA_CUDA_GRAPHS=0: LoRA

@@ -282,6 +282,86 @@ def test_gguf_model_computes_the_dequantized_weights(tiny_ggufs, qtype):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits of every position from one prefill step (more rows than the blocks take)."""
+    from model_utils import PagedRunner
+
+    runner = PagedRunner(model)
+    runner.add(0, ids)
+    return runner.step([(0, len(ids))])[0]
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_without_dense_copies_large_batches_dequantize_the_blocks(tiny_ggufs, qtype, monkeypatch):
+    """PAGELLM_CPU_QUANT_DENSE_COPY=0: no layer keeps a dequantized copy, and a prefill of more
+    rows than the blocks take dequantizes each layer's blocks per call: its logits are the
+    model with copies' (the same weights, bit for bit) and the dequantized model's."""
+    path = tiny_ggufs[1][qtype]
+    ids = [5, 77, 301, 12, 9, 400, 33, 2, 150, 61, 7, 288]  # 12 rows > MAX_ROWS (8)
+    ref = load_our_model(path, quantization="none")
+    with_copies = load_our_model(path, quantization="gguf")
+    monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", "0")
+    lean = load_our_model(path, quantization="gguf")
+    qkv = lean.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.packed_weight, GGUFBlockWeight) and qkv.packed_weight.dense is None
+    assert with_copies.model.layers[0].self_attn.qkv_proj.packed_weight.dense is not None
+    want = _prefill_logits(ref, ids)
+    got = _prefill_logits(lean, ids)
+    _close(got, want, 1e-4)
+    torch.testing.assert_close(got, _prefill_logits(with_copies, ids), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    _close(_decode_logits(lean, ids[:4]), _decode_logits(ref, ids[:4]), 1e-4)  # the blocks
+
+
+def test_dense_copies_are_kept_while_they_fit(monkeypatch, caplog):
+    """auto keeps the copies when together they take at most a quarter of the machine's
+    memory; 1 and 0 force it; the decision is taken once, at the first question."""
+    page, pages = 4096, 1 << 20  # a 4 GiB machine
+    real_sysconf = cpu_int.os.sysconf
+    monkeypatch.setattr(cpu_int.os, "sysconf", lambda name: {
+        "SC_PAGE_SIZE": page, "SC_PHYS_PAGES": pages}.get(name) or real_sysconf(name))  # fmt: skip
+    small, large = cpu_int.DenseCopies(), cpu_int.DenseCopies()
+    small.count(1024, 1024 * 256, torch.float32)  # 1 GiB: a quarter
+    large.count(1024, 1024 * 256 + 32, torch.float32)
+    with caplog.at_level("INFO", logger="pagellm.quantization.cpu_int"):
+        assert small.keep() and not large.keep()
+    assert "no dequantized copies" in caplog.text and "PAGELLM_CPU_QUANT_DENSE_COPY" in caplog.text
+    large.count(1, 1, torch.float32)
+    assert not large.keep()  # decided once
+    for value, keep in (("1", True), ("0", False)):
+        monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", value)
+        copies = cpu_int.DenseCopies()
+        copies.count(1024, 1024 * 1024, torch.float32)
+        assert copies.keep() is keep
+    monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", "maybe")
+    with pytest.raises(ValueError, match="PAGELLM_CPU_QUANT_DENSE_COPY='maybe'"):
+        cpu_int.DenseCopies().keep()
+
+
+@needs_block_kernel
+def test_dequantize_into_scratch_is_the_dequantized_weight():
+    """The C++ dequantization of each plane kind, float32 and bfloat16, equals torch's decode
+    of the same blocks; the buffer is reused by a smaller layer."""
+    gen = torch.Generator().manual_seed(7)
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        n, k = 48, 96
+        raw = torch.randint(0, 256, (n, k // 32 * gguf.GGML_QUANT_SIZES[qtype][1]),
+                            dtype=torch.uint8, generator=gen)  # fmt: skip
+        blocks = raw.view(n, k // 32, -1)
+        blocks[..., :2] = torch.tensor([0x66, 0x2E], dtype=torch.uint8)  # d = 0.1
+        if qtype == Q.Q4_1:
+            blocks[..., 2:4] = torch.tensor([0x66, 0xAE], dtype=torch.uint8)  # m = -0.1
+        want = decode_blocks(raw.reshape(n * k // 32, -1), qtype).view(n, k)
+        planes = gguf_kernel.BlockPlanes.from_blocks(raw.contiguous(), qtype)
+        for dtype in (torch.float32, torch.bfloat16):
+            got = gguf_kernel.dequantize_into_scratch(planes, dtype)
+            assert got.shape == (n, k) and torch.equal(got, want.to(dtype)), (qtype, dtype)
+    small = gguf_kernel.BlockPlanes.from_blocks(raw[:4].contiguous(), Q.Q8_0)
+    out = gguf_kernel.dequantize_into_scratch(small, torch.float32)
+    assert torch.equal(out, want[:4])
+
+
 @needs_int8_dots
 def test_int8_activations_switch_reaches_the_model(tiny_ggufs, monkeypatch):
     """With PAGELLM_CPU_INT8_ACTIVATIONS=1 a GGUF model's 4-bit layers round x: decode logits

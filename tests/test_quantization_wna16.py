@@ -78,6 +78,26 @@ def test_logits_equal_the_dequantized_models(case, tmp_path):
         torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not BLOCKS, reason="the block kernel needs AVX-512 or AVX2, and a compiler")
+@pytest.mark.parametrize("case", ["qwen2-gptq-asym-g64-actorder", "qwen3-ct-w8a16-sym-g64"])
+def test_without_dense_copies_prefill_dequantizes_the_blocks(case, tmp_path, monkeypatch):
+    """PAGELLM_CPU_QUANT_DENSE_COPY=0: a prefill of more rows than the blocks take runs on the
+    blocks dequantized per call (act-order: x gathered into the blocks' column order), and
+    gives HF's logits on the float folder, as the decode steps after it do."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", "0")
+    arch, packing, _ = CASES[case]
+    folder, reference = _packed(tmp_path, arch, packing)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    model = load_our_model(folder)
+    weight = model.model.layers[0].mlp.down_proj.packed_weight
+    assert type(weight).__name__ == "WNA16BlockWeight" and weight.dense is None
+    prompt = [3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201]  # 13 rows > MAX_ROWS (8)
+    fed, got = run_paged(model, [prompt], num_decode_steps=3)[0]
+    torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("case", ["qwen2-gptq-asym-g64-actorder", "phi3-awq-g32"])
 def test_engine_greedy_ids_equal_the_dequantized_models(case, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")

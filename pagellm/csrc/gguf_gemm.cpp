@@ -556,6 +556,73 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
 
 namespace {
 
+// rows [n0, n1) of W dequantized into `out` ([N, K], float32 or bfloat16): w = d * q + m
+// (Q8: d * q), the values the dequantized copy holds (each d * q is exact in float32, so
+// one rounding at most, whichever way the compiler fuses it)
+template <int KIND, bool BF16>
+void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
+  const int64_t blocks = w.K / kBlock;
+  float vals[kBlock];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = n * blocks + b;
+      const float d = half_to_float(w.d[at]);
+      if (KIND == Q8) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + at * kBlock;
+        for (int i = 0; i < kBlock; ++i) vals[i] = d * float(q[i]);
+      } else {
+        const float m = w.mf ? w.mf[at] : half_to_float(w.m[at]);
+        const uint8_t* q = w.qs + at * (kBlock / 2);
+        for (int i = 0; i < kBlock / 2; ++i) {
+          vals[i] = d * float(q[i] & 0x0F) + m;
+          vals[i + kBlock / 2] = d * float(q[i] >> 4) + m;
+        }
+      }
+      if (BF16) {
+        uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
+        for (int i = 0; i < kBlock; ++i) o[i] = float_to_bf16(vals[i]);
+      } else {
+        std::memcpy(static_cast<float*>(out) + at * kBlock, vals, sizeof(vals));
+      }
+    }
+  }
+}
+
+template <int KIND>
+void dequant_all(const Weights& w, void* out, bool bf16) {
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    if (bf16) {
+      dequant_rows<KIND, true>(w, n0, n1, out);
+    } else {
+      dequant_rows<KIND, false>(w, n0, n1, out);
+    }
+  });
+}
+
+}  // namespace
+
+// The planes of `pagellm_gguf_gemm` (kind as there, the int8 bit ignored) dequantized into
+// out [N, K]: bfloat16 where out_bf16, else float32. For batches too large for the blocks when
+// no dequantized copy is kept (gguf_kernel.dequantize_into). Returns 0, or -1.
+extern "C" int pagellm_gguf_dequant(int kind, const uint8_t* qs, const uint16_t* d,
+                                    const void* m, int64_t N, int64_t K, void* out,
+                                    int out_bf16) {
+  constexpr int kQ4F = 2, kInt8X = 4;
+  kind &= ~kInt8X;
+  if (N < 1 || K < kBlock || K % kBlock || kind < Q4 || kind > kQ4F) return -1;
+  if (kind != Q8 && m == nullptr) return -1;
+  const Weights w{qs, d, kind == Q4 ? static_cast<const uint16_t*>(m) : nullptr, N, K,
+                  kind == kQ4F ? static_cast<const float*>(m) : nullptr};
+  if (kind == Q8) {
+    dequant_all<Q8>(w, out, out_bf16);
+  } else {
+    dequant_all<Q4>(w, out, out_bf16);
+  }
+  return 0;
+}
+
+namespace {
+
 // one row of x's pick over a range of the vocabulary: the highest lower bound seen, and the
 // rows whose upper bound reached the floor as it stood then (pruned as it rises)
 struct Pick {

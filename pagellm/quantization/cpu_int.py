@@ -25,6 +25,8 @@ quantized model at every batch size, only the kernel and the activation rounding
 
 from __future__ import annotations
 
+import logging
+import os
 import platform
 
 import torch
@@ -40,6 +42,7 @@ from pagellm.quantization.base import (
     param_bytes,
 )
 
+logger = logging.getLogger(__name__)
 INT4_GROUP = 32  # weights per (scale, zero): GGUF's block size; the kernel allows 32..256
 
 
@@ -57,6 +60,47 @@ def dense_weight(weight: torch.Tensor):
     if cpu_prepack_supported(weight.device, weight.dtype):
         return PackedWeight(weight, batch_hint=256)
     return lambda x, bias=None: F.linear(x, weight, bias)
+
+
+class DenseCopies:
+    """Whether one model's CPU quantized layers keep a dequantized copy beside their blocks
+    for batches beyond the block kernel's rows (prefill chunks), decided once for the model
+    from what every copy would take (`count`, as the layers are built) against this machine's
+    memory (PAGELLM_CPU_QUANT_DENSE_COPY, `pagellm.envs`). A copy makes those batches ~1.3x
+    faster at 64-row chunks (less at larger ones) than dequantizing each layer into one
+    reused buffer per batch, at 4.5 (float32) or 2.5 (bf16) bytes a weight against the
+    blocks' ~0.6: a Llama-3.1-8B checkpoint's copies are ~29 GB in float32
+    (docs/notes.md, "The dequantized copy's memory")."""
+
+    FRACTION = 0.25  # auto: copies kept while they take at most this share of the memory
+
+    def __init__(self) -> None:
+        self.bytes = 0  # every counted layer's copy
+        self._keep: bool | None = None
+
+    def count(self, n: int, k: int, dtype: torch.dtype) -> None:
+        self.bytes += n * k * dtype.itemsize
+
+    def keep(self) -> bool:
+        """Decided (and logged) at the first call, once every layer has been counted."""
+        if self._keep is None:
+            self._keep = self._decide()
+        return self._keep
+
+    def _decide(self) -> bool:
+        mode = envs.cpu_quant_dense_copy()
+        if mode != "auto" or not self.bytes:
+            return mode != "0"
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        keep = self.bytes <= self.FRACTION * ram
+        if not keep:
+            logger.info(
+                "CPU quantized layers: no dequantized copies (they would take %.1f GiB, over "
+                "a quarter of this machine's %.1f GiB): batches beyond the block kernel's rows "
+                "dequantize each layer as they run it; PAGELLM_CPU_QUANT_DENSE_COPY=1 keeps "
+                "them", self.bytes / 2**30, ram / 2**30,
+            )  # fmt: skip
+        return keep
 
 
 def int4_scales_zeros(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:

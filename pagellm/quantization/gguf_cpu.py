@@ -5,7 +5,9 @@ With the block kernel (`gguf_kernel.py`, x86 with AVX-512 or AVX2 + FMA): Q4_0 /
 tensors are read as they are, with float32 accumulation on the model dtype's activations, for
 GEMMs of up to 8 rows (float32 activations; 2 for bfloat16, whose dense oneDNN GEMM reads half
 the bytes of float32: `GGUFBlockWeight.MAX_ROWS`, PAGELLM_CPU_QUANT_MAX_ROWS); a dequantized copy
-serves larger ones (prefill chunks), so every path computes the file's exact weights.
+serves larger ones (prefill chunks), so every path computes the file's exact weights. Where the
+copies would not fit (`cpu_int.DenseCopies`, PAGELLM_CPU_QUANT_DENSE_COPY) none is kept: each
+larger batch dequantizes a layer's blocks into one reused buffer before its GEMM.
 Other types (K-quants, fused projections whose parts differ) are dequantized at load. The
 tied LM head (SmolLM2's `token_embd`, Q8_0) reads the embedding's blocks the same way.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from pagellm import envs
@@ -47,6 +50,7 @@ from pagellm.quantization.base import (
     replace_param,
 )
 from pagellm.quantization.cpu_int import (
+    DenseCopies,
     FloatToIntMethod,
     dense_weight,
     float_weight_to_int,
@@ -73,30 +77,41 @@ class GGUFBlockWeight(QuantizedWeight):
 
     def __init__(self, planes: BlockPlanes, dense) -> None:
         self.planes = planes
-        self.dense = dense  # x [T, in], bias -> [T, out] in x's dtype
+        # x [T, in], bias -> [T, out] in x's dtype; None: no copy kept (`DenseCopies`), the
+        # blocks dequantized into a reused buffer for each large batch
+        self.dense = dense
         self.max_rows = {dt: envs.cpu_quant_max_rows(n) for dt, n in self.MAX_ROWS.items()}
+
+    def blocks_take(self, x: torch.Tensor) -> bool:
+        """Whether x's rows go through the block kernel (else a dense weight)."""
+        return x.shape[0] <= self.max_rows.get(x.dtype, 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        if x.shape[0] > self.max_rows.get(x.dtype, 0):
+        if self.blocks_take(x):
+            return gguf_kernel.block_gemm(x, self.planes, None if bias is None else bias.float())
+        if self.dense is not None:
             return self.dense(x, bias)
-        return gguf_kernel.block_gemm(x, self.planes, None if bias is None else bias.float())
+        return F.linear(x, gguf_kernel.dequantize_into_scratch(self.planes, x.dtype), bias)
 
 
-def block_weight(blocks: torch.Tensor, qtype: GGMLQuantizationType, dense: torch.Tensor):
+def block_weight(blocks: torch.Tensor, qtype: GGMLQuantizationType, dense: torch.Tensor | None):
     """The `QuantizedWeight` of one GGUF tensor's blocks [N, K / 32 * bytes] (Q/K rows in HF
-    order); `dense` [N, K] is its dequantized weight in the model dtype."""
-    return GGUFBlockWeight(BlockPlanes.from_blocks(blocks, qtype), dense_weight(dense))
+    order); `dense` [N, K] is its dequantized weight in the model dtype, or None (no copy)."""
+    planes = BlockPlanes.from_blocks(blocks, qtype)
+    return GGUFBlockWeight(planes, None if dense is None else dense_weight(dense))
 
 
 class GGUFBlocksMethod(LinearMethod):
     """Blocks loaded as bytes: for the block kernel (Q4_0, Q4_1, Q8_0) or, without it,
     packed for torch's int4 kernel (Q4_0, Q4_1)."""
 
-    def __init__(self, qtype: GGMLQuantizationType, dtype: torch.dtype, block_kernel: bool) -> None:
+    def __init__(self, qtype: GGMLQuantizationType, dtype: torch.dtype, block_kernel: bool,
+                 copies: DenseCopies) -> None:  # fmt: skip
         self.qtype = qtype
         self.dtype = dtype  # the model's: the dense copy's
         self.block_kernel = block_kernel  # else torch's int4 kernel
+        self.copies = copies  # whether the block kernel's layers keep a dequantized copy
 
     def create_weights(self, layer) -> None:
         row_bytes = layer.in_features // 32 * block_bytes(self.qtype)
@@ -109,7 +124,8 @@ class GGUFBlocksMethod(LinearMethod):
         blocks = raw.reshape(-1, block_bytes(self.qtype))
         dense = decode_blocks(blocks, self.qtype).view(n, k)  # exactly the dequantized path's
         if self.block_kernel:
-            layer.packed_weight = block_weight(raw.contiguous(), self.qtype, dense.to(self.dtype))
+            copy = dense.to(self.dtype) if self.copies.keep() else None
+            layer.packed_weight = block_weight(raw.contiguous(), self.qtype, copy)
         else:
             q, d, m = q4_parts(blocks, self.qtype)
             q, scale, low = q.view(n, k).to(torch.int32), d.view(n, k // 32), m.view(n, k // 32)
@@ -122,7 +138,7 @@ class GGUFBlocksMethod(LinearMethod):
         n, k = layer.out_features, layer.in_features
         dense = n * k * self.dtype.itemsize
         if self.block_kernel:
-            return param_bytes(layer) + dense
+            return param_bytes(layer) + (dense if self.copies.keep() else 0)
         return param_bytes(layer, but=("weight",)) + int4_bytes(n, k) + dense
 
 
@@ -135,6 +151,7 @@ class GGUFConfig(QuantizationConfig):
         self.tensors = tensors
         self.raw_names: set[str] = set()  # loaded as blocks (see gguf_weights)
         self.block_kernel = gguf_kernel.supported()  # decided once, for every layer
+        self.copies = DenseCopies()  # the block layers' dequantized copies: kept or not
 
     @classmethod
     def from_model(cls, model_config, device: torch.device, checkpoint=None) -> GGUFConfig:
@@ -151,7 +168,9 @@ class GGUFConfig(QuantizationConfig):
         exact = set(gguf_kernel.QTYPES if self.block_kernel else EXACT_INT4)
         if len(qtypes) == 1 and qtypes <= exact and int4_fits(layer.in_features):
             self.raw_names.update(names)
-            return GGUFBlocksMethod(qtypes.pop(), self.dtype, self.block_kernel)
+            if self.block_kernel:
+                self.copies.count(layer.out_features, layer.in_features, self.dtype)
+            return GGUFBlocksMethod(qtypes.pop(), self.dtype, self.block_kernel, self.copies)
         if self.block_kernel:  # other types (K-quants, mixed parts) stay dequantized: exact
             return None
         four_bit = qtypes <= set(FOUR_BIT) and int4_fits(layer.in_features)

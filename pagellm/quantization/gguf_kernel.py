@@ -16,6 +16,7 @@ import ctypes
 import functools
 import logging
 import platform
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +127,40 @@ def greedy_kernel():
     )
 
 
+@functools.cache
+def dequant_kernel():
+    """`pagellm_gguf_dequant` (planes to a dense [N, K] float32 / bfloat16 weight), or None."""
+    c = ctypes
+    args = [c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_int64, c.c_void_p]
+    return cpp_build.entry_point(
+        "gguf_gemm", "pagellm_gguf_dequant", args + [c.c_int], c.c_int, "weights are copied"
+    )
+
+
 _X_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_scratch = threading.local()  # per thread: {dtype: the largest weight dequantized so far}
+
+
+def dequantize_into_scratch(w: BlockPlanes, dtype: torch.dtype) -> torch.Tensor:
+    """The planes' weight [N, K] in `dtype` (float32 or bfloat16), written into a buffer this
+    thread reuses for every layer (its size the largest layer's): valid until the next call.
+    For batches beyond the blocks' rows where no dequantized copy is kept (`GGUFBlockWeight`)."""
+    fn = dequant_kernel()
+    x_kind = _X_KINDS.get(dtype)
+    if fn is None or x_kind is None:
+        raise ValueError(f"dequantize_into_scratch: {dtype} weights, kernel {fn is not None}")
+    n, k = w.shape
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < n * k:
+        buf = buffers[dtype] = torch.empty(n * k, dtype=dtype)
+    out = buf[: n * k].view(n, k)
+    kind, qs, d, m, _ = w._args
+    if fn(kind, qs, d, m, n, k, out.data_ptr(), x_kind) != 0:
+        raise ValueError("dequantize_into_scratch: the kernel refused its arguments")
+    return out
 
 
 def block_gemm(

@@ -38,6 +38,7 @@ from pagellm.quantization.base import (
     quant_config_dict,
     replace_param,
 )
+from pagellm.quantization.cpu_int import DenseCopies
 from pagellm.quantization.wna16_formats import (
     WNA16Scheme,
     dequantize,
@@ -166,7 +167,8 @@ class WNA16LinearMethod(LinearMethod):
         if self.config.dequantize:
             return rest + dense
         quantized = n * k * self.scheme.bits // 8 + getattr(layer, names["scales"]).numel() * 8
-        return rest + quantized + (dense if self.config.device.type == "cpu" else 0)
+        copy = self.config.device.type == "cpu" and self.config.copies.keep()
+        return rest + quantized + (dense if copy else 0)
 
 
 class WNA16Config(QuantizationConfig):
@@ -184,6 +186,7 @@ class WNA16Config(QuantizationConfig):
         self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint module -> full (N, K)
         self.module_schemes: dict[str, WNA16Scheme] = {}  # checkpoint module -> its scheme
         self.kernels: dict[str, int] = {}  # what served the layers, for the log
+        self.copies = DenseCopies()  # CPU: whether the block layers keep a dequantized copy
         # MoE experts: our experts module -> {stacked: one expert projection's full (N, K)}
         self.expert_shapes: dict[str, dict[str, tuple[int, int]]] = {}
         self.expert_names: tuple[dict[str, str], dict[str, str]] = ({}, {})  # renames, stacks
@@ -209,6 +212,8 @@ class WNA16Config(QuantizationConfig):
         full_rows = getattr(layer, "full_rows", None)
         n = getattr(layer, "full_out_features", layer.out_features)
         self.shapes[prefix] = (sum(full_rows.values()) if full_rows else n, k)
+        if self.device.type == "cpu" and not self.dequantize:
+            self.copies.count(layer.out_features, layer.in_features, self.dtype)
         self.module_schemes[prefix] = scheme
         for name, rows in (full_rows or {}).items():
             self.shapes[f"{prefix.rpartition('.')[0]}.{name}"] = (rows, k)
@@ -344,7 +349,8 @@ class WNA16Config(QuantizationConfig):
         else:
             from pagellm.quantization.wna16_cpu import cpu_weight
 
-            weight = cpu_weight(qweight, scales, zeros, bits, group, perm, self.dtype)
+            copy = self.copies.keep()
+            weight = cpu_weight(qweight, scales, zeros, bits, group, perm, self.dtype, copy)
         kind = type(weight).__name__ if weight is not None else "dequantized"
         self.kernels[kind] = self.kernels.get(kind, 0) + 1
         return weight

@@ -11,9 +11,10 @@ group's scale and offset, re-laid once at load, exactly (no value changes):
 
 That holds where the scales are fp16 values (GPTQ's and AWQ's are; a bf16 scale is too unless
 it is outside fp16's range). Larger batches (prefill chunks) multiply the dequantized copy,
-packed like an unquantized layer's (`dense_weight`); a layer the blocks cannot hold (groups
-not a multiple of 32, asymmetric 8-bit, scales fp16 cannot hold, no block kernel here) is
-dequantized at load (None from `cpu_weight`).
+packed like an unquantized layer's (`dense_weight`), or where the model's copies would not fit
+(`cpu_int.DenseCopies`) the blocks dequantized into one reused buffer per call; a layer the
+blocks cannot hold (groups not a multiple of 32, asymmetric 8-bit, scales fp16 cannot hold, no
+block kernel here) is dequantized at load (None from `cpu_weight`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class WNA16BlockWeight(GGUFBlockWeight):
         self.perm = perm  # [K] int64: block column j is checkpoint column perm[j]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        if self.perm is not None and x.shape[0] <= self.max_rows.get(x.dtype, 0):
+        # x: [T, in] -> [T, out]; the blocks' columns (also dequantized, without a copy) are
+        # sorted by group
+        if self.perm is not None and (self.dense is None or self.blocks_take(x)):
             x = x.index_select(1, self.perm)
         return super().__call__(x, bias)
 
@@ -75,12 +77,16 @@ def cpu_weight(
     group: int,  # inputs a group
     perm: torch.Tensor | None,  # act-order: the checkpoint column of each kernel column
     dtype: torch.dtype,
+    copy: bool = True,  # keep the dense copy (`cpu_int.DenseCopies`)
 ) -> QuantizedWeight | None:
-    """The block kernel's weight with its dense copy, or None (dequantize the layer)."""
+    """The block kernel's weight with its dense copy (or without: large batches dequantize
+    the blocks per call), or None (dequantize the layer)."""
     if not gguf_kernel.supported():
         return None
     planes = block_planes(qweight, scales, zeros, bits, group)
     if planes is None:
         return None
+    if not copy:
+        return WNA16BlockWeight(planes, None, perm)
     dense = unpermuted(dequantize(qweight, scales, zeros, bits, group), perm)
     return WNA16BlockWeight(planes, dense_weight(dense.to(dtype)), perm)
