@@ -6,8 +6,8 @@ path and llama.cpp on a Q4_0 GGUF of it, alternated in one run (issue 40).
     python benchmarks/cpu_int4.py --dtype bfloat16 --rounds 5
     python benchmarks/cpu_int4.py --int8-activations   # + GPTQ with x rounded to int8 blocks
 
-(benchmarks/ leaves sys.path first: its kernels.py would shadow the `kernels` package that
-transformers looks for.) Prepared once in `--workdir` and kept:
+(benchmarks/ leaves sys.path first: a script named like a package would shadow it.)
+Prepared once in `--workdir` and kept:
 
     float32/   the embedded Q4_1 GGUF dequantized to float32, an HF folder with its tokenizer
                (`vllm_cpu_peer.py export`)

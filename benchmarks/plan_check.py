@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-# this folder's kernels.py would shadow the `kernels` package transformers imports
+# run as a script, this folder leads sys.path: a script named like a package would shadow it
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

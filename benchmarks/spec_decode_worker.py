@@ -17,8 +17,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# run as a script, benchmarks/ is sys.path[0], and its kernels.py shadows the `kernels`
-# package that transformers imports (tests/benchmark_modules.py)
+# run as a script, benchmarks/ is sys.path[0]: a script named like a package would shadow it
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 

@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# run as a script, this folder leads sys.path: its kernels.py would shadow the `kernels`
-# package that transformers imports
+# run as a script, this folder leads sys.path: a script named like a package would shadow it
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 CONFIGS = _HERE.parent / "pagellm" / "model_configs"

@@ -1,6 +1,6 @@
 """Scripts of benchmarks/ that tests share (their prompt sets and measures), imported by
-file path. benchmarks/ is never put on sys.path: its kernels.py would shadow the `kernels`
-package, which transformers imports lazily (an ImportError far from the cause)."""
+file path. benchmarks/ is never put on sys.path: a script named like a package would shadow it
+(`pagellm.benchmarks.scripts`)."""
 
 from __future__ import annotations
 

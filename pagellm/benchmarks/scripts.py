@@ -1,6 +1,7 @@
 """A benchmark script of the checkout imported by its path: benchmarks/ is never put on
-sys.path (its kernels.py would shadow the `kernels` package, which transformers imports
-lazily: an ImportError far from the cause). Scripts and tests share their workloads this way."""
+sys.path (a script named like a package would shadow it: `benchmarks/kernels.py` once hid
+the `kernels` package that transformers imports lazily, an ImportError far from the cause).
+Scripts and tests share their workloads this way."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Benchmark the Triton attention kernels against torch SDPA on one CUDA GPU.
 
-    python benchmarks/kernels.py                  # decode + prefill, default shapes
-    python benchmarks/kernels.py --sweep decode   # also try tile/warp/stage/split configs
-    python benchmarks/kernels.py --sweep all
-    python benchmarks/kernels.py --only prompts --sweep prefill   # short prompts, varlen
-    python benchmarks/kernels.py --sliding-window 1024 --soft-cap 50   # a windowed layer
-    python benchmarks/kernels.py --kv-cache-dtype fp8                  # an fp8 KV cache
+    python benchmarks/attention_kernels.py                  # decode + prefill, default shapes
+    python benchmarks/attention_kernels.py --sweep decode   # also try tile/warp/stage/split configs
+    python benchmarks/attention_kernels.py --sweep all
+    python benchmarks/attention_kernels.py --only prompts --sweep prefill   # short prompts, varlen
+    python benchmarks/attention_kernels.py --sliding-window 1024 --soft-cap 50   # a windowed layer
+    python benchmarks/attention_kernels.py --kv-cache-dtype fp8                  # an fp8 KV cache
 
 decode:  batch 64, context 4096, 32 query / 8 KV heads, head_dim 128, block 16, bf16;
          reported as TB/s of K/V read (2 * batch * seq_len * kv_heads * head_dim * 2 bytes).
@@ -389,7 +389,7 @@ def main() -> None:
 
         LAYER["kv_cache_dtype"] = kv_cache_torch_dtype(args.kv_cache_dtype, torch.bfloat16)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (Triton kernels); none found.")
+        sys.exit("benchmarks/attention_kernels.py needs a CUDA GPU (Triton kernels); none found.")
     torch.manual_seed(0)
 
     result: dict = {"device": torch.cuda.get_device_name(), **LAYER}
