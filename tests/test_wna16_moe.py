@@ -2,7 +2,9 @@
 expert's projections packed by `wna16_pack.py`, routers float) and fp8 checkpoints whose
 experts stay fp8, against HF on a float folder of the same weights dequantized.
 
-On the CPU the experts are dequantized at load (the torch path). The CUDA path (experts
+On the CPU the experts stay int as the GGUF block kernel's planes (no dequantized copy: a
+few rows through the blocks, more through them dequantized per call); act-order experts are
+dequantized at load. The CUDA path (experts
 stacked as stored, the Triton fused MoE with int or fp8 weights) runs here under Triton's
 interpreter: the quantization config is told its device is CUDA while the tensors stay on the
 CPU, so the model's Linears and experts take their CUDA kernels (interpreted). Also: tensor-
@@ -22,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from wna16_pack import Packing, quantize_folder
 
 from pagellm.distributed.parallel_state import building_rank
+from pagellm.quantization import gguf_kernel
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = HAS_TRITON and not torch.cuda.is_available()
@@ -45,6 +48,8 @@ CASES = {  # (family, its config, packing)
     "qwen3_moe-gptq_v2-8bit-channel": ("qwen3_moe", QWEN3_MOE, Packing("gptq_v2", 8, -1)),
 }  # fmt: skip
 PROMPT = [[3, 17, 99, 250, 7]]
+LONG_PROMPT = [[3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201, 77, 31, 140, 2, 60, 19, 222]]
+BLOCKS = gguf_kernel.supported()
 
 
 def _packed(tmp_path, case: str) -> tuple[str, str]:
@@ -74,20 +79,28 @@ def _on_cuda_kernels(monkeypatch, config_cls) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_logits_equal_the_dequantized_models(case, tmp_path):
-    """Experts dequantized at load (w13 / w2 in float32), routers never quantized; logits
-    within 1e-4 of HF on the dequantized folder, kept int (the block kernel's dense layers)
-    or every layer dequantized (quantization="none")."""
+    """Experts kept int where the block kernel runs (act-order ones dequantized at load),
+    routers never quantized; logits within 1e-4 of HF on the dequantized folder, with int
+    weights kept or every layer dequantized (quantization="none"). The long prompt gives
+    its experts more rows than the blocks take (dequantized per call), the decode steps few."""
     folder, reference = _packed(tmp_path, case)
     hf = _hf(reference)
+    kept_int = BLOCKS and not CASES[case][2].act_order
     for quantization in (None, "none"):
         model = load_our_model(folder, quantization=quantization)
         mlp = model.model.layers[1].mlp
         assert mlp.gate.quant_method is None and mlp.gate.weight.dtype == torch.float32
         assert type(mlp.experts.quant_method).__name__ == "WNA16ExpertsMethod"
-        assert mlp.experts.w13.dtype == torch.float32 and mlp.experts.quantized_experts is None
         assert "w13_qweight" not in dict(mlp.experts.named_parameters())
-        fed, got = run_paged(model, PROMPT, num_decode_steps=3)[0]
-        torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
+        if quantization is None and kept_int:
+            assert type(mlp.experts.quantized_experts).__name__ == "WNA16CpuExperts"
+            assert mlp.experts._parameters.get("w13") is None
+        else:
+            assert mlp.experts.w13.dtype == torch.float32
+            assert mlp.experts.quantized_experts is None
+        for prompt in (PROMPT, LONG_PROMPT):
+            fed, got = run_paged(model, prompt, num_decode_steps=3)[0]
+            torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
 
 
 def test_mixtral_experts_under_qwen_names(tmp_path):
@@ -228,12 +241,18 @@ def test_split_inside_a_group_and_bad_tensors_are_clear_errors(tmp_path):
 def test_dummy_int4_experts(tmp_path, monkeypatch):
     """load_format="dummy" with quantization="gptq" on a MoE config without a
     quantization_config: random int4 experts in groups of 128 (CUDA: kept int, stacked; the
-    CPU: dequantized, each group of a row on 16 levels)."""
+    CPU: each expert's blocks, or dequantized without the block kernel), each group of a row
+    on 16 levels."""
     from pagellm.quantization.wna16 import WNA16Config
 
     folder = make_tiny_hf_model("qwen3_moe", tmp_path, **QWEN3_MOE)
     experts = load_our_model(folder, load_format="dummy", quantization="gptq").model.layers[0]
-    w13 = experts.mlp.experts.w13  # [4, 128, 128]: one group of 128 a row
+    fused = experts.mlp.experts
+    if BLOCKS:  # [4, 128, 128] as the blocks hold it: one group of 128 a row
+        w13 = torch.stack([gguf_kernel.dequantize_into_scratch(w.planes, torch.float32).clone()
+                           for w in fused.quantized_experts.w13])  # fmt: skip
+    else:
+        w13 = fused.w13
     assert max(len(row.unique()) for row in w13.reshape(-1, 128)) <= 16
     assert 0.01 < float(w13.std()) < 0.03  # the config's initializer_range, 0.02
     if INTERPRETED:

@@ -357,13 +357,17 @@ class WNA16Config(QuantizationConfig):
 
     def experts_weight(self, stacks: dict[str, dict[str, torch.Tensor]]):
         """A MoE layer's int experts for this device's kernels (`QuantizedExperts`), or None
-        (dequantized: the CPU, act-order, groups the kernel cannot take)."""
-        if self.device.type != "cuda" or any("g_idx" in t for t in stacks.values()):
+        (dequantized: act-order, groups the kernel cannot take, no CPU block kernel)."""
+        if any("g_idx" in t for t in stacks.values()):
             kind = None
-        else:
+        elif self.device.type == "cuda":
             from pagellm.quantization.wna16_gpu import gpu_experts
 
             kind = gpu_experts(stacks, self.scheme.bits, self.scheme.group_size)
+        else:
+            from pagellm.quantization.wna16_cpu import cpu_experts
+
+            kind = cpu_experts(stacks, self.scheme.bits, self.scheme.group_size)
         name = "experts " + (type(kind).__name__ if kind is not None else "dequantized")
         self.kernels[name] = self.kernels.get(name, 0) + 1
         return kind

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.quantization import gguf_kernel
-from pagellm.quantization.base import QuantizedWeight
+from pagellm.quantization.base import QuantizedExperts, QuantizedWeight
 from pagellm.quantization.cpu_int import dense_weight
 from pagellm.quantization.gguf_cpu import GGUFBlockWeight
 from pagellm.quantization.gguf_kernel import BLOCK, BlockPlanes
@@ -90,3 +90,42 @@ def cpu_weight(
         return WNA16BlockWeight(planes, None, perm)
     dense = unpermuted(dequantize(qweight, scales, zeros, bits, group), perm)
     return WNA16BlockWeight(planes, dense_weight(dense.to(dtype)), perm)
+
+
+class WNA16CpuExperts(QuantizedExperts):
+    """A MoE layer's int experts on the CPU: each expert projection's blocks, no dequantized
+    copy (the experts are most of such a model). `experts_torch` runs them: an expert's few
+    rows through the block kernel, more (prefill) through its blocks dequantized per call."""
+
+    def __init__(self, w13: list[GGUFBlockWeight], w2: list[GGUFBlockWeight]) -> None:
+        self.w13, self.w2 = w13, w2  # one weight an expert: [2I, H] and [H, I]
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **extras):
+        from pagellm.layers.moe import experts_torch
+
+        return experts_torch(x, self.w13, self.w2, weights, ids, **extras)
+
+
+def cpu_experts(
+    stacks: dict[str, dict[str, torch.Tensor]],  # "w13" / "w2" -> canonical tensors by role
+    bits: int,
+    group_size: int,
+) -> WNA16CpuExperts | None:
+    """Stacked canonical experts ([E, N, K * bits / 8], scales and zeros [E, N, G]; no
+    act-order) as the block kernel's planes, or None where it cannot hold them (then they are
+    dequantized at load)."""
+    if not gguf_kernel.supported():
+        return None
+    built = {}
+    for stacked, t in stacks.items():
+        q = t["qweight"]
+        k = q.shape[2] * 8 // bits
+        group = k if group_size == -1 else group_size
+        experts = []
+        for e in range(q.shape[0]):
+            planes = block_planes(q[e], t["scales"][e], t["zeros"][e], bits, group)
+            if planes is None:
+                return None
+            experts.append(GGUFBlockWeight(planes, None))
+        built[stacked] = experts
+    return WNA16CpuExperts(built["w13"], built["w2"])

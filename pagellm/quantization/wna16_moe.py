@@ -10,8 +10,10 @@ like the float weights (`pagellm/layers/moe.py`):
 Tensor parallelism splits I as for float experts: w13's rows, w2's columns on group
 boundaries (a split inside a group is a ValueError). After loading: on CUDA the Triton fused
 MoE reads them as stored (`pagellm/kernels/fused_moe_quant.py`, `WNA16GpuExperts`); on the
-CPU, with act-order, or with quantization="none" they are dequantized to w13 / w2 in the
-model dtype (the torch path, or the bf16 kernel). The router is never quantized.
+CPU each expert's projections become the GGUF block kernel's planes, without a dequantized
+copy (`wna16_cpu.WNA16CpuExperts`: the torch path over them); with act-order, without the
+block kernel, or with quantization="none" they are dequantized to w13 / w2 in the model
+dtype. The router is never quantized.
 """
 
 from __future__ import annotations
@@ -156,7 +158,10 @@ class WNA16ExpertsMethod(ExpertsMethod):
     def weight_bytes(self, layer) -> int:
         e, n13, h = layer.num_experts, *self._dims(layer, "w13")
         values = e * 3 * (n13 // 2) * h  # weights in the two stacks
-        if self.config.dequantize or self.config.device.type != "cuda" or self.scheme.act_order:
+        if self.config.dequantize or self.scheme.act_order:
             return values * self.config.dtype.itemsize
+        if self.config.device.type == "cpu":  # the block kernel's planes (wna16_cpu)
+            per_block = 2 + 4 * (self.scheme.bits == 4)  # fp16 scale, float32 offset
+            return values * self.scheme.bits // 8 + values // 32 * per_block
         groups = sum(getattr(layer, f"{s}_scales").numel() for s in STACKS)
         return values * self.scheme.bits // 8 + groups * 5  # float32 scales, uint8 zeros
