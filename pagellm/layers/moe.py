@@ -13,8 +13,9 @@ of each expert's gate and up projections (w13) and those columns of its down pro
 for a dense MLP. The router is replicated.
 
 On CUDA the top-k and the experts run as Triton kernels (`pagellm/kernels/fused_moe.py`: no
-host sync, safe in CUDA graphs). On the CPU they are torch (`experts_torch`): the (token, k)
-rows sorted by expert, one gate_up and one down matmul per expert over its rows. That path
+host sync, safe in CUDA graphs). On the CPU they are torch (`experts_torch`, in
+`pagellm/kernels/moe_torch.py`): the (token, k) rows sorted by expert, one gate_up and one down
+matmul per expert over its rows. That path
 is the reference the kernels are tested against. Quantized experts (int4 / int8 and fp8
 checkpoints on CUDA) are their method's `quantized_experts` (`pagellm/kernels/fused_moe_quant.py`;
 int4 / int8 on the CPU: the torch path over each expert's blocks, `wna16_cpu.WNA16CpuExperts`).
@@ -23,19 +24,19 @@ int4 / int8 on the CPU: the torch path over each expert's blocks, `wna16_cpu.WNA
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import all_reduce, divide, get_tp_group
+from pagellm.kernels.moe_torch import experts_torch
 from pagellm.layers.activation import ClampedSwiGLU
 from pagellm.layers.linear import Linear
 from pagellm.layers.mlp import GatedMLP
 from pagellm.layers.weights import CheckpointTensor, TensorSlice, materialize
-from pagellm.quantization.base import ExpertsMethod, QuantizedExperts, QuantizedWeight
+from pagellm.quantization.base import ExpertsMethod, QuantizedExperts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig  # the child process never imports transformers
@@ -88,47 +89,6 @@ def select_experts(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
-
-
-def experts_torch(
-    x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor | Sequence[QuantizedWeight],  # [E, 2I, H]
-    w2: torch.Tensor | Sequence[QuantizedWeight],  # [E, H, I]
-    weights: torch.Tensor,  # [T, K] float32
-    ids: torch.Tensor,  # [T, K] expert ids
-    bias13: torch.Tensor | None = None,  # [E, 2I] (gpt-oss)
-    bias2: torch.Tensor | None = None,  # [E, H]
-    activation: ClampedSwiGLU | None = None,  # None: SiLU(gate) * up
-) -> torch.Tensor:  # [T, H]
-    """sum over k of weights[t, k] * expert ids[t, k] applied to x[t]: the N = T * K rows
-    sorted by expert, one matmul pair per expert over its rows (a loop over experts, not
-    tokens). Rounds where `fused_moe` rounds: each expert's output, then times the weight.
-    An expert's weight may be a `QuantizedWeight` (the CPU's int experts, `wna16_cpu`)."""
-    t, k = ids.shape
-    flat = ids.flatten().long()
-    order = torch.argsort(flat, stable=True)  # [N]: rows grouped by expert, in row order
-    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # the CPU path may sync
-    rows = x[order // k]  # [N, H]
-    y = torch.empty_like(rows)  # [N, H]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            b13 = None if bias13 is None else bias13[expert]
-            gate_up = _linear(rows[start : start + count], w13[expert], b13)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up if activation is None else activation(gate, up)
-            b2 = None if bias2 is None else bias2[expert]
-            y[start : start + count] = _linear(act, w2[expert], b2)
-        start += count
-    y = (y * weights.flatten()[order, None]).to(x.dtype)
-    out = torch.empty_like(y)
-    out[order] = y  # back to row order: row r is token r // K, its k-th expert
-    return out.view(t, k, -1).sum(dim=1)
-
-
-def _linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w^T + bias for a float weight or a `QuantizedWeight`."""
-    return F.linear(x, w, bias) if isinstance(w, torch.Tensor) else w(x, bias)
 
 
 class FusedMoE(nn.Module):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.kernels.moe_torch import experts_torch
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.base import QuantizedExperts, QuantizedWeight
 from pagellm.quantization.cpu_int import dense_weight
@@ -101,8 +102,6 @@ class WNA16CpuExperts(QuantizedExperts):
         self.w13, self.w2 = w13, w2  # one weight an expert: [2I, H] and [H, I]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, **extras):
-        from pagellm.layers.moe import experts_torch
-
         return experts_torch(x, self.w13, self.w2, weights, ids, **extras)
 
 
