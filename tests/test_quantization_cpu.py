@@ -314,6 +314,28 @@ def test_without_dense_copies_large_batches_dequantize_the_blocks(tiny_ggufs, qt
     _close(_decode_logits(lean, ids[:4]), _decode_logits(ref, ids[:4]), 1e-4)  # the blocks
 
 
+@needs_block_kernel
+def test_engine_without_dense_copies_gives_the_same_greedy_ids(
+    tiny_ggufs, tiny_chat_model, monkeypatch
+):
+    """An engine whose GGUF layers keep no copy (its C++ decoder loop hands steps beyond the
+    blocks' rows to the layers, which dequantize per call) gives the greedy ids of the engine
+    with copies: prefills of 20+ rows, decode steps of 6 rows, then 1."""
+    from pagellm import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
+    path = tiny_ggufs[1]["Q4_1"]
+    requests = [{"prompt_token_ids": [3 + i, 17, 99, 250, 7] * (4 + i)} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = {}
+    for copy in ("1", "0"):
+        monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", copy)
+        engine = dict(tokenizer=tiny_chat_model, max_model_len=128, max_num_seqs=8)
+        with LLM(model=path, dtype="float32", **engine) as llm:
+            ids[copy] = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+    assert ids["0"] == ids["1"]
+
+
 def test_dense_copies_are_kept_while_they_fit(monkeypatch, caplog):
     """auto keeps the copies when together they take at most a quarter of the machine's
     memory; 1 and 0 force it; the decision is taken once, at the first question."""
