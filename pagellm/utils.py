@@ -54,3 +54,25 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def read_weights(folder: str, stem: str, what: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of `<stem>.safetensors` in `folder`, else of `<stem>.bin` (a torch pickle,
+    loaded with weights_only): None where neither file is there; a ValueError naming `what`
+    where the one there cannot be read (corrupt, or not a dict of tensors)."""
+    import os
+
+    st, pt = os.path.join(folder, f"{stem}.safetensors"), os.path.join(folder, f"{stem}.bin")
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if os.path.isfile(pt):
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict):
+                raise ValueError("not a dict of tensors")
+            return tensors
+    except Exception as e:  # a corrupt or foreign file (SafetensorError, UnpicklingError, ...)
+        raise ValueError(f"{what}: its weights cannot be read ({type(e).__name__}: {e})") from None
+    return None

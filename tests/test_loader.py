@@ -442,3 +442,21 @@ def test_tokenizer_override(tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="<unk>").save_pretrained(tok_dir)
     tok = load_tokenizer(resolve_model_source(folder, "auto", tok_dir))
     assert tok.encode("a b c", add_special_tokens=False) == [1, 2, 0]
+
+
+def test_read_weights_safetensors_then_bin_and_clear_errors(tmp_path):
+    """`read_weights`: `<stem>.safetensors` first, else `<stem>.bin`; None where neither is
+    there; a corrupt file or a pickle that is not a dict of tensors: a ValueError naming it."""
+    from pagellm.utils import read_weights
+
+    assert read_weights(str(tmp_path), "model", "x") is None
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.bin")
+    assert torch.equal(read_weights(str(tmp_path), "model", "x")["w"], torch.ones(2))
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(read_weights(str(tmp_path), "model", "x")["w"], torch.zeros(3))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="my module: its weights cannot be read"):
+        read_weights(str(tmp_path), "model", "my module")
+    torch.save([torch.ones(1)], tmp_path / "other.bin")
+    with pytest.raises(ValueError, match="not a dict of tensors"):
+        read_weights(str(tmp_path), "other", "y")

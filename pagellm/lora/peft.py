@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pagellm.lora.layers import lora_targets
+from pagellm.utils import read_weights
 
 logger = logging.getLogger(__name__)
 
@@ -245,23 +246,10 @@ def _unsupported_kind(key: str, config: dict[str, Any]) -> str:
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    st = os.path.join(path, "adapter_model.safetensors")
-    pt = os.path.join(path, "adapter_model.bin")
-    try:
-        if os.path.isfile(st):
-            from safetensors.torch import load_file
-
-            return load_file(st)
-        if os.path.isfile(pt):
-            tensors = torch.load(pt, map_location="cpu", weights_only=True)
-            if not isinstance(tensors, dict):
-                raise ValueError("not a dict of tensors")
-            return tensors
-    except Exception as e:  # a corrupt or foreign file (SafetensorError, UnpicklingError, ...)
-        raise ValueError(
-            f"LoRA adapter {path!r}: its weights cannot be read ({type(e).__name__}: {e})"
-        ) from None
-    raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or .bin) there")
+    tensors = read_weights(path, "adapter_model", f"LoRA adapter {path!r}")
+    if tensors is None:
+        raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or .bin) there")
+    return tensors
 
 
 def _pair_tensors(

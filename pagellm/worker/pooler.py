@@ -11,8 +11,6 @@ classifier's logits through softmax (sigmoid for one label). All in float32.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 from pagellm.config import PoolerConfig
 from pagellm.core.sched_output import ModelRunnerOutput
 from pagellm.pooling_params import PoolingParams
-from pagellm.utils import to_device
+from pagellm.utils import read_weights, to_device
 from pagellm.worker.step_batch import StepBatch
 
 
@@ -148,14 +146,10 @@ def _load_dense(path: str, activation: str) -> tuple[torch.Tensor, torch.Tensor 
     """A sentence-transformers Dense module's weights (its folder's model.safetensors or
     pytorch_model.bin: linear.weight, linear.bias), float32 on the host, where the pooled
     vectors are finished."""
-    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(st):
-        from safetensors.torch import load_file
-
-        tensors = load_file(st)
-    elif os.path.isfile(pt):
-        tensors = torch.load(pt, map_location="cpu", weights_only=True)
-    else:
+    tensors = read_weights(path, "model", f"{path}: a Dense module")
+    if tensors is None:
+        tensors = read_weights(path, "pytorch_model", f"{path}: a Dense module")
+    if tensors is None:
         raise ValueError(f"{path}: a Dense module without model.safetensors")
     if "linear.weight" not in tensors:
         raise ValueError(f"{path}: a Dense module's weights lack linear.weight")
