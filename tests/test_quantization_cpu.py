@@ -298,7 +298,7 @@ def test_without_dense_copies_large_batches_dequantize_the_blocks(tiny_ggufs, qt
     rows than the blocks take dequantizes each layer's blocks per call: its logits are the
     model with copies' (the same weights, bit for bit) and the dequantized model's."""
     path = tiny_ggufs[1][qtype]
-    ids = [5, 77, 301, 12, 9, 400, 33, 2, 150, 61, 7, 288]  # 12 rows > MAX_ROWS (8)
+    ids = [5, 77, 301, 12, 9, 400, 33, 2, 150, 61, 7, 288] * 3  # 36 rows > MAX_ROWS_NO_COPY
     ref = load_our_model(path, quantization="none")
     with_copies = load_our_model(path, quantization="gguf")
     monkeypatch.setenv("PAGELLM_CPU_QUANT_DENSE_COPY", "0")
@@ -320,12 +320,12 @@ def test_engine_without_dense_copies_gives_the_same_greedy_ids(
 ):
     """An engine whose GGUF layers keep no copy (its C++ decoder loop hands steps beyond the
     blocks' rows to the layers, which dequantize per call) gives the greedy ids of the engine
-    with copies: prefills of 20+ rows, decode steps of 6 rows, then 1."""
+    with copies: prefills of 25-50 rows, decode steps of 6 rows, then 1."""
     from pagellm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGELLM_ENABLE_MULTIPROCESSING", "0")
     path = tiny_ggufs[1]["Q4_1"]
-    requests = [{"prompt_token_ids": [3 + i, 17, 99, 250, 7] * (4 + i)} for i in range(6)]
+    requests = [{"prompt_token_ids": [3 + i, 17, 99, 250, 7] * (5 + i)} for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     ids = {}
     for copy in ("1", "0"):
