@@ -93,7 +93,7 @@ def test_without_dense_copies_prefill_dequantizes_the_blocks(case, tmp_path, mon
     model = load_our_model(folder)
     weight = model.model.layers[0].mlp.down_proj.packed_weight
     assert type(weight).__name__ == "WNA16BlockWeight" and weight.dense is None
-    prompt = [3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201] * 2  # 26 rows > 24
+    prompt = [3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201] * 3  # 39 rows > 32
     fed, got = run_paged(model, [prompt], num_decode_steps=3)[0]
     torch.testing.assert_close(got, hf_logits(hf, fed), rtol=1e-4, atol=1e-4)
 

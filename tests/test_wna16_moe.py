@@ -48,7 +48,7 @@ CASES = {  # (family, its config, packing)
     "qwen3_moe-gptq_v2-8bit-channel": ("qwen3_moe", QWEN3_MOE, Packing("gptq_v2", 8, -1)),
 }  # fmt: skip
 PROMPT = [[3, 17, 99, 250, 7]]
-LONG_PROMPT = [[3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201, 77, 31, 140, 2, 60, 19] * 4]
+LONG_PROMPT = [[3, 17, 99, 250, 7, 41, 12, 88, 5, 130, 64, 9, 201, 77, 31, 140, 2, 60, 19] * 6]
 BLOCKS = gguf_kernel.supported()
 
 

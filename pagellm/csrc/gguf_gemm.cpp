@@ -559,11 +559,49 @@ namespace {
 // rows [n0, n1) of W dequantized into `out` ([N, K], float32 or bfloat16): w = d * q + m
 // (Q8: d * q), the values the dequantized copy holds (each d * q is exact in float32, so
 // one rounding at most, whichever way the compiler fuses it)
+#if defined(__AVX512F__)
+// 16 floats rounded to bfloat16 (nearest even; finite values) and stored
+inline void store_bf16(uint16_t* o, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
+}
+#endif
+
 template <int KIND, bool BF16>
 void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
   const int64_t blocks = w.K / kBlock;
   float vals[kBlock];
   for (int64_t n = n0; n < n1; ++n) {
+#if defined(__AVX512F__)  // a block as two vectors of 16, as the GEMM unpacks it
+    const uint8_t* row = w.qs + n * (KIND == Q8 ? w.K : w.K / 2);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = n * blocks + b;
+      __m512 lo, hi;
+      unpack<KIND>(row, b, &lo, &hi);
+      const __m512 d = _mm512_set1_ps(half_to_float(w.d[at]));
+      if (KIND == Q8) {
+        lo = _mm512_mul_ps(lo, d);
+        hi = _mm512_mul_ps(hi, d);
+      } else {  // d * q is exact: the fused multiply-add rounds once, as d * q + m does
+        const __m512 m = _mm512_set1_ps(w.mf ? w.mf[at] : half_to_float(w.m[at]));
+        lo = _mm512_fmadd_ps(lo, d, m);
+        hi = _mm512_fmadd_ps(hi, d, m);
+      }
+      if (BF16) {
+        uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
+        store_bf16(o, lo);
+        store_bf16(o + 16, hi);
+      } else {
+        float* o = static_cast<float*>(out) + at * kBlock;
+        _mm512_storeu_ps(o, lo);
+        _mm512_storeu_ps(o + 16, hi);
+      }
+    }
+    continue;
+#endif
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t at = n * blocks + b;
       const float d = half_to_float(w.d[at]);
@@ -578,9 +616,13 @@ void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
           vals[i + kBlock / 2] = d * float(q[i] >> 4) + m;
         }
       }
-      if (BF16) {
+      if (BF16) {  // round to nearest even; the values are finite (no NaN branch: vectorized)
         uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
-        for (int i = 0; i < kBlock; ++i) o[i] = float_to_bf16(vals[i]);
+        for (int i = 0; i < kBlock; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &vals[i], 4);
+          o[i] = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+        }
       } else {
         std::memcpy(static_cast<float*>(out) + at * kBlock, vals, sizeof(vals));
       }

@@ -74,9 +74,10 @@ class GGUFBlockWeight(QuantizedWeight):
     # rows up to which the blocks beat the dense copy, by activation dtype (the embedded model,
     # end to end: float32 2.7x at 4 rows, 1.7x at 8; bf16 1.18x at 1, 1.05x at 2, 0.86x at 4)
     MAX_ROWS = {torch.float32: 8, torch.bfloat16: 2}
-    # without a copy, up to which they beat dequantizing the layer and a dense GEMM (576 x
-    # 3,072 and 4,096 x 14,336 layers, 2 threads: even at 22-36 rows in float32, 16-20 in bf16)
-    MAX_ROWS_NO_COPY = {torch.float32: 24, torch.bfloat16: 16}
+    # without a copy, up to which they beat dequantizing the layer and a dense GEMM, which at
+    # these rows reads the whole dequantized weight (2 threads: even at ~22 rows for 3,072 x
+    # 576 and ~48 for 14,336 x 4,096 in float32; ~6 and ~12 in bf16)
+    MAX_ROWS_NO_COPY = {torch.float32: 32, torch.bfloat16: 12}
 
     def __init__(self, planes: BlockPlanes, dense) -> None:
         self.planes = planes
