@@ -34,7 +34,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -570,6 +570,19 @@ inline void store_bf16(uint16_t* o, __m512 v) {
 }
 #endif
 
+#if defined(PAGELLM_AVX2_BLOCKS)
+// 8 floats rounded to bfloat16 (nearest even; finite values) and stored
+inline void store_bf16_8(uint16_t* o, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(up), _mm256_extracti128_si256(up, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
+}
+#endif
+
 template <int KIND, bool BF16>
 void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
   const int64_t blocks = w.K / kBlock;
@@ -598,6 +611,24 @@ void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
         float* o = static_cast<float*>(out) + at * kBlock;
         _mm512_storeu_ps(o, lo);
         _mm512_storeu_ps(o + 16, hi);
+      }
+    }
+    continue;
+#elif defined(PAGELLM_AVX2_BLOCKS)  // the same in four vectors of 8
+    const uint8_t* row = w.qs + n * (KIND == Q8 ? w.K : w.K / 2);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = n * blocks + b;
+      __m256 v[4];
+      unpack8<KIND>(row, b, v);
+      const __m256 d = _mm256_set1_ps(half_to_float(w.d[at]));
+      const __m256 m = _mm256_set1_ps(KIND == Q8 ? 0.0f : w.mf ? w.mf[at] : half_to_float(w.m[at]));
+      for (int j = 0; j < 4; ++j) {
+        v[j] = KIND == Q8 ? _mm256_mul_ps(v[j], d) : _mm256_fmadd_ps(v[j], d, m);
+        if (BF16) {
+          store_bf16_8(static_cast<uint16_t*>(out) + at * kBlock + 8 * j, v[j]);
+        } else {
+          _mm256_storeu_ps(static_cast<float*>(out) + at * kBlock + 8 * j, v[j]);
+        }
       }
     }
     continue;
