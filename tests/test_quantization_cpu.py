@@ -547,3 +547,44 @@ def test_no_block_kernel_without_a_compiler(broken_compiler):
         assert resolve_quantization(None, None, "gguf", CPU) is None
     finally:
         gguf_kernel.kernel.cache_clear()  # the next user builds (or finds) the real kernel
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"],
+                         ids=["avx2", "scalar"])  # fmt: skip
+def test_kernels_without_avx512_compute_the_same(flags, tmp_path, monkeypatch):
+    """The block GEMM and the dequantization built as for a CPU without AVX-512 (laptops:
+    8-float vectors) or without vectors at all give the native build's results: the
+    dequantized weights bit for bit, the GEMM's up to float32 summation order."""
+    import ctypes
+    import shutil
+    import stat
+
+    from pagellm import cpp_build
+
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++") or "c++"} "$@" {flags}\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(wrapper))
+    lib = ctypes.CDLL(str(cpp_build.build("gguf_gemm")))
+    gemm, dequant = lib.pagellm_gguf_gemm, lib.pagellm_gguf_dequant
+    gemm.argtypes = gguf_kernel.kernel().argtypes
+    dequant.argtypes = gguf_kernel.dequant_kernel().argtypes
+    gen = torch.Generator().manual_seed(11)
+    n, k = 40, 128
+    planes = gguf_kernel.BlockPlanes(
+        torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+        (torch.rand(n, k // 32, generator=gen) * 0.02).half(),
+        (torch.rand(n, k // 32, generator=gen) * -0.1).float(),
+    )
+    kind, qs, d, m, _ = planes._args
+    for dtype, x_kind in ((torch.float32, 0), (torch.bfloat16, 1)):
+        out = torch.empty(n, k, dtype=dtype)
+        assert dequant(kind, qs, d, m, n, k, out.data_ptr(), x_kind) == 0
+        assert torch.equal(out, gguf_kernel.dequantize_into_scratch(planes, dtype)), dtype
+        x = torch.randn(5, k, generator=gen).to(dtype)
+        y = torch.empty(5, n, dtype=dtype)
+        assert gemm(x.data_ptr(), 5, k, x_kind, kind, qs, d, m, n, y.data_ptr(), None) == 0
+        want = gguf_kernel.block_gemm(x, planes)
+        torch.testing.assert_close(y.float(), want.float(), rtol=1e-2 if x_kind else 1e-5,
+                                   atol=1e-2 if x_kind else 1e-5)  # fmt: skip
