@@ -140,8 +140,8 @@ def cpu_decode_kernel() -> bool:
 def cpu_quant_max_rows(default: int) -> int:
     """PAGELLM_CPU_QUANT_MAX_ROWS: the most rows a step's GEMM may have to run through the CPU's
     quantized kernels (GGUF blocks, torch's int4 / int8: `pagellm.quantization`; larger ones
-    use the dequantized copy). Unset: each kernel's `default`, where it stops beating the
-    dense GEMM (docs/notes.md, the GGUF block kernel)."""
+    use the dequantized copy, or the blocks dequantized per call). Unset: each kernel's
+    `default`, where it stops beating the dense GEMM (docs/notes.md, the GGUF block kernel)."""
     value = os.environ.get("PAGELLM_CPU_QUANT_MAX_ROWS")
     return default if value is None else int(value)
 

@@ -676,7 +676,7 @@ void dequant_all(const Weights& w, void* out, bool bf16) {
 
 // The planes of `pagellm_gguf_gemm` (kind as there, the int8 bit ignored) dequantized into
 // out [N, K]: bfloat16 where out_bf16, else float32. For batches too large for the blocks when
-// no dequantized copy is kept (gguf_kernel.dequantize_into). Returns 0, or -1.
+// no dequantized copy is kept (gguf_kernel.dequantize_into_scratch). Returns 0, or -1.
 extern "C" int pagellm_gguf_dequant(int kind, const uint8_t* qs, const uint16_t* d,
                                     const void* m, int64_t N, int64_t K, void* out,
                                     int out_bf16) {
