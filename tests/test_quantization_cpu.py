@@ -382,6 +382,12 @@ def test_dequantize_into_scratch_is_the_dequantized_weight():
     small = gguf_kernel.BlockPlanes.from_blocks(raw[:4].contiguous(), Q.Q8_0)
     out = gguf_kernel.dequantize_into_scratch(small, torch.float32)
     assert torch.equal(out, want[:4])
+    # float16 (a CPU model may run in it): the float32 weight converted; and a layer without
+    # a copy takes float16 rows through it (the blocks read float32 and bf16 rows only)
+    half = gguf_kernel.dequantize_into_scratch(small, torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, want[:4].half())
+    x = torch.randn(3, k, generator=gen).half()
+    torch.testing.assert_close(GGUFBlockWeight(small, None)(x), x @ want[:4].half().t())
 
 
 @needs_int8_dots

@@ -143,12 +143,15 @@ _scratch = threading.local()  # per thread: {dtype: the largest weight dequantiz
 
 def dequantize_into_scratch(w: BlockPlanes, dtype: torch.dtype) -> torch.Tensor:
     """The planes' weight [N, K] in `dtype` (float32 or bfloat16), written into a buffer this
-    thread reuses for every layer (its size the largest layer's): valid until the next call.
-    For batches beyond the blocks' rows where no dequantized copy is kept (`GGUFBlockWeight`)."""
+    thread reuses for every layer (its size the largest layer's): valid until the next call;
+    other dtypes (float16): the float32 weight converted, a new tensor. For batches beyond the
+    blocks' rows where no dequantized copy is kept (`GGUFBlockWeight`)."""
     fn = dequant_kernel()
+    if fn is None:
+        raise ValueError("dequantize_into_scratch: the GGUF block kernel is not available")
     x_kind = _X_KINDS.get(dtype)
-    if fn is None or x_kind is None:
-        raise ValueError(f"dequantize_into_scratch: {dtype} weights, kernel {fn is not None}")
+    if x_kind is None:
+        return dequantize_into_scratch(w, torch.float32).to(dtype)
     n, k = w.shape
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
