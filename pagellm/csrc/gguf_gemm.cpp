@@ -586,78 +586,56 @@ inline void store_bf16_8(uint16_t* o, __m256 v) {
 template <int KIND, bool BF16>
 void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
   const int64_t blocks = w.K / kBlock;
-  float vals[kBlock];
-  for (int64_t n = n0; n < n1; ++n) {
-#if defined(__AVX512F__)  // a block as two vectors of 16, as the GEMM unpacks it
-    const uint8_t* row = w.qs + n * (KIND == Q8 ? w.K : w.K / 2);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = n * blocks + b;
-      __m512 lo, hi;
-      unpack<KIND>(row, b, &lo, &hi);
-      const __m512 d = _mm512_set1_ps(half_to_float(w.d[at]));
-      if (KIND == Q8) {
-        lo = _mm512_mul_ps(lo, d);
-        hi = _mm512_mul_ps(hi, d);
-      } else {  // d * q is exact: the fused multiply-add rounds once, as d * q + m does
-        const __m512 m = _mm512_set1_ps(w.mf ? w.mf[at] : half_to_float(w.m[at]));
-        lo = _mm512_fmadd_ps(lo, d, m);
-        hi = _mm512_fmadd_ps(hi, d, m);
-      }
+  for (int64_t at = n0 * blocks; at < n1 * blocks; ++at) {  // the planes' blocks, row-major
+    const float d = half_to_float(w.d[at]);
+    const float m = KIND == Q8 ? 0.0f : w.mf ? w.mf[at] : half_to_float(w.m[at]);
+#if defined(__AVX512F__)  // two vectors of 16, as the GEMM unpacks a block
+    __m512 v[2];
+    unpack<KIND>(w.qs, at, &v[0], &v[1]);
+    for (int j = 0; j < 2; ++j) {  // d * q is exact: the fused multiply-add rounds once
+      v[j] = KIND == Q8 ? _mm512_mul_ps(v[j], _mm512_set1_ps(d))
+                        : _mm512_fmadd_ps(v[j], _mm512_set1_ps(d), _mm512_set1_ps(m));
       if (BF16) {
-        uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
-        store_bf16(o, lo);
-        store_bf16(o + 16, hi);
+        store_bf16(static_cast<uint16_t*>(out) + at * kBlock + 16 * j, v[j]);
       } else {
-        float* o = static_cast<float*>(out) + at * kBlock;
-        _mm512_storeu_ps(o, lo);
-        _mm512_storeu_ps(o + 16, hi);
+        _mm512_storeu_ps(static_cast<float*>(out) + at * kBlock + 16 * j, v[j]);
       }
     }
-    continue;
 #elif defined(PAGELLM_AVX2_BLOCKS)  // the same in four vectors of 8
-    const uint8_t* row = w.qs + n * (KIND == Q8 ? w.K : w.K / 2);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = n * blocks + b;
-      __m256 v[4];
-      unpack8<KIND>(row, b, v);
-      const __m256 d = _mm256_set1_ps(half_to_float(w.d[at]));
-      const __m256 m = _mm256_set1_ps(KIND == Q8 ? 0.0f : w.mf ? w.mf[at] : half_to_float(w.m[at]));
-      for (int j = 0; j < 4; ++j) {
-        v[j] = KIND == Q8 ? _mm256_mul_ps(v[j], d) : _mm256_fmadd_ps(v[j], d, m);
-        if (BF16) {
-          store_bf16_8(static_cast<uint16_t*>(out) + at * kBlock + 8 * j, v[j]);
-        } else {
-          _mm256_storeu_ps(static_cast<float*>(out) + at * kBlock + 8 * j, v[j]);
-        }
+    __m256 v[4];
+    unpack8<KIND>(w.qs, at, v);
+    for (int j = 0; j < 4; ++j) {
+      v[j] = KIND == Q8 ? _mm256_mul_ps(v[j], _mm256_set1_ps(d))
+                        : _mm256_fmadd_ps(v[j], _mm256_set1_ps(d), _mm256_set1_ps(m));
+      if (BF16) {
+        store_bf16_8(static_cast<uint16_t*>(out) + at * kBlock + 8 * j, v[j]);
+      } else {
+        _mm256_storeu_ps(static_cast<float*>(out) + at * kBlock + 8 * j, v[j]);
       }
     }
-    continue;
+#else
+    float vals[kBlock];
+    if (KIND == Q8) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + at * kBlock;
+      for (int i = 0; i < kBlock; ++i) vals[i] = d * float(q[i]);
+    } else {
+      const uint8_t* q = w.qs + at * (kBlock / 2);
+      for (int i = 0; i < kBlock / 2; ++i) {
+        vals[i] = d * float(q[i] & 0x0F) + m;
+        vals[i + kBlock / 2] = d * float(q[i] >> 4) + m;
+      }
+    }
+    if (BF16) {  // round to nearest even; the values are finite
+      uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
+      for (int i = 0; i < kBlock; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &vals[i], 4);
+        o[i] = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+      }
+    } else {
+      std::memcpy(static_cast<float*>(out) + at * kBlock, vals, sizeof(vals));
+    }
 #endif
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = n * blocks + b;
-      const float d = half_to_float(w.d[at]);
-      if (KIND == Q8) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + at * kBlock;
-        for (int i = 0; i < kBlock; ++i) vals[i] = d * float(q[i]);
-      } else {
-        const float m = w.mf ? w.mf[at] : half_to_float(w.m[at]);
-        const uint8_t* q = w.qs + at * (kBlock / 2);
-        for (int i = 0; i < kBlock / 2; ++i) {
-          vals[i] = d * float(q[i] & 0x0F) + m;
-          vals[i + kBlock / 2] = d * float(q[i] >> 4) + m;
-        }
-      }
-      if (BF16) {  // round to nearest even; the values are finite (no NaN branch: vectorized)
-        uint16_t* o = static_cast<uint16_t*>(out) + at * kBlock;
-        for (int i = 0; i < kBlock; ++i) {
-          uint32_t bits;
-          std::memcpy(&bits, &vals[i], 4);
-          o[i] = uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-        }
-      } else {
-        std::memcpy(static_cast<float*>(out) + at * kBlock, vals, sizeof(vals));
-      }
-    }
   }
 }
 
