@@ -45,6 +45,13 @@ def cpuinfo_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def physical_memory_bytes() -> int:
+    """This machine's physical memory (what the CPU's weights and KV cache must fit in)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
     """Give `proc` `timeout` seconds to exit, then SIGKILL it; either way it is reaped (no
     zombie left behind). For a child already asked to stop (SHUTDOWN, stdin closed, SIGTERM)

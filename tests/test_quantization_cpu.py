@@ -340,8 +340,10 @@ def test_dense_copies_are_kept_while_they_fit(monkeypatch, caplog):
     """auto keeps the copies when together they take at most a quarter of the machine's
     memory; 1 and 0 force it; the decision is taken once, at the first question."""
     page, pages = 4096, 1 << 20  # a 4 GiB machine
-    real_sysconf = cpu_int.os.sysconf
-    monkeypatch.setattr(cpu_int.os, "sysconf", lambda name: {
+    import os
+
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: {
         "SC_PAGE_SIZE": page, "SC_PHYS_PAGES": pages}.get(name) or real_sysconf(name))  # fmt: skip
     small, large = cpu_int.DenseCopies(), cpu_int.DenseCopies()
     small.count(1024, 1024 * 256, torch.float32)  # 1 GiB: a quarter

@@ -36,6 +36,7 @@ from pagellm.kv_cache_size import (
     max_request_len,
     num_kv_blocks,
 )
+from pagellm.utils import physical_memory_bytes
 from pagellm.worker.step_batch import profile_step
 
 _GiB = 1 << 30
@@ -345,7 +346,7 @@ def _check_gpu_memory(plan: MemoryPlan, args: EngineArgs, others: int) -> None:
 
 def _check_ram(plan: MemoryPlan) -> None:
     """On the CPU the KV cache has its own size: weights and cache must fit this machine."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = physical_memory_bytes()
     needed = plan.weight_bytes * plan.tensor_parallel_size + plan.kv_budget_bytes * (
         plan.tensor_parallel_size
     )

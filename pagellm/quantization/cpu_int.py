@@ -26,7 +26,6 @@ quantized model at every batch size, only the kernel and the activation rounding
 from __future__ import annotations
 
 import logging
-import os
 import platform
 
 import torch
@@ -41,6 +40,7 @@ from pagellm.quantization.base import (
     drop_params,
     param_bytes,
 )
+from pagellm.utils import physical_memory_bytes
 
 logger = logging.getLogger(__name__)
 INT4_GROUP = 32  # weights per (scale, zero): GGUF's block size; the kernel allows 32..256
@@ -91,7 +91,7 @@ class DenseCopies:
         mode = envs.cpu_quant_dense_copy()
         if mode != "auto" or not self.bytes:
             return mode != "0"
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        ram = physical_memory_bytes()
         keep = self.bytes <= self.FRACTION * ram
         if not keep:
             logger.info(
