@@ -10,6 +10,14 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Without CUDA the Triton kernels' tests run them under the interpreter. It must be chosen before
+# the first `import triton` of the session: a `@triton.jit` helper made by a module imported
+# earlier without it cannot be called from an interpreted kernel ("Cannot call @triton.jit'd
+# outside of the scope of a kernel"), so a test module's own setdefault came too late whenever
+# another module collected first had imported the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
