@@ -174,12 +174,13 @@ def _planes_to_float(p: gguf_kernel.BlockPlanes) -> torch.Tensor:
 def test_block_gemm_rows_are_independent():
     """A row's result does not depend on the rows beside it (batched decodes are each the
     lone request's), and bad shapes are refused."""
-    blocks = _random_blocks(Q.Q4_1, 40, 128, seed=8)
-    planes = gguf_kernel.BlockPlanes.from_blocks(blocks, Q.Q4_1)
-    x = torch.randn(6, 128)
-    together = gguf_kernel.block_gemm(x, planes)
-    for i in range(6):
-        assert torch.equal(gguf_kernel.block_gemm(x[i : i + 1], planes)[0], together[i])
+    for x in (torch.randn(6, 128), torch.randn(6, 160).bfloat16()):  # 4 blocks; 5 (odd)
+        planes = gguf_kernel.BlockPlanes.from_blocks(
+            _random_blocks(Q.Q4_1, 40, x.shape[1], 8), Q.Q4_1
+        )
+        together = gguf_kernel.block_gemm(x, planes)
+        for i in range(6):
+            assert torch.equal(gguf_kernel.block_gemm(x[i : i + 1], planes)[0], together[i])
     with pytest.raises(ValueError, match="against weight"):
         gguf_kernel.block_gemm(torch.randn(1, 96), planes)
     with pytest.raises(ValueError, match="float16 against"):

@@ -102,10 +102,11 @@ inline void unpack(const uint8_t* qs, int64_t b, __m512* lo, __m512* hi) {
     *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-    *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    // the 16 code bytes widened once; a byte's low nibble is weight i, its high i + 16
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
   }
 }
 #endif
@@ -236,13 +237,36 @@ inline void store_output(float dots, const Weights& w, const float* xsum, int r,
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGELLM_BF16_DOTS 1
-// Q4 rows n0 .. n1 for bf16 x (xh: [MR, K]) with the dot products on bf16 pairs: the stored
-// 0..15 are exact in bf16 (a 16-entry table), so `vdpbf16ps` forms the exact products and
-// sums 32 of them a block in float32, one instruction.
+// bf16 x [M, K] re-laid for `q4_rows_bf16`: blocks b, b + 1 (b even) as x_b[0..15],
+// x_b+1[0..15], x_b[16..31], x_b+1[16..31] (the order in which the pair's 32 code bytes
+// unpack: low nibbles, then high); an odd last block as it is
+void pair_x(const uint16_t* x, int64_t M, int64_t K, std::vector<uint16_t>* out) {
+  const int64_t pairs = K / kBlock / 2;
+  out->resize(M * K);
+  for (int64_t r = 0; r < M; ++r) {
+    const uint16_t* xr = x + r * K;
+    uint16_t* o = out->data() + r * K;
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int half = 0; half < 2; ++half) {  // weights 0..15, then 16..31 of both blocks
+        std::memcpy(o + p * 64 + half * 32, xr + p * 64 + half * 16, 32);
+        std::memcpy(o + p * 64 + half * 32 + 16, xr + p * 64 + kBlock + half * 16, 32);
+      }
+    }
+    std::memcpy(o + pairs * 64, xr + pairs * 64, (K - pairs * 64) * 2);
+  }
+}
+
+// Q4 rows n0 .. n1 for bf16 x (xp: [MR, K] re-laid by `pair_x`) with the dot products on
+// bf16 pairs: the stored 0..15 are exact in bf16 (a 16-entry table), so `vdpbf16ps` forms
+// the exact products and sums them in float32. A pair of blocks a step: their 32 code bytes
+// widened to 16-bit lanes once, the low and the high nibbles each looked up in the table
+// (lanes 0-15 block b's, 16-31 block b + 1's), two `vdpbf16ps` a row of x, and lanes 0-7 /
+// 8-15 of the sums scaled by d_b / d_b+1; an odd last block alone. (Per pair: 4 shuffles
+// where a block at a time took 6.)
 template <int MR>
-void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64_t n0,
+void q4_rows_bf16(const Weights& w, const uint16_t* xp, const float* xsum, int64_t n0,
                   int64_t n1, float* y, const float* bias) {
-  const int64_t K = w.K, blocks = K / kBlock;
+  const int64_t K = w.K, blocks = K / kBlock, pairs = blocks / 2;
   alignas(64) uint16_t table_values[32];
   for (int v = 0; v < 16; ++v) {
     const float f = float(v);
@@ -251,29 +275,43 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xh, const float* xsum, int64
     table_values[v] = table_values[v + 16] = uint16_t(bits >> 16);  // exact: v has <= 4 bits
   }
   const __m512i table = _mm512_load_si512(table_values);
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   std::vector<float> scale(blocks);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * (K / 2);
-    const uint16_t* d = w.d + n * blocks;
-    halves_to_floats(d, blocks, scale.data());
-    __m512 even[MR], odd[MR];  // blocks in pairs, as rows_of_y takes them
+    halves_to_floats(w.d + n * blocks, blocks, scale.data());
+    __m512 even[MR], odd[MR];  // `blocks_in_pairs`, over pairs of blocks
     PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    auto block = [&](int64_t b, __m512* acc) __attribute__((always_inline)) {
+    auto pair = [&](int64_t p, __m512* acc) __attribute__((always_inline)) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32)));
+      const auto lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low4), table);
+      const auto hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+      double two;  // scale[2p], scale[2p + 1]
+      std::memcpy(&two, scale.data() + 2 * p, 8);
+      const __m512 ws = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(two)));
+      PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
+        const uint16_t* xr = xp + r * K + p * 64;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xr));
+        dot = _mm512_dpbf16_ps(dot, hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+        acc[r] = _mm512_fmadd_ps(dot, ws, acc[r]);
+      }
+    };
+    blocks_in_pairs(pairs, even, odd, pair);
+    if (blocks & 1) {  // the odd last block: its 32 weights in one vector
+      const int64_t b = blocks - 1;
+      const __m128i mask = _mm_set1_epi8(0x0F);
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
       const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
                                                _mm_and_si128(q, mask));  // weights 0..31
-      const __m512bh wb =
-          (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+      const auto wb = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
       const __m512 vscale = _mm512_set1_ps(scale[b]);
       PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
-        const int64_t at = r * K + b * kBlock;
-        const __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wb,
-                                            (__m512bh)_mm512_loadu_si512(xh + at));
-        acc[r] = _mm512_fmadd_ps(dot, vscale, acc[r]);
+        const auto xb = (__m512bh)_mm512_loadu_si512(xp + r * K + b * kBlock);
+        even[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wb, xb), vscale, even[r]);
       }
-    };
-    blocks_in_pairs(blocks, even, odd, block);
+    }
     for (int r = 0; r < MR; ++r)
       store_output(_mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])), w, xsum, r, n, true, y,
                    bias);
@@ -463,7 +501,7 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
 struct Activations {  // x in the forms the kernels read
   const float* xf;  // [M, K] float32
   const float* xsum;  // [M, K / 32] block sums
-  const uint16_t* xh;  // [M, K] bf16 x as given, or null (float32 x)
+  const uint16_t* xh;  // Q4: bf16 x re-laid by `pair_x`, or null (float32 x)
   const void* xq;  // x rounded to int8 blocks (a QuantizedX), or null (exact products)
 };
 
@@ -533,8 +571,14 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
     yout = yf.data();
   }
   const Weights w{qs, d, m16, N, K, mf};
-  Activations a{xf.data(), xsum.data(), x_bf16 ? static_cast<const uint16_t*>(x) : nullptr,
-                nullptr};
+  Activations a{xf.data(), xsum.data(), nullptr, nullptr};
+#if defined(PAGELLM_BF16_DOTS)
+  std::vector<uint16_t> xp;
+  if (x_bf16 && kind == Q4 && !int8_x) {
+    pair_x(static_cast<const uint16_t*>(x), M, K, &xp);
+    a.xh = xp.data();
+  }
+#endif
 #if defined(PAGELLM_INT8_DOTS)
   QuantizedX xq;
   if (int8_x) {
