@@ -26,6 +26,7 @@ from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.distributed.parallel_state import building_rank
 from pagellm.quantization import gguf_kernel
 from pagellm.quantization.base import quant_config_dict
+from pagellm.quantization.gguf_kernel import BlockPlanes
 from pagellm.quantization.wna16_cpu import block_planes
 from pagellm.quantization.wna16_formats import (
     default_config,
@@ -149,19 +150,39 @@ def test_each_format_reads_back_its_integers(packing):
 
 
 @pytest.mark.skipif(not BLOCKS, reason="the block kernel does not run here")
-@pytest.mark.parametrize("group", [32, 128])
-def test_block_kernel_on_groups_with_float32_offsets(group):
+@pytest.mark.parametrize("k, group", [(256, 32), (256, 128), (288, 96), (256, 256), (576, 128)])
+def test_block_kernel_on_groups_with_float32_offsets(k, group):
     """Asymmetric groups as blocks: w = d q + m with m = -zero * scale kept in float32 (in
-    fp16 it would round); x @ w^T equals the dequantized product up to summation order."""
+    fp16 it would round), one d and m a group (read once for its blocks: 1, 4, 3 (an odd
+    count of blocks, 9 a row) and 8 blocks); x @ w^T equals the dequantized product up to
+    summation order for float32 x, bf16 x (then rounded once) and x rounded to int8 blocks
+    where the CPU takes it; the planes dequantized are the weights bit for bit."""
     p = Packing("gptq", 4, group, False)
-    w = torch.randn(48, 256)
+    w = torch.randn(48, k)
     q, scale, zero, _ = quantize(w, p)
     qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # canonical nibbles
     planes = block_planes(qweight, scale, zero.to(torch.uint8), 4, group)
     assert planes is not None and planes.m.dtype == torch.float32
-    x = torch.randn(3, 256)
-    want = x @ dequantize(qweight, scale, zero.to(torch.uint8), 4, group).t()
-    torch.testing.assert_close(gguf_kernel.block_gemm(x, planes), want, rtol=1e-5, atol=5e-5)
+    assert planes.group_blocks == group // 32 and planes.d.shape == (48, -(-k // group))
+    dense = dequantize(qweight, scale, zero.to(torch.uint8), 4, group)
+    assert torch.equal(gguf_kernel.dequantize_into_scratch(planes, torch.float32), dense)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ dense.double().t()
+        tol = dict(rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        torch.testing.assert_close(gguf_kernel.block_gemm(x, planes).double(), want, **tol)
+        want = x.bfloat16().double() @ dense.double().t()
+        got = gguf_kernel.block_gemm(x.bfloat16(), planes).double()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    if gguf_kernel.int8_dots_supported():  # x as int8 blocks: the rounded x's product
+        x = torch.randn(2, k)
+        xb = x.view(2, -1, 32)
+        amax = xb.abs().amax(-1, keepdim=True)
+        x8 = (torch.round(xb * 127.0 / amax) * (amax / 127.0)).view(2, k)
+        int8_planes = BlockPlanes(planes.qs, planes.d, planes.m, True, planes.group_blocks)
+        want = x8.double() @ dense.double().t()
+        torch.testing.assert_close(gguf_kernel.block_gemm(x, int8_planes).double(), want,
+                                   rtol=1e-4, atol=1e-4 * float(want.abs().max()))  # fmt: skip
     assert block_planes(qweight[:, :40], scale[:, :1], zero[:, :1].to(torch.uint8), 4, 80) is None
 
 

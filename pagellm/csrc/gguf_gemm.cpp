@@ -87,10 +87,20 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even
 
 struct Weights {
   const uint8_t* qs;
-  const uint16_t* d;
-  const uint16_t* m;  // Q4 only
+  const uint16_t* d;  // [N, groups]
+  const uint16_t* m;  // Q4 only; [N, groups]
   int64_t N, K;
   const float* mf;  // Q4F: m in float32 (then m is null)
+  int64_t gb = 1;  // blocks that share one d (and m): a GPTQ / AWQ group of 32 gb inputs
+  // d / m entries a row: the last group may hold fewer blocks (K = 576 in groups of 128)
+  int64_t groups() const { return (K / kBlock + gb - 1) / gb; }
+};
+
+// row n's scales one a block (a group's repeated over its blocks), float32
+struct RowScales {
+  std::vector<float> block, group;
+  explicit RowScales(const Weights& w) : block(w.K / kBlock), group(w.groups()) {}
+  const float* of(const Weights& w, int64_t n);
 };
 
 #if defined(__AVX512F__)
@@ -209,6 +219,21 @@ inline void halves_to_floats(const uint16_t* d, int64_t blocks, float* out) {
   for (; b < blocks; ++b) out[b] = half_to_float(d[b]);
 }
 
+const float* RowScales::of(const Weights& w, int64_t n) {
+  const int64_t groups = w.groups();
+  if (w.gb == 1) {
+    halves_to_floats(w.d + n * groups, groups, block.data());
+    return block.data();
+  }
+  halves_to_floats(w.d + n * groups, groups, group.data());
+  float* out = block.data();  // no division a block: a few stores a group
+  float* const end = out + block.size();
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = 0; j < w.gb && out < end; ++j) *out++ = group[g];
+  }
+  return block.data();
+}
+
 // blocks 0 .. blocks - 1 through `block(b, acc)`, even ones into `even`, odd ones into
 // `odd`, taken in pairs so that every accumulator index is a constant: GCC then keeps the
 // accumulators in registers (indexed acc[r][b & 1] it kept them on the stack, each FMA
@@ -226,11 +251,11 @@ inline void blocks_in_pairs(int64_t blocks, Vec* even, Vec* odd, Block&& block) 
 // y[r, n] from the row's scaled block dots: plus the offsets' share (Q4) and the bias
 inline void store_output(float dots, const Weights& w, const float* xsum, int r, int64_t n,
                          bool offsets, float* y, const float* bias) {
-  const int64_t blocks = w.K / kBlock;
+  const int64_t groups = w.groups();  // xsum: [MR, groups], x summed over each group
   if (offsets && w.mf) {
-    dots += dot_f32(w.mf + n * blocks, xsum + r * blocks, blocks);
+    dots += dot_f32(w.mf + n * groups, xsum + r * groups, groups);
   } else if (offsets) {
-    dots += offset_dot(w.m + n * blocks, xsum + r * blocks, blocks);
+    dots += offset_dot(w.m + n * groups, xsum + r * groups, groups);
   }
   y[r * w.N + n] = dots + (bias ? bias[n] : 0.0f);
 }
@@ -277,10 +302,10 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xp, const float* xsum, int64
   const __m512i table = _mm512_load_si512(table_values);
   const __m512i low4 = _mm512_set1_epi16(0x0F);
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  std::vector<float> scale(blocks);
+  RowScales scales(w);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * (K / 2);
-    halves_to_floats(w.d + n * blocks, blocks, scale.data());
+    const float* scale = scales.of(w, n);
     __m512 even[MR], odd[MR];  // `blocks_in_pairs`, over pairs of blocks
     PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     auto pair = [&](int64_t p, __m512* acc) __attribute__((always_inline)) {
@@ -289,7 +314,7 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xp, const float* xsum, int64
       const auto lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(bytes, low4), table);
       const auto hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
       double two;  // scale[2p], scale[2p + 1]
-      std::memcpy(&two, scale.data() + 2 * p, 8);
+      std::memcpy(&two, scale + 2 * p, 8);
       const __m512 ws = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(two)));
       PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
         const uint16_t* xr = xp + r * K + p * 64;
@@ -333,15 +358,16 @@ void q4_rows_bf16(const Weights& w, const uint16_t* xp, const float* xsum, int64
 struct QuantizedX {
   std::vector<int8_t> q;  // [M, K], pairs interleaved as above
   std::vector<float> d;  // [M, K / 32]
-  std::vector<float> sum;  // [M, K / 32]: d * sum(q), the offsets' factor
+  std::vector<float> sum;  // [M, groups]: d * sum(q) over each group, the offsets' factor
   std::vector<float> pair_d;  // [M, K / 64, 16]: d_b four times, d_b+1 four times, twice
 };
 
-void quantize_x(const float* xf, int64_t M, int64_t K, QuantizedX* out) {
+void quantize_x(const float* xf, int64_t M, int64_t K, int64_t gb, QuantizedX* out) {
   const int64_t blocks = K / kBlock, pairs = blocks / 2;
   out->q.resize(M * K);
   out->d.resize(M * blocks);
-  out->sum.resize(M * blocks);
+  const int64_t groups = (blocks + gb - 1) / gb;
+  out->sum.assign(M * groups, 0.0f);
   out->pair_d.resize(M * pairs * 16);
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t r = 0; r < M; ++r) {
@@ -362,7 +388,7 @@ void quantize_x(const float* xf, int64_t M, int64_t K, QuantizedX* out) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at + second), _mm512_cvtsepi32_epi8(q1));
       out->d[r * blocks + b] = d;
-      out->sum[r * blocks + b] = d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      out->sum[r * groups + b / gb] += d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
     for (int64_t p = 0; p < pairs; ++p) {
       float* pd = out->pair_d.data() + (r * pairs + p) * 16;
@@ -381,10 +407,10 @@ void q4_rows_int8(const Weights& w, const QuantizedX& xq, int64_t n0, int64_t n1
   const int64_t K = w.K, blocks = K / kBlock, pairs = blocks / 2;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  std::vector<float> scale(blocks);
+  RowScales scales(w);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * (K / 2);
-    halves_to_floats(w.d + n * blocks, blocks, scale.data());
+    const float* scale = scales.of(w, n);
     __m512 even[MR], odd[MR];  // `blocks_in_pairs`, over pairs of blocks
     PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     auto pair = [&](int64_t p, __m512* acc) __attribute__((always_inline)) {
@@ -393,7 +419,7 @@ void q4_rows_int8(const Weights& w, const QuantizedX& xq, int64_t n0, int64_t n1
           _mm512_castsi256_si512(_mm256_and_si256(q, mask)),
           _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), 1);
       double two;  // scale[2p], scale[2p + 1]
-      std::memcpy(&two, scale.data() + 2 * p, 8);
+      std::memcpy(&two, scale + 2 * p, 8);
       const __m512 ws = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(two)));
       PAGELLM_UNROLL for (int r = 0; r < MR; ++r) {
         const __m512i xv = _mm512_loadu_si512(xq.q.data() + r * K + p * 64);
@@ -431,11 +457,10 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
                float* y, const float* bias) {
   const int64_t K = w.K, blocks = K / kBlock;
   const int64_t row_bytes = KIND == Q8 ? K : K / 2;
-  std::vector<float> scale(blocks);
+  RowScales scales(w);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* qs = w.qs + n * row_bytes;
-    const uint16_t* d = w.d + n * blocks;
-    halves_to_floats(d, blocks, scale.data());
+    const float* scale = scales.of(w, n);
 #if defined(__AVX512F__)
     __m512 even[MR], odd[MR];  // `blocks_in_pairs`
     PAGELLM_UNROLL for (int r = 0; r < MR; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -540,37 +565,45 @@ void dispatch_rows(int64_t M, const Weights& w, const Activations& a, float* y,
 
 // kind: 0 Q4 (qs, d, m), 1 Q8 (qs, d; m null), 2 Q4F (qs, d, m as float32); plus 4 (Q4 and
 // Q4F): x rounded to int8 blocks (`QuantizedX`; where the CPU has no AVX512-VNNI, ignored:
-// exact products). x_bf16: x and y are bfloat16, else float32.
+// exact products); plus gb << 8 where gb > 1 blocks share one d / m (d, m: [N, ceil(K / 32 /
+// gb)], the last group possibly shorter; else [N, K / 32]). x_bf16: x and y are bfloat16, else
+// float32.
 // Returns 0, or -1 for arguments the kernel does not take.
 extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16, int kind,
                                  const uint8_t* qs, const uint16_t* d, const void* m,
                                  int64_t N, void* y, const float* bias) {
   constexpr int kQ4F = 2, kInt8X = 4;
+  const int64_t gb = kind >> 8 ? kind >> 8 : 1;
   const bool int8_x = kind & kInt8X;
-  kind &= ~kInt8X;
-  if (M < 1 || M > kMaxRows || K % kBlock || kind < Q4 || kind > kQ4F) return -1;
+  kind &= 0xFF & ~kInt8X;
+  if (M < 1 || M > kMaxRows || K % kBlock || gb > (1 << 20)) return -1;
+  if (kind < Q4 || kind > kQ4F) return -1;
   if (int8_x && kind == Q8) return -1;
   if (kind != Q8 && m == nullptr) return -1;
   const float* mf = kind == kQ4F ? static_cast<const float*>(m) : nullptr;
   const uint16_t* m16 = kind == Q4 ? static_cast<const uint16_t*>(m) : nullptr;
   if (kind == kQ4F) kind = Q4;
-  const int64_t blocks = K / kBlock;
-  std::vector<float> xf(M * K), xsum(M * blocks), yf;
+  const Weights w{qs, d, m16, N, K, mf, gb};
+  const int64_t groups = w.groups(), group_len = gb * kBlock;
+  std::vector<float> xf(M * K), xsum(M * groups), yf;
   for (int64_t i = 0; i < M * K; ++i) {
     xf[i] = x_bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i])
                    : static_cast<const float*>(x)[i];
   }
-  for (int64_t i = 0; i < M * blocks; ++i) {
-    float s = 0.0f;
-    for (int j = 0; j < kBlock; ++j) s += xf[i * kBlock + j];
-    xsum[i] = s;
+  for (int64_t r = 0; r < M; ++r) {  // x summed over each group, for the offsets
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group_len; k < std::min(K, (g + 1) * group_len); ++k) {
+        s += xf[r * K + k];
+      }
+      xsum[r * groups + g] = s;
+    }
   }
   float* yout = static_cast<float*>(y);
   if (x_bf16) {
     yf.resize(M * N);
     yout = yf.data();
   }
-  const Weights w{qs, d, m16, N, K, mf};
   Activations a{xf.data(), xsum.data(), nullptr, nullptr};
 #if defined(PAGELLM_BF16_DOTS)
   std::vector<uint16_t> xp;
@@ -582,7 +615,7 @@ extern "C" int pagellm_gguf_gemm(const void* x, int64_t M, int64_t K, int x_bf16
 #if defined(PAGELLM_INT8_DOTS)
   QuantizedX xq;
   if (int8_x) {
-    quantize_x(xf.data(), M, K, &xq);
+    quantize_x(xf.data(), M, K, gb, &xq);
     a.xq = &xq;
   }
 #endif
@@ -631,8 +664,9 @@ template <int KIND, bool BF16>
 void dequant_rows(const Weights& w, int64_t n0, int64_t n1, void* out) {
   const int64_t blocks = w.K / kBlock;
   for (int64_t at = n0 * blocks; at < n1 * blocks; ++at) {  // the planes' blocks, row-major
-    const float d = half_to_float(w.d[at]);
-    const float m = KIND == Q8 ? 0.0f : w.mf ? w.mf[at] : half_to_float(w.m[at]);
+    const int64_t g = at / blocks * w.groups() + at % blocks / w.gb;  // its group's d and m
+    const float d = half_to_float(w.d[g]);
+    const float m = KIND == Q8 ? 0.0f : w.mf ? w.mf[g] : half_to_float(w.m[g]);
 #if defined(__AVX512F__)  // two vectors of 16, as the GEMM unpacks a block
     __m512 v[2];
     unpack<KIND>(w.qs, at, &v[0], &v[1]);
@@ -703,11 +737,12 @@ extern "C" int pagellm_gguf_dequant(int kind, const uint8_t* qs, const uint16_t*
                                     const void* m, int64_t N, int64_t K, void* out,
                                     int out_bf16) {
   constexpr int kQ4F = 2, kInt8X = 4;
-  kind &= ~kInt8X;
-  if (N < 1 || K < kBlock || K % kBlock || kind < Q4 || kind > kQ4F) return -1;
-  if (kind != Q8 && m == nullptr) return -1;
+  const int64_t gb = kind >> 8 ? kind >> 8 : 1;
+  kind &= 0xFF & ~kInt8X;
+  if (N < 1 || K < kBlock || K % kBlock || gb > (1 << 20)) return -1;
+  if (kind < Q4 || kind > kQ4F || (kind != Q8 && m == nullptr)) return -1;
   const Weights w{qs, d, kind == Q4 ? static_cast<const uint16_t*>(m) : nullptr, N, K,
-                  kind == kQ4F ? static_cast<const float*>(m) : nullptr};
+                  kind == kQ4F ? static_cast<const float*>(m) : nullptr, gb};
   if (kind == Q8) {
     dequant_all<Q8>(w, out, out_bf16);
   } else {

@@ -38,16 +38,21 @@ class BlockPlanes:
     """A GGUF block tensor split into the kernel's planes, bit for bit (w = d * q + m)."""
 
     qs: torch.Tensor  # Q4: [N, K / 2] uint8 nibbles; Q8: [N, K] int8
-    d: torch.Tensor  # [N, K / 32] float16
-    m: torch.Tensor | None  # Q4: [N, K / 32] float16 (Q4_0: -8 d) or float32; Q8: None
+    d: torch.Tensor  # [N, ceil(K / 32 / group_blocks)] float16
+    m: torch.Tensor | None  # Q4: as d, float16 (Q4_0: -8 d) or float32; Q8: None
     # Q4: x rounded to int8 blocks before the products (None: PAGELLM_CPU_INT8_ACTIVATIONS)
     int8_activations: bool | None = None
+    # blocks that share one d (and m): a GPTQ / AWQ group of 32 x group_blocks inputs, its
+    # scale read once (GGUF files: 1, a scale a block)
+    group_blocks: int = 1
 
     def __post_init__(self) -> None:
-        n, blocks = self.d.shape
-        k = blocks * BLOCK
         q4 = self.m is not None
-        if self.qs.shape != (n, k // 2 if q4 else k) or (q4 and self.m.shape != self.d.shape):
+        n, k = self.qs.shape[0], self.qs.shape[1] * (2 if q4 else 1)
+        groups = -(-k // (BLOCK * self.group_blocks))  # the last may be shorter
+        if not 1 <= self.group_blocks <= 1 << 20 or k % BLOCK:
+            raise ValueError(f"BlockPlanes: K = {k}, {self.group_blocks} blocks a group")
+        if self.d.shape != (n, groups) or (q4 and self.m.shape != self.d.shape):
             raise ValueError("BlockPlanes: qs, d and m disagree on [N, K]")
         planes = (self.qs, self.d) + ((self.m,) if q4 else ())
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in planes):
@@ -56,6 +61,7 @@ class BlockPlanes:
         # the kernel's arguments after x: kind, qs, d, m, N (read on every call); kind 2: Q4
         # with float32 offsets (GPTQ / AWQ groups, whose -zero * scale fp16 would round)
         kind = (2 if self.m.dtype == torch.float32 else 0) if q4 else 1
+        kind |= self.group_blocks << GROUP_SHIFT if self.group_blocks > 1 else 0
         if self.int8_activations is None:
             self.int8_activations = envs.cpu_int8_activations()
         if q4 and self.int8_activations and int8_dots_supported():
@@ -80,6 +86,7 @@ class BlockPlanes:
 
 
 INT8_ACTIVATIONS = 4  # the kernel's kind bit: x rounded to int8 blocks (Q4 kinds)
+GROUP_SHIFT = 8  # the kernel's kind carries group_blocks above this bit
 
 
 @functools.cache

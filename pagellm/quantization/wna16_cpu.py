@@ -55,19 +55,22 @@ def block_planes(
     n, k = q.shape
     if k % BLOCK or group % BLOCK:
         return None
-    per_block = torch.arange(k // BLOCK) * BLOCK // group  # the group of each block
-    scale = scales[:, per_block].float()  # [N, K / 32]
-    zero = zeros[:, per_block].float()
+    # a scale a group, read once for its blocks (the last group may be cut short)
+    group_blocks, scale, zero = group // BLOCK, scales.float(), zeros.float()
+    if scale.shape[1] != -(-k // group):
+        return None
     d = scale.to(torch.float16)
     if not torch.equal(d.float(), scale):
         return None
     if bits == 8:
         if not bool((zero == 128).all()):
             return None
-        return BlockPlanes((q.to(torch.int16) - 128).to(torch.int8).contiguous(), d, None)
+        q8 = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
+        return BlockPlanes(q8, d.contiguous(), None, group_blocks=group_blocks)
     blocks = q.view(n, k // BLOCK, 2, BLOCK // 2)  # weights i and i + 16 share byte i
     qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return BlockPlanes(qs, d.contiguous(), (-zero * scale).contiguous())
+    m = (-zero * scale).contiguous()
+    return BlockPlanes(qs, d.contiguous(), m, group_blocks=group_blocks)
 
 
 def cpu_weight(
