@@ -9,6 +9,8 @@
 //   kind Q4F: Q4 with m [N, K / 32] float32 (GPTQ / AWQ groups: m = -zero * scale, which
 //             fp16 would round; pagellm/quantization/wna16_cpu.py)
 //   kind Q8:  qs [N, K] int8, d [N, K / 32] fp16   w = d * q  (Q8_0)
+//   int4 / int8 checkpoints' planes (Q4F, Q8) may hold one d (and m) a group of gb blocks
+//   (the kind's bits above 8): d, m [N, ceil(K / 32 / gb)], the last group possibly shorter.
 //   x [M, K] float32 or bfloat16 (row-major), 1 <= M <= 8; y [M, N] in x's dtype;
 //   bias [N] float32 or null
 //
@@ -388,7 +390,8 @@ void quantize_x(const float* xf, int64_t M, int64_t K, int64_t gb, QuantizedX* o
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(at + second), _mm512_cvtsepi32_epi8(q1));
       out->d[r * blocks + b] = d;
-      out->sum[r * groups + b / gb] += d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      out->sum[r * groups + b / gb] += d * float(qsum);
     }
     for (int64_t p = 0; p < pairs; ++p) {
       float* pd = out->pair_d.data() + (r * pairs + p) * 16;
@@ -525,7 +528,7 @@ void rows_of_y(const Weights& w, const float* xf, const float* xsum, int64_t n0,
 
 struct Activations {  // x in the forms the kernels read
   const float* xf;  // [M, K] float32
-  const float* xsum;  // [M, K / 32] block sums
+  const float* xsum;  // [M, groups]: x summed over each group of blocks (the offsets' factor)
   const uint16_t* xh;  // Q4: bf16 x re-laid by `pair_x`, or null (float32 x)
   const void* xq;  // x rounded to int8 blocks (a QuantizedX), or null (exact products)
 };
