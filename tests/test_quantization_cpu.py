@@ -571,14 +571,16 @@ def test_kernels_without_avx512_compute_the_same(flags, tmp_path, monkeypatch):
 
     from pagellm import cpp_build
 
+    # the native kernels first: a loader whose cache was cleared (test_no_block_kernel_...)
+    # would otherwise build under the wrapper below and keep that build for the session
+    native = (gguf_kernel.kernel(), gguf_kernel.dequant_kernel(), gguf_kernel.greedy_kernel())
     wrapper = tmp_path / "cxx"
     wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("g++") or "c++"} "$@" {flags}\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CXX", str(wrapper))
     lib = ctypes.CDLL(str(cpp_build.build("gguf_gemm")))
     gemm, dequant = lib.pagellm_gguf_gemm, lib.pagellm_gguf_dequant
-    gemm.argtypes = gguf_kernel.kernel().argtypes
-    dequant.argtypes = gguf_kernel.dequant_kernel().argtypes
+    gemm.argtypes, dequant.argtypes = native[0].argtypes, native[1].argtypes
     gen = torch.Generator().manual_seed(11)
     n, k = 40, 128
     planes = gguf_kernel.BlockPlanes(
